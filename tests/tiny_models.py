@@ -1,0 +1,107 @@
+"""Tiny random checkpoints built from transformers' own config classes, saved with save_pretrained.
+
+transformers is the oracle: the same saved directory is loaded by transformers (eager attention,
+fp32) and by our loader.
+"""
+
+import inspect
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    Glm4Config,
+    Glm4MoeConfig,
+    GlmMoeDsaConfig,
+    LlamaConfig,
+)
+
+TRANSFORMERS_VERSION = "5.23.0"
+VOCAB = 256
+
+MOE = dict(
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    first_k_dense_replace=1,
+)
+
+
+def configs() -> dict[str, object]:
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )
+    return {
+        "llama": LlamaConfig(
+            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        ),
+        "glm4": Glm4Config(
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            attention_bias=True,
+            rms_norm_eps=1e-5,
+        ),
+        "glm4_moe": Glm4MoeConfig(
+            **common, **MOE,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            n_group=2, topk_group=1, use_qk_norm=False, rope_parameters=rope,
+        ),
+        "glm4_moe_qknorm": Glm4MoeConfig(
+            **common, **MOE,
+            num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+            n_group=2, topk_group=1, use_qk_norm=True, rope_parameters=rope,
+        ),
+        "glm_moe_dsa": GlmMoeDsaConfig(
+            **common, **MOE,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_group=2, topk_group=1,
+            index_topk=8, index_n_heads=16, index_head_dim=16, rope_parameters=rope,
+        ),
+        "glm_moe_dsa_shared": GlmMoeDsaConfig(
+            **common, **MOE,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+            q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=16, n_group=2, topk_group=1,
+            index_topk=8, index_n_heads=16, index_head_dim=16, rope_parameters=rope,
+            index_topk_freq=2,
+        ),
+    }
+
+
+def check_oracle_version() -> None:
+    assert transformers.__version__ == TRANSFORMERS_VERSION, (
+        f"parity oracle pinned to transformers {TRANSFORMERS_VERSION}, "
+        f"found {transformers.__version__}"
+    )
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as dsa
+
+    # Older releases used half-split RoPE and no ReLU in the indexer (see glm-architecture.md).
+    source = inspect.getsource(dsa.GlmMoeDsaIndexer.forward)
+    assert "apply_rotary_pos_emb_interleave" in source and "F.relu" in source
+
+
+def make_checkpoint(name: str, out_dir: Path, seed: int = 0):
+    """Saves a random model of the named config; returns the transformers model (the oracle)."""
+    torch.manual_seed(seed)
+    config = configs()[name]
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for module_name, buf in model.named_buffers():
+            if module_name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.rand_like(buf) * 0.1)  # exercise the bias path (init is zeros)
+        for module_name, param in model.named_parameters():
+            if "layernorm" in module_name or "norm" in module_name.split(".")[-2]:
+                param.add_(torch.randn_like(param) * 0.1)  # norms are ones at init
+    model.eval()
+    model.save_pretrained(out_dir)
+    return model

@@ -1,0 +1,1 @@
+"""ZCode: an adaptive inference harness for the GLM model family."""

@@ -1,0 +1,1 @@
+"""The serving engine: sequences, block manager, scheduler, model runner, sampler, detokenizer."""

@@ -1,0 +1,80 @@
+"""What one forward pass needs to know about its batch, built once per step and read by every layer.
+
+Tokens of all sequences are packed along one axis (T = sum of query lengths). Attention gathers
+each sequence's queries and cached context into padded [B, S_max] and [B, L_max] views:
+
+    packed tokens   t = 0 .. T-1          (query_index maps [B, S_max] -> t)
+    padded queries  b * S_max + s         (token_index maps t -> b * S_max + s)
+    context slots   context_slots[b, j]   (cache slot of position j of sequence b)
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    positions: torch.Tensor  # [T] int64, position of each new token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, cache slot each new token's KV is written to
+    query_index: torch.Tensor  # [B, S_max] int64 into the packed tokens (padding -> 0)
+    token_index: torch.Tensor  # [T] int64 into the flattened [B * S_max] padded queries
+    context_slots: torch.Tensor  # [B, L_max] int64 cache slots of each sequence's context
+    attn_mask: torch.Tensor | None  # [B, 1, S_max, L_max] bool, True = may attend; None = all
+    logits_index: torch.Tensor  # [N] int64, packed tokens whose logits are wanted
+
+    @property
+    def num_seqs(self) -> int:
+        return self.query_index.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        all_logits: bool = False,
+    ) -> "ForwardBatch":
+        """Sequence b contributes its tokens [context_lens[b] - query_lens[b], context_lens[b])."""
+        num_seqs = len(query_lens)
+        max_query, max_context = max(query_lens), max(context_lens)
+        positions, slots, query_index, token_index = [], [], [], []
+        context_slots = torch.zeros(num_seqs, max_context, dtype=torch.int64)
+        t = 0
+        for b, (q_len, ctx_len, table) in enumerate(zip(query_lens, context_lens, block_tables)):
+            ctx_positions = torch.arange(ctx_len)
+            seq_slots = torch.tensor(table, dtype=torch.int64)[ctx_positions // block_size]
+            seq_slots = seq_slots * block_size + ctx_positions % block_size
+            context_slots[b, :ctx_len] = seq_slots
+            positions.append(ctx_positions[ctx_len - q_len :])
+            slots.append(seq_slots[ctx_len - q_len :])
+            query_index.append(torch.arange(t, t + q_len).tolist() + [0] * (max_query - q_len))
+            token_index.extend(range(b * max_query, b * max_query + q_len))
+            t += q_len
+        uniform = all(q == 1 for q in query_lens) and len(set(context_lens)) == 1
+        mask = None if uniform else _causal_mask(query_lens, context_lens, max_query, max_context)
+        ends = torch.cumsum(torch.tensor(query_lens), 0)
+        return cls(
+            positions=torch.cat(positions),
+            slot_mapping=torch.cat(slots),
+            query_index=torch.tensor(query_index, dtype=torch.int64),
+            token_index=torch.tensor(token_index, dtype=torch.int64),
+            context_slots=context_slots,
+            attn_mask=mask,
+            logits_index=torch.arange(t) if all_logits else ends - 1,
+        )
+
+
+def _causal_mask(
+    query_lens: list[int], context_lens: list[int], max_query: int, max_context: int
+) -> torch.Tensor:
+    q_len = torch.tensor(query_lens)[:, None, None]
+    ctx_len = torch.tensor(context_lens)[:, None, None]
+    s = torch.arange(max_query)[None, :, None]
+    j = torch.arange(max_context)[None, None, :]
+    query_pos = ctx_len - q_len + s  # [B, S, 1]
+    mask = (j <= query_pos) & (s < q_len)
+    # Padding queries attend to position 0 so softmax never sees an empty row; they are dropped.
+    mask[:, :, 0] = True
+    return mask[:, None]  # [B, 1, S, L]

@@ -1,0 +1,1 @@
+"""Building blocks shared by every architecture: norms, rotary embeddings, attention, MLPs, MoE."""

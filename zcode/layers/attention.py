@@ -1,0 +1,97 @@
+"""Grouped-query attention over the paged KV cache (Llama, GLM-4, GLM-4.5 MoE)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zcode.forward_batch import ForwardBatch
+from zcode.layers.norm import RMSNorm
+from zcode.layers.rotary import apply_rotary
+
+
+def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # cache: [num_blocks, block_size, *shape]; values: [T, *shape]
+    cache.view(-1, *cache.shape[2:])[slot_mapping] = values.to(cache.dtype)
+
+
+def gather_cache(cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tensor:
+    # cache: [num_blocks, block_size, *shape] -> [B, L, *shape]
+    return cache.view(-1, *cache.shape[2:])[context_slots]
+
+
+def padded_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference attention of packed queries over gathered context.
+
+    q: [T, H, Dk]; k: [B, L, KVH, Dk]; v: [B, L, KVH, Dv]; mask: [B, 1 or H, S, L] bool or None
+    (defaults to the batch's causal mask). Returns [T, H, Dv].
+    """
+    if mask is None:
+        mask = batch.attn_mask
+    qp = q[batch.query_index].transpose(1, 2)  # [B, H, S, Dk]
+    out = F.scaled_dot_product_attention(
+        qp,
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=k.shape[2] != q.shape[1],
+    )  # [B, H, S, Dv]
+    num_seqs, num_heads, max_query, head_dim_v = out.shape
+    out = out.transpose(1, 2).reshape(num_seqs * max_query, num_heads, head_dim_v)
+    return out[batch.token_index]
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional partial RoPE, QK-norm and qkv bias."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        interleaved_rope: bool = False,
+        qkv_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.interleaved_rope = interleaved_rope
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def cache_spec(self) -> dict[str, tuple[int, ...]]:
+        """Per-token shapes of what this layer keeps in the paged KV cache."""
+        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, *rope, interleaved=self.interleaved_rope)
+        k = apply_rotary(k, *rope, interleaved=self.interleaved_rope)
+        write_cache(self.cache["k"], k, batch.slot_mapping)
+        write_cache(self.cache["v"], v, batch.slot_mapping)
+        keys = gather_cache(self.cache["k"], batch.context_slots)  # [B, L, KVH, D]
+        values = gather_cache(self.cache["v"], batch.context_slots)
+        out = padded_attention(q, keys, values, batch, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

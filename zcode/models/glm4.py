@@ -1,0 +1,59 @@
+"""GLM-4-0414 dense: GQA with qkv bias, interleaved partial RoPE, sandwich norms, fused gate_up."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zcode.forward_batch import ForwardBatch
+from zcode.layers.attention import Attention
+from zcode.layers.norm import RMSNorm
+from zcode.layers.rotary import RotaryEmbedding
+from zcode.models.base import Backbone, CausalLM
+from zcode.models.llama import head_dim_of
+
+
+def rotary_dim_of(c) -> int:
+    factor = (getattr(c, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    return int(head_dim_of(c) * factor)
+
+
+class Glm4MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(up * F.silu(gate))
+
+
+class Glm4DecoderLayer(nn.Module):
+    def __init__(self, c) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            head_dim_of(c),
+            interleaved_rope=True,
+            qkv_bias=c.attention_bias,
+        )
+        self.mlp = Glm4MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_mlp_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
+        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), batch, rope))
+        return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
+
+
+class Glm4ForCausalLM(CausalLM):
+    def __init__(self, hf_config) -> None:
+        super().__init__(hf_config)
+        c = hf_config
+        layers = [Glm4DecoderLayer(c) for _ in range(c.num_hidden_layers)]
+        self.model = Backbone(c, layers, RotaryEmbedding(c, rotary_dim_of(c)))
+        self._init_head()
