@@ -34,9 +34,10 @@ class ForwardBatch:
         context_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
-        all_logits: bool = False,
+        num_logits: list[int] | None = None,
     ) -> "ForwardBatch":
-        """Sequence b contributes its tokens [context_lens[b] - query_lens[b], context_lens[b])."""
+        """Sequence b contributes its tokens [context_lens[b] - query_lens[b], context_lens[b]);
+        logits are computed for its last num_logits[b] tokens (default: the last one)."""
         num_seqs = len(query_lens)
         max_query, max_context = max(query_lens), max(context_lens)
         positions, slots, query_index, token_index = [], [], [], []
@@ -54,7 +55,10 @@ class ForwardBatch:
             t += q_len
         uniform = all(q == 1 for q in query_lens) and len(set(context_lens)) == 1
         mask = None if uniform else _causal_mask(query_lens, context_lens, max_query, max_context)
-        ends = torch.cumsum(torch.tensor(query_lens), 0)
+        if num_logits is None:
+            num_logits = [1] * num_seqs
+        ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
+        logits_index = [i for end, n in zip(ends, num_logits) for i in range(end - n, end)]
         return cls(
             positions=torch.cat(positions),
             slot_mapping=torch.cat(slots),
@@ -62,7 +66,7 @@ class ForwardBatch:
             token_index=torch.tensor(token_index, dtype=torch.int64),
             context_slots=context_slots,
             attn_mask=mask,
-            logits_index=torch.arange(t) if all_logits else ends - 1,
+            logits_index=torch.tensor(logits_index, dtype=torch.int64),
         )
 
 

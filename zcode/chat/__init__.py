@@ -1,0 +1,1 @@
+"""Chat templates (sandboxed Jinja) and, later, GLM tool-call and reasoning parsers."""

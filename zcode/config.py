@@ -1,0 +1,25 @@
+"""Engine configuration: one frozen object, built once and passed down."""
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    dtype: str = "float32"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    kv_cache_bytes: int = 1 << 30
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,185 @@
+"""The engine: a request queue and a step loop of schedule -> run -> update."""
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from zcode.engine.block_manager import BlockManager
+from zcode.engine.detokenizer import IncrementalDetokenizer
+from zcode.engine.kv_cache import KVCache
+from zcode.engine.model_runner import ModelRunner
+from zcode.engine.request_output import RequestOutput
+from zcode.engine.sampler import Sampler, top_logprobs
+from zcode.engine.scheduler import ScheduledSeq, Scheduler
+from zcode.engine.sequence import Sequence
+from zcode.config import EngineConfig
+from zcode.errors import ValidationError
+from zcode.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig) -> None:
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        hf = model.config
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = config.max_model_len or hf.max_position_embeddings
+        layers = model.attention_layers()
+        num_blocks = KVCache.num_blocks_for(
+            config.kv_cache_bytes, layers, config.block_size, config.torch_dtype
+        )
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.sampler = Sampler()
+        self.eos_token_ids = _eos_ids(hf, tokenizer)
+        self.sequences: dict[str, Sequence] = {}
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Sequence:
+        self._validate(prompt_token_ids, params)
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens
+            )
+        seq = Sequence(prompt_token_ids, params, detokenizer, request_id)
+        if seq.request_id in self.sequences:
+            raise ValidationError(f"request id {seq.request_id!r} is already in use")
+        self.sequences[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValidationError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValidationError(
+                f"token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}"
+            )
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValidationError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{total} were requested ({len(prompt_token_ids)} in the prompt, "
+                f"{params.max_tokens} to generate)"
+            )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            self.sampler.release(seq)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns an output for every sequence that made progress."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.runner.execute(scheduled)
+        return self._update(scheduled, logits)
+
+    def _update(self, scheduled: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[RequestOutput]:
+        sampling_seqs, sampling_logits = [], []
+        for s, seq_logits in zip(scheduled, logits):
+            seq = s.seq
+            if seq.wants_prompt_logprobs:
+                self._record_prompt_logprobs(seq, seq_logits)
+            completes = s.completes_prompt
+            seq.num_computed_tokens += s.num_new_tokens
+            if completes:
+                sampling_seqs.append(seq)
+                sampling_logits.append(seq_logits[-1])
+        if not sampling_seqs:
+            return []
+        tokens, logprobs = self.sampler(torch.stack(sampling_logits), sampling_seqs)
+        return [
+            self._append(seq, token, lp) for seq, token, lp in zip(sampling_seqs, tokens, logprobs)
+        ]
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
+        # logits row i predicts the token after position (computed + i)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        start = seq.num_computed_tokens
+        for i in range(logits.shape[0]):
+            position = start + i + 1
+            if position < seq.num_prompt_tokens:
+                token = seq.token_ids[position]
+                seq.prompt_logprobs.append(
+                    top_logprobs(logprobs[i], token, seq.params.prompt_logprobs)
+                )
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> RequestOutput:
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        if seq.detokenizer is not None:
+            seq.detokenizer.add(token)
+        reason, stop_reason = self._stop_check(seq, token)
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+            self.sampler.release(seq)
+            self.sequences.pop(seq.request_id, None)
+        return self._output(seq, [token])
+
+    def _stop_check(self, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        if token in p.stop_token_ids:
+            return "stop", token
+        if p.stop and seq.detokenizer is not None:
+            text = seq.detokenizer.output_text
+            for stop in p.stop:
+                index = text.find(stop)
+                if index >= 0:
+                    end = index + len(stop) if p.include_stop_str_in_output else index
+                    seq.detokenizer.truncate(end)
+                    return "stop", stop
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _output(self, seq: Sequence, delta_token_ids: list[int]) -> RequestOutput:
+        text = seq.output_text
+        # While running, hold back what could still turn out to be the start of a stop string.
+        hold = 0 if seq.is_finished else max((len(s) for s in seq.params.stop), default=1) - 1
+        emitted = seq.emitted_text_len
+        end = max(emitted, len(text) - hold)
+        seq.emitted_text_len = end
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=text,
+            token_ids=seq.output_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            delta_text=text[emitted:end],
+            delta_token_ids=delta_token_ids,
+            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+            ttft_s=seq.first_token_time - seq.arrival_time if seq.first_token_time else None,
+        )
+
+
+def _eos_ids(hf_config, tokenizer) -> set[int]:
+    ids = getattr(hf_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

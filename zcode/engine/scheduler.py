@@ -1,0 +1,94 @@
+"""Chooses which sequences run in the next step and how many of their tokens.
+
+Requests are counted by computed vs total tokens, not by phase: a prompt is prefilled in chunks
+that fit the step's token budget, a decoding sequence asks for one token, and both share a step.
+Running sequences go first; when KV blocks run out the newest running sequence is preempted
+(its blocks freed, to be recomputed later).
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+from zcode.engine.block_manager import BlockManager
+from zcode.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes_prompt(self) -> bool:
+        """After this step every known token is cached, so the sequence samples its next token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted below to make room for an older sequence
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new == 0:
+                break
+            if not self._make_room(seq, num_new):
+                continue
+            self.block_manager.allocate(seq, num_new)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, num_new):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _make_room(self, seq: Sequence, num_new: int) -> bool:
+        """Preempts the newest running sequences until `seq` fits; False if `seq` itself went."""
+        while not self.block_manager.can_allocate(seq, num_new):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)

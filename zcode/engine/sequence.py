@@ -1,0 +1,70 @@
+"""A request's state as the engine sees it: tokens, progress, blocks and output so far."""
+
+import enum
+import itertools
+import time
+
+from zcode.engine.detokenizer import IncrementalDetokenizer
+from zcode.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        detokenizer: IncrementalDetokenizer | None,
+        request_id: str | None = None,
+    ) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None  # "stop", "length" or "abort"
+        self.stop_reason: int | str | None = None
+        self.detokenizer = detokenizer
+        self.emitted_text_len = 0  # how much of the output text has been streamed
+        self.output_logprobs: list[dict[int, float]] = []
+        self.prompt_logprobs: list[dict[int, float] | None] = [None]
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.output_text if self.detokenizer else ""

@@ -1,0 +1,99 @@
+"""The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from zcode.chat.template import render_chat
+from zcode.config import EngineConfig
+from zcode.engine.llm_engine import LLMEngine
+from zcode.engine.request_output import RequestOutput
+from zcode.errors import ValidationError
+from zcode.loader import load_model
+from zcode.sampling_params import SamplingParams
+
+Messages = list[dict]
+Prompt = str | list[int] | Messages
+
+
+class LLM:
+    """A model loaded for offline generation.
+
+    `model` is a HF directory or a .gguf file; None loads the embedded default
+    (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to `dtype`).
+    """
+
+    def __init__(self, model: str | Path | None = None, **engine_args) -> None:
+        self.config = EngineConfig(**engine_args)
+        net, self.tokenizer = load_model(model, self.config.torch_dtype)
+        self.engine = LLMEngine(net, self.tokenizer, self.config)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.engine.model
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | None = None,
+        enable_thinking: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for one prompt or a batch; a prompt is text, token ids or chat messages.
+
+        Always returns a list, one output per prompt, in order.
+        """
+        params = sampling_params or SamplingParams()
+        token_lists = [self.encode(p, enable_thinking) for p in _as_batch(prompts)]
+        seqs = [self.engine.add_request(ids, params) for ids in token_lists]
+        finished: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[seq.request_id] for seq in seqs]
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        enable_thinking: bool | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yields outputs for a single prompt as tokens arrive (use `delta_text`)."""
+        seq = self.engine.add_request(self.encode(prompt, enable_thinking), sampling_params or SamplingParams())
+        try:
+            while not seq.is_finished:
+                for out in self.engine.step():
+                    if out.request_id == seq.request_id:
+                        yield out
+        finally:
+            self.engine.abort(seq.request_id)
+
+    def encode(self, prompt: Prompt, enable_thinking: bool | None = None) -> list[int]:
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValidationError("this checkpoint has no tokenizer: pass token ids")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        text = self.apply_chat_template(prompt, enable_thinking=enable_thinking)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def apply_chat_template(self, messages: Messages, **kwargs) -> str:
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValidationError("this model has no chat template")
+        special = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        return render_chat(template, messages, special_tokens=special, **kwargs)
+
+
+def _as_batch(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], dict):
+        return [prompts]  # one conversation
+    if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+        return [prompts]  # one tokenized prompt
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValidationError("prompts must be a string, token ids, messages, or a non-empty list of them")
+    return list(prompts)

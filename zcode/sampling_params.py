@@ -1,0 +1,57 @@
+from dataclasses import dataclass, field
+
+from zcode.errors import ValidationError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop; vLLM's names and meanings.
+
+    temperature 0 is greedy. top_k <= 0 and top_p = 1 and min_p = 0 disable those filters.
+    logprobs=N returns the sampled token's log-probability plus the N most likely;
+    prompt_logprobs=N does the same for every prompt token after the first.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (all(s for s in self.stop), "stop strings must not be empty"),
+        ]
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            checks.append((value is None or 0 <= value <= MAX_LOGPROBS,
+                           f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"))
+        for ok, message in checks:
+            if not ok:
+                raise ValidationError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
