@@ -114,7 +114,8 @@ class LLMEngine:
         start = seq.num_computed_tokens
         for i in range(logits.shape[0]):
             position = start + i + 1
-            if position < seq.num_prompt_tokens:
+            # After a preemption the prompt is recomputed; record each position only once.
+            if position < seq.num_prompt_tokens and position == len(seq.prompt_logprobs):
                 token = seq.token_ids[position]
                 seq.prompt_logprobs.append(
                     top_logprobs(logprobs[i], token, seq.params.prompt_logprobs)
