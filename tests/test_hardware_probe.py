@@ -1,0 +1,154 @@
+import dataclasses
+import importlib
+import json
+import subprocess
+
+import pytest
+
+from zcode.hardware import CudaDevice, HardwareInfo, format_report, probe
+
+# The submodule, not the `probe` function the package re-exports under the same name.
+probe_mod = importlib.import_module("zcode.hardware.probe")
+
+SMALL = dict(buffer_bytes=16 << 20, gemm_seconds=0.02)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> HardwareInfo:
+    return probe(cache_dir=tmp_path_factory.mktemp("hw"), **SMALL)
+
+
+@pytest.fixture
+def fake_measure(monkeypatch) -> list[int]:
+    """Replaces the measurement with a constant one; the list counts the calls."""
+    calls = []
+
+    def measure(buffer_bytes: int, gemm_seconds: float) -> probe_mod.Measurements:
+        calls.append(buffer_bytes)
+        return probe_mod.Measurements(10.0, 8.0, buffer_bytes, 50.0, None, 20.0)
+
+    monkeypatch.setattr(probe_mod, "measure", measure)
+    return calls
+
+
+def test_probe_measures_sane_values(measured):
+    info = measured
+    assert 0.5 < info.read_bandwidth_gbps < 1000
+    assert info.copy_bandwidth_gbps is None or 0.5 < info.copy_bandwidth_gbps < 1000
+    assert info.bandwidth_buffer_bytes == SMALL["buffer_bytes"]
+    assert info.fp32_gflops > 1
+    assert info.bf16_gflops is None or info.bf16_gflops > 0
+    assert info.int8_gops is None or info.int8_gops > 0
+    assert info.num_logical_cores >= 1
+    assert info.num_physical_cores is None or 1 <= info.num_physical_cores <= info.num_logical_cores
+    assert info.num_threads >= 1
+    assert info.total_memory_bytes is None or info.total_memory_bytes > 1 << 20
+    for size in (info.l1d_cache_bytes, info.l2_cache_bytes, info.l3_cache_bytes):
+        assert size is None or size >= 1024
+    assert info.isa_flags is None or (
+        all(isinstance(f, str) for f in info.isa_flags)
+        and len(set(info.isa_flags)) == len(info.isa_flags)
+        and set(info.isa_flags) <= set(probe_mod.ISA_FLAGS_OF_INTEREST)
+    )
+    # torch only picks its AVX2 / AVX512 kernels on a CPU that has AVX2.
+    if info.isa_flags is not None and info.torch_cpu_capability in ("AVX2", "AVX512"):
+        assert "avx2" in info.isa_flags
+    json.dumps(dataclasses.asdict(info))
+
+
+def test_second_call_reads_the_cache_and_refresh_remeasures(tmp_path, fake_measure):
+    first = probe(cache_dir=tmp_path, **SMALL)
+    (path,) = tmp_path.glob("hardware-*.json")
+    assert json.loads(path.read_text())["read_bandwidth_gbps"] == 10.0
+    assert probe(cache_dir=tmp_path, **SMALL) == first
+    assert len(fake_measure) == 1
+    probe(refresh=True, cache_dir=tmp_path, **SMALL)
+    assert len(fake_measure) == 2
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["{not json", "[]", '{"cpu_model": "x"}', "", '{"read_bandwidth_gbps": null}'],
+)
+def test_corrupted_cache_is_ignored_and_rewritten(tmp_path, fake_measure, content):
+    first = probe(cache_dir=tmp_path, **SMALL)
+    (path,) = tmp_path.glob("hardware-*.json")
+    path.write_text(content)
+    assert probe(cache_dir=tmp_path, **SMALL) == first
+    assert len(fake_measure) == 2
+    assert json.loads(path.read_text()) == json.loads(json.dumps(dataclasses.asdict(first)))
+
+
+def test_cache_with_nonpositive_measurement_is_ignored(tmp_path, fake_measure):
+    probe(cache_dir=tmp_path, **SMALL)
+    (path,) = tmp_path.glob("hardware-*.json")
+    path.write_text(json.dumps({**json.loads(path.read_text()), "fp32_gflops": 0.0}))
+    assert probe(cache_dir=tmp_path, **SMALL).fp32_gflops == 50.0
+    assert len(fake_measure) == 2
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch, fake_measure):
+    monkeypatch.delenv("ZCODE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert probe_mod.default_cache_dir() == tmp_path / "xdg" / "zcode"
+    monkeypatch.setenv("ZCODE_CACHE_DIR", str(tmp_path / "explicit"))
+    probe(**SMALL)
+    assert len(list((tmp_path / "explicit").glob("hardware-*.json"))) == 1
+
+
+def test_unwritable_cache_dir_still_returns_info(tmp_path, fake_measure):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert probe(cache_dir=blocker / "sub", **SMALL).read_bandwidth_gbps == 10.0
+
+
+def test_missing_system_files_degrade_to_none(tmp_path, monkeypatch, fake_measure):
+    def no_lscpu(*args, **kwargs):
+        raise FileNotFoundError("lscpu")
+
+    monkeypatch.setattr(probe_mod, "_read", lambda path: None)
+    monkeypatch.setattr(probe_mod.subprocess, "run", no_lscpu)
+    info = probe(cache_dir=tmp_path, **SMALL)
+    assert info.isa_flags is None
+    assert info.num_physical_cores is None
+    assert (info.l1d_cache_bytes, info.l2_cache_bytes, info.l3_cache_bytes) == (None,) * 3
+    assert "unknown" in format_report(info)
+    assert probe(cache_dir=tmp_path, **SMALL) == info
+
+
+def test_cache_sizes_fall_back_to_lscpu(monkeypatch):
+    out = "NAME  ONE-SIZE\nL1d      49152\nL1i      65536\nL2     2097152\nL3   503316480\n"
+    monkeypatch.setattr(probe_mod, "_read", lambda path: None)
+    monkeypatch.setattr(
+        probe_mod.subprocess,
+        "run",
+        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=out, stderr=""),
+    )
+    assert probe_mod._cache_sizes() == {
+        "L1d": 49152,
+        "L1i": 65536,
+        "L2": 2097152,
+        "L3": 503316480,
+    }
+
+
+def test_cuda_devices_round_trip_through_the_cache(tmp_path, monkeypatch, fake_measure):
+    device = CudaDevice("Fake GPU", 80 << 30, 132, (9, 0))
+    monkeypatch.setattr(probe_mod, "_cuda_devices", lambda: (device,))
+    info = probe(cache_dir=tmp_path, **SMALL)
+    assert probe(cache_dir=tmp_path, **SMALL) == info
+    assert len(fake_measure) == 1
+    assert "Fake GPU" in format_report(info) and "sm_90" in format_report(info)
+
+
+def test_format_report_mentions_bandwidth_and_every_flag(measured):
+    report = format_report(measured)
+    assert "bandwidth" in report and f"{measured.read_bandwidth_gbps:.1f}" in report
+    assert "GFLOP/s" in report
+    for flag in measured.isa_flags or ():
+        assert flag in report
+    every_flag = dataclasses.replace(measured, isa_flags=probe_mod.ISA_FLAGS_OF_INTEREST)
+    report = format_report(every_flag)
+    for flag in probe_mod.ISA_FLAGS_OF_INTEREST:
+        assert flag in report
+    assert "absent" not in report
