@@ -2,6 +2,7 @@
 
 Chat templates ship inside checkpoints, so they are untrusted code: the immutable sandbox refuses
 attribute access to internals (`__class__`, `__globals__`, ...) and mutation of passed objects.
+Any such access fails the render; plain jinja would print it as an empty string and go on.
 The globals offered are the ones HF templates expect.
 """
 
@@ -10,6 +11,7 @@ from datetime import datetime
 from functools import lru_cache
 
 import jinja2
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from zcode.errors import ValidationError
@@ -29,9 +31,16 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
     )
 
 
+class _StrictSandbox(ImmutableSandboxedEnvironment):
+    def unsafe_undefined(self, obj, attribute):
+        raise SecurityError(
+            f"access to attribute {attribute!r} of {type(obj).__name__!r} is unsafe"
+        )
+
+
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(
+    env = _StrictSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
@@ -63,7 +72,7 @@ def render_chat(
         )
     except TemplateError:
         raise
-    except jinja2.exceptions.SecurityError as e:
+    except SecurityError as e:
         raise TemplateError(f"chat template tried an unsafe operation: {e}") from e
     except Exception as e:  # a template is code: any error it raises is the request's problem
         raise TemplateError(f"chat template failed to render: {e}") from e
