@@ -1,0 +1,117 @@
+"""The sampler against hand-computed distributions: filters, temperature, seeds, penalties,
+log-probabilities."""
+
+import pytest
+import torch
+
+from zcode.engine.sampler import Sampler
+from zcode.engine.sequence import Sequence
+from zcode.sampling_params import SamplingParams
+
+VOCAB = 32
+
+
+def _seqs(n: int, token_ids=(0,), **params) -> list[Sequence]:
+    return [Sequence(list(token_ids), SamplingParams(**params), None) for _ in range(n)]
+
+
+def _logits(rows: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 2
+
+
+def _draw(logits: torch.Tensor, n: int, **params) -> list[int]:
+    """n independent samples from one row of logits (global RNG, seeded by the caller)."""
+    tokens, _ = Sampler()(logits.expand(n, -1), _seqs(n, **params))
+    return tokens
+
+
+def test_greedy_is_argmax():
+    logits = _logits(rows=8)
+    tokens, logprobs = Sampler()(logits, _seqs(8, temperature=0))
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert logprobs == [None] * 8
+
+
+def test_top_k_1_is_greedy():
+    torch.manual_seed(0)
+    logits = _logits(rows=8)
+    tokens, _ = Sampler()(logits, _seqs(8, temperature=1.5, top_k=1))
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_tiny_top_p_keeps_only_the_top_token():
+    torch.manual_seed(0)
+    logits = _logits()
+    assert set(_draw(logits, 200, temperature=1.0, top_p=1e-6)) == {int(logits.argmax())}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    # Mass above token 2 is 0.8 < 0.85, so it stays; above token 3 is 0.95, so it goes.
+    assert set(_draw(logits, 500, top_p=0.85)) == {0, 1, 2}
+
+
+def test_top_k_keeps_the_k_most_likely():
+    torch.manual_seed(0)
+    logits = _logits()
+    top3 = set(logits[0].topk(3).indices.tolist())
+    assert set(_draw(logits, 500, temperature=5.0, top_k=3)) == top3
+
+
+def test_min_p_filters_relative_to_the_top_probability():
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.40, 0.25, 0.21, 0.14]])
+    # min_p 0.5 keeps tokens with p >= 0.2 (half of the top 0.4)
+    assert set(_draw(probs.log(), 1000, min_p=0.5)) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_scales_logits(temperature):
+    torch.manual_seed(0)
+    logits = torch.tensor([[1.0, 0.0, -1.0, 0.5]])
+    n = 4000
+    counts = torch.bincount(torch.tensor(_draw(logits, n, temperature=temperature)), minlength=4)
+    expected = torch.softmax(logits[0] / temperature, dim=-1)
+    # binomial standard error is at most 0.008 for n = 4000
+    torch.testing.assert_close(counts / n, expected, rtol=0, atol=0.04)
+
+
+def test_seed_makes_samples_reproducible():
+    logits = torch.zeros(1, VOCAB)  # uniform: every draw is a fresh choice
+
+    def run(seed: int) -> list[int]:
+        sampler = Sampler()
+        seq = _seqs(1, seed=seed)[0]
+        return [sampler(logits, [seq])[0][0] for _ in range(20)]
+
+    torch.manual_seed(123)
+    first = run(7)
+    torch.manual_seed(456)  # the global RNG must not matter
+    assert run(7) == first
+    assert run(8) != first
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -1.0, 1.5, -0.5, 0.0]])
+    seq = _seqs(1, token_ids=[0, 1, 0], repetition_penalty=2.0)
+    penalised = Sampler._penalise_repetition(logits, seq)
+    torch.testing.assert_close(penalised, torch.tensor([[1.0, -2.0, 1.5, -0.5, 0.0]]))
+    assert logits[0, 0] == 2.0  # the caller's logits are untouched
+    # greedy now prefers token 2 over the repeated token 0
+    greedy = _seqs(1, token_ids=[0, 1], temperature=0, repetition_penalty=2.0)
+    assert Sampler()(logits, greedy)[0] == [2]
+
+
+@pytest.mark.parametrize("num_top", [0, 3])
+def test_logprobs_are_log_softmax_of_the_raw_logits(num_top):
+    torch.manual_seed(0)
+    logits = _logits(rows=4, seed=1)
+    seqs = _seqs(4, temperature=0.7, repetition_penalty=1.3, logprobs=num_top)
+    tokens, logprobs = Sampler()(logits, seqs)
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    for row, (token, entry) in enumerate(zip(tokens, logprobs, strict=True)):
+        top = expected[row].topk(num_top).indices.tolist()
+        assert set(entry) == {token, *top}
+        for token_id, value in entry.items():
+            assert value == pytest.approx(float(expected[row, token_id]), abs=1e-5)
