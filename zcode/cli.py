@@ -1,0 +1,347 @@
+"""The `zcode` command line: generate, chat, info and ppl over the offline `LLM` API.
+
+User mistakes (a bad flag value, a missing file, a checkpoint we cannot read) end with one line
+`zcode: error: ...` on stderr and exit status 2; Ctrl-C exits 130 without a traceback.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from zcode.errors import ValidationError
+from zcode.info import format_info, model_info
+from zcode.llm import LLM
+from zcode.loader.errors import CheckpointError
+from zcode.ppl import perplexity
+from zcode.sampling_params import SamplingParams
+
+DEFAULT_MODEL_HELP = "default: the embedded SmolLM2-135M-Instruct"
+SAMPLING_HELP = (
+    "Sampling defaults follow llama.cpp's llama-cli (temperature 0.8, top-k 40, top-p 0.95, "
+    "min-p 0.05, no repetition penalty); --temperature 0 is greedy, as in vLLM."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line, like every other user mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"zcode: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="zcode",
+        description="ZCode: run, inspect and measure GLM-family and Llama-style models on CPU.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    generate = commands.add_parser(
+        "generate",
+        help="generate a continuation of a prompt",
+        description=f"Print the model's continuation of PROMPT. {SAMPLING_HELP}",
+    )
+    generate.add_argument(
+        "prompt", metavar="PROMPT", help="the prompt text; '-' reads it from stdin"
+    )
+    _add_model_option(generate)
+    _add_sampling_options(generate, max_tokens=256)
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="send PROMPT as a user message through the model's chat template "
+        "(default: PROMPT is raw text to continue)",
+    )
+    _add_thinking_option(generate)
+    _add_dtype_option(generate)
+    generate.add_argument(
+        "--stream", action="store_true", help="print the text token by token as it is generated"
+    )
+    generate.set_defaults(run=_generate)
+
+    chat = commands.add_parser(
+        "chat",
+        help="interactive chat that keeps the conversation",
+        description="Chat with the model: each stdin line is a user turn and the reply streams "
+        "as it is generated. '/reset' clears the conversation, '/exit' or end of input quits. "
+        f"Works with a pipe on stdin. {SAMPLING_HELP}",
+    )
+    _add_model_option(chat)
+    chat.add_argument("--system", metavar="TEXT", help="a system message opening the conversation")
+    _add_sampling_options(chat, max_tokens=1024)
+    _add_thinking_option(chat)
+    _add_dtype_option(chat)
+    chat.set_defaults(run=_chat)
+
+    info = commands.add_parser(
+        "info",
+        help="architecture, parameters, KV cache and memory per precision, without loading weights",
+        description="Describe a model from its config alone (a directory holding only config.json "
+        "is enough): architecture, size, parameter count (and active parameters per token for "
+        "MoE), KV-cache bytes per token, and the memory its weights need at fp32, bf16, int8 and "
+        "int4 plus the KV cache of one max-length sequence, against this machine's RAM.",
+    )
+    info.add_argument(
+        "model",
+        metavar="MODEL",
+        nargs="?",
+        help=f"HF model directory, its config.json, or a .gguf file ({DEFAULT_MODEL_HELP})",
+    )
+    info.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    info.set_defaults(run=_info)
+
+    ppl = commands.add_parser(
+        "ppl",
+        help="perplexity of a text file",
+        description="Score the tokens of FILE with a sliding window (each token once, with up to "
+        "WINDOW - STRIDE tokens of context) and print the perplexity, the number of tokens scored "
+        "and the seconds spent scoring (model loading excluded).",
+    )
+    ppl.add_argument(
+        "model",
+        metavar="MODEL",
+        nargs="?",
+        help=f"HF model directory or .gguf file ({DEFAULT_MODEL_HELP})",
+    )
+    ppl.add_argument("file", metavar="FILE", help="UTF-8 text file to score")
+    ppl.add_argument(
+        "--window",
+        type=int,
+        default=512,
+        help="tokens per forward pass (default: %(default)s)",
+    )
+    ppl.add_argument(
+        "--stride",
+        type=int,
+        default=256,
+        help="tokens the window advances by; at most WINDOW (default: %(default)s)",
+    )
+    ppl.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="score only the first N tokens of the file (default: all)",
+    )
+    _add_dtype_option(ppl)
+    ppl.set_defaults(run=_ppl)
+    return parser
+
+
+def _add_model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", metavar="PATH", help=f"HF model directory or .gguf file ({DEFAULT_MODEL_HELP})"
+    )
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        metavar="N",
+        help="most tokens to generate per reply (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        metavar="T",
+        help="sampling temperature; 0 is greedy (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=40,
+        metavar="K",
+        help="sample among the K most likely tokens; 0 disables (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=0.95,
+        metavar="P",
+        help="sample among the most likely tokens whose probabilities sum to P; 1 disables "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.05,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely one; 0 disables "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="penalise tokens already in the prompt or the output: R > 1 discourages "
+        "repeats, 1 disables (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, help="random seed, for reproducible sampling (default: random)"
+    )
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop before this string; repeat the option for several",
+    )
+
+
+def _add_thinking_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--thinking",
+        action=argparse.BooleanOptionalAction,
+        help="turn the chat template's reasoning mode on or off, for templates that have one "
+        "(default: the template's own default)",
+    )
+
+
+def _add_dtype_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="dtype the weights are computed in (default: %(default)s)",
+    )
+
+
+def load_llm(model: str | None, dtype: str) -> LLM:
+    """The one place a command loads a model."""
+    return LLM(model, dtype=dtype)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def _generate(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)  # before loading, so a bad value fails at once
+    if args.thinking is not None and not args.chat:
+        raise ValidationError("--thinking/--no-thinking apply to the chat template: add --chat")
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    llm = load_llm(args.model, args.dtype)
+    prompt = [{"role": "user", "content": text}] if args.chat else text
+    if args.stream:
+        for out in llm.stream(prompt, params, args.thinking):
+            _write(out.delta_text)
+        _write("\n")
+    else:
+        print(llm.generate(prompt, params, args.thinking)[0].text)
+
+
+def _chat(args: argparse.Namespace) -> None:
+    params = _sampling_params(args)
+    llm = load_llm(args.model, args.dtype)
+    if not getattr(llm.tokenizer, "chat_template", None):
+        raise ValidationError("this model has no chat template: use 'zcode generate'")
+    interactive = sys.stdin.isatty()
+    opening = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(opening)
+    if interactive:
+        print("/reset clears the conversation, /exit or Ctrl-D quits", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "").strip()
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)  # the shell prompt starts on a line of its own
+            break
+        if line == "/exit":
+            break
+        if line == "/reset":
+            messages = list(opening)
+            continue
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for out in llm.stream(messages, params, args.thinking):
+                _write(out.delta_text)
+                reply.append(out.delta_text)
+        except ValidationError as e:  # e.g. the conversation outgrew the context
+            messages.pop()
+            print(f"zcode: error: {e} (/reset starts a new conversation)", file=sys.stderr)
+            continue
+        _write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _info(args: argparse.Namespace) -> None:
+    info = model_info(args.model)
+    print(json.dumps(info.to_dict(), indent=2) if args.json else format_info(info))
+
+
+def _ppl(args: argparse.Namespace) -> None:
+    if args.window < 2:
+        raise ValidationError(f"--window must be at least 2, got {args.window}")
+    if not 0 < args.stride <= args.window:
+        raise ValidationError(
+            f"--stride must be between 1 and --window ({args.window}), got {args.stride}"
+        )
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValidationError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    text = _read_text(args.file)
+    llm = load_llm(args.model, args.dtype)
+    token_ids = llm.encode(text)[: args.max_tokens]
+    if len(token_ids) < 2:
+        raise ValidationError(
+            f"{args.file}: perplexity needs at least 2 tokens, got {len(token_ids)}"
+        )
+    start = time.perf_counter()
+    result = perplexity(llm, token_ids, args.window, args.stride)
+    seconds = time.perf_counter() - start
+    print(f"perplexity  {result.perplexity:.4f}")
+    print(f"tokens      {result.num_tokens} scored of {len(token_ids)}")
+    print(f"seconds     {seconds:.2f}")
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValidationError(f"{path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ValidationError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (CheckpointError, ValidationError) as e:
+        print(f"zcode: error: {e}", file=sys.stderr)
+        sys.exit(2)  # argparse's status for a usage error: one status for every user mistake
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except BrokenPipeError:
+        # The reader (`| head`) went away: silence the flush Python retries at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
