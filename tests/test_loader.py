@@ -225,3 +225,73 @@ def test_mtp_layer_weights_are_kept(tmp_path):
     with torch.no_grad():
         expected = oracle(token_ids[None]).logits[0]
     torch.testing.assert_close(_logits(net, token_ids.tolist()), expected, rtol=1e-4, atol=1e-4)
+
+
+def _write_tiny_gguf(oracle, path: Path, quantized: dict[str, gguf.GGMLQuantizationType]) -> None:
+    """The tiny llama as llama.cpp's converter writes it: gguf names, q/k rows permuted for the
+    interleaved RoPE, fp32 except the tensors named in `quantized`; a 256-byte vocabulary."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    c = oracle.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_rope_dimension_count(c.head_dim)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([bytes_to_unicode()[b] for b in range(256)])
+    writer.add_token_types([1] * 256)
+    writer.add_token_scores([0.0] * 256)  # no merges: transformers derives none from these
+    writer.add_eos_token_id(c.eos_token_id)
+    writer.add_bos_token_id(c.bos_token_id)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
+    for hf_name, tensor in oracle.state_dict().items():
+        stem, suffix = hf_name.rsplit(".", 1)
+        name = f"{name_map.get_name(stem)}.{suffix}"
+        weights = tensor.numpy()
+        heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}
+        for proj, num_heads in heads.items():
+            if proj in hf_name:  # convert_hf_to_gguf.py's LlamaModel.permute
+                rows = weights.shape[0] // num_heads // 2
+                weights = weights.reshape(num_heads, 2, rows, -1).swapaxes(1, 2)
+                weights = weights.reshape(tensor.shape)
+        if name in quantized:
+            qtype = quantized[name]
+            writer.add_tensor(name, gguf.quantize(weights, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, weights)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tiny_gguf_matches_transformers(llama_dir, tmp_path):
+    oracle = make_checkpoint("llama", tmp_path / "hf")
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(oracle, path, quantized={})
+    net, tokenizer = load_model(path)
+    assert net.config.head_dim == 16 and not net.config.tie_word_embeddings
+    assert tokenizer.decode(tokenizer.encode("héllo")) == "héllo"
+    token_ids = list(range(3, 40, 3))
+    with torch.no_grad():
+        expected = oracle(torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(_logits(net, token_ids), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q8_0", "Q4_1"])
+def test_gguf_quantized_tensors_are_dequantized_by_gguf(tmp_path, qtype):
+    oracle = make_checkpoint("llama", tmp_path / "hf")
+    qtype = gguf.GGMLQuantizationType[qtype]
+    _write_tiny_gguf(oracle, tmp_path / "q.gguf", quantized={"blk.0.ffn_down.weight": qtype})
+    net, _ = load_model(tmp_path / "q.gguf")
+    weights = oracle.model.layers[0].mlp.down_proj.weight.detach().numpy()
+    expected = torch.from_numpy(gguf.dequantize(gguf.quantize(weights, qtype), qtype))
+    loaded = net.model.layers[0].mlp.down_proj.weight
+    torch.testing.assert_close(loaded, expected, rtol=0, atol=0)
+    assert not torch.equal(loaded, oracle.model.layers[0].mlp.down_proj.weight)

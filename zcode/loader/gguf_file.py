@@ -1,17 +1,17 @@
 """GGUF files: metadata -> HF config and tokenizer, tensors dequantized and renamed to HF names.
 
 The metadata and tensor table are read with transformers' GGUF reader, a struct walk over a memory
-map (~0.2 s for SmolLM2). `gguf.GGUFReader` builds a numpy view per metadata element and takes
+map (~0.01 s for SmolLM2). `gguf.GGUFReader` builds a numpy view per metadata element and takes
 ~3 s on a 49k-token vocabulary, and transformers' `load_gguf_checkpoint` and
 `AutoTokenizer.from_pretrained(gguf_file=...)` each ran it again. Tensors are dequantized with the
 `gguf` package and renamed with gguf's own tensor-name map.
 """
 
-import os
 import struct
 from collections.abc import Iterator
 from math import prod
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -23,35 +23,66 @@ from zcode.loader.errors import CheckpointError
 _PERMUTED_ARCHS = {"llama"}
 
 
-def _header(path: Path):
-    """The tensor table, checked against the file size so a truncated file fails before any
-    tensor is read, naming the first tensor that is cut off."""
-    from transformers.integrations.gguf import GgufHeader
+class GgufTensor(NamedTuple):
+    name: str
+    shape: tuple[int, ...]  # torch order
+    ggml_type: int
+    start: int  # byte offset in the file
+    nbytes: int
+
+
+class GgufContents(NamedTuple):
+    metadata: dict  # string arrays (the vocabulary) are left as their length
+    tensors: list[GgufTensor]
+    data: np.ndarray  # the whole file, memory-mapped uint8
+
+
+def read_gguf(path: Path) -> GgufContents:
+    """Metadata and tensor table, checked against the file size so that a truncated file fails
+    before any tensor is read, naming the first tensor that is cut off."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    # The pinned transformers' reader, below its GgufHeader: that one sizes tensors with
+    # transformers' own block table, which lacks types gguf dequantizes (Q5_0, Q5_1, ...).
+    from transformers.integrations.gguf import reader
 
     try:
-        header = GgufHeader.from_file(str(path))
+        data = np.memmap(path, mode="r", dtype=np.uint8)
+        metadata, num_tensors, pos = reader._read_metadata(data, str(path))
+        entries, pos = reader._read_tensor_table(data, num_tensors, pos)
     except struct.error as e:
         raise CheckpointError(f"{path}: GGUF metadata is cut short (truncated file?): {e}") from e
     except Exception as e:  # ValueError, UnicodeDecodeError, ...: not a GGUF file we can read
         raise CheckpointError(f"{path}: not a readable GGUF file: {e}") from e
-    file_size = os.path.getsize(path)
-    for tensor in header.tensors:
-        end = header.data_start + tensor.offset + tensor.nbytes
-        if end > file_size:
+    alignment = metadata.get("general.alignment", 32)
+    data_start = -(-pos // alignment) * alignment
+    tensors = []
+    for name, shape, ggml_type, offset in entries:
+        try:
+            block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+        except ValueError as e:
             raise CheckpointError(
-                f"{path}: tensor {tensor.name!r} ends at byte {end} but the file has {file_size} "
-                "bytes (truncated download?)"
+                f"{path}: tensor {name!r} has unknown ggml type {ggml_type}"
+            ) from e
+        if not shape or shape[-1] % block_size:
+            raise CheckpointError(f"{path}: tensor {name!r} has shape {shape}, not whole blocks")
+        tensor = GgufTensor(
+            name, shape, ggml_type, data_start + offset, prod(shape) // block_size * block_bytes
+        )
+        if tensor.start + tensor.nbytes > len(data):
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ends at byte {tensor.start + tensor.nbytes} but the file "
+                f"has {len(data)} bytes (truncated download?)"
             )
-    return header
+        tensors.append(tensor)
+    return GgufContents(metadata, tensors, data)
 
 
 def read_gguf_config(path: Path):
     from transformers import AutoConfig
-    from transformers.integrations.gguf import read_gguf_metadata
 
-    header = _header(path)
-    metadata, _ = read_gguf_metadata(str(path))
-    config = _config_dict(path, metadata, tuple(t.name for t in header.tensors))
+    metadata, tensors, _ = read_gguf(path)
+    config = _config_dict(path, metadata, tuple(t.name for t in tensors))
     model_type = config.pop("model_type")
     config.pop("_model_name_or_path", None)
     try:
@@ -115,16 +146,15 @@ def iter_gguf_tensors(path: Path, model: nn.Module) -> Iterator[tuple[str, torch
         gguf_stem = name_map.get_name(stem)
         if gguf_stem is not None:
             gguf_to_hf[f"{gguf_stem}.{suffix}"] = hf_name
-    header = _header(path)
-    blob = np.memmap(path, mode="r", dtype=np.uint8)
-    for tensor in header.tensors:
+    _, tensors, data = read_gguf(path)
+    for tensor in tensors:
         hf_name = gguf_to_hf.get(tensor.name)
         if hf_name is None:
             continue
-        start = header.data_start + tensor.offset
         rows = prod(tensor.shape[:-1])
         # raw: [*shape[:-1], bytes per row], the layout gguf.dequantize expects
-        raw = blob[start : start + tensor.nbytes].reshape(*tensor.shape[:-1], tensor.nbytes // rows)
+        raw = data[tensor.start : tensor.start + tensor.nbytes]
+        raw = raw.reshape(*tensor.shape[:-1], tensor.nbytes // rows)
         try:
             weights = dequantize(raw, GGMLQuantizationType(tensor.ggml_type))
         except Exception as e:
