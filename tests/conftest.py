@@ -1,0 +1,70 @@
+"""Session fixtures: each tiny checkpoint is built once, the default model is loaded once.
+
+Tests get a factory (`tiny_checkpoint(name)`) rather than one fixture per config so that a test
+parametrized over `tiny_models.configs()` builds only the checkpoints it asks for. The oracles
+are shared across tests: a test that changes one must restore it. Heavy imports happen inside
+the fixtures so that collecting unrelated test files stays fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from zcode.llm import LLM
+
+
+@dataclass(frozen=True)
+class TinyCheckpoint:
+    name: str
+    path: Path  # HF directory written by save_pretrained
+    oracle: PreTrainedModel  # the transformers model that wrote it (eager attention, fp32)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Callable[[str], TinyCheckpoint]:
+    from tiny_models import make_checkpoint
+
+    built: dict[str, TinyCheckpoint] = {}
+
+    def get(name: str) -> TinyCheckpoint:
+        if name not in built:
+            path = tmp_path_factory.mktemp(name)
+            built[name] = TinyCheckpoint(name, path, make_checkpoint(name, path))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    from zcode.loader.checkpoint import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def default_llm() -> LLM:
+    from zcode.llm import LLM
+
+    # 256 MiB of KV cache holds ~5.6k tokens of SmolLM2-135M: every perplexity window at once.
+    return LLM(None, kv_cache_bytes=256 << 20)
+
+
+@pytest.fixture(scope="session")
+def default_oracle(default_model_path: Path) -> PreTrainedModel:
+    """transformers' own reading of the same GGUF file, dequantized to fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(default_model_path.parent), gguf_file=default_model_path.name, dtype=torch.float32
+    )
+    return model.eval()
