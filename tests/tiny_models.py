@@ -34,8 +34,13 @@ MOE = dict(
 def configs() -> dict[str, object]:
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     common = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
-        pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
     )
     return {
         "llama": LlamaConfig(
@@ -51,28 +56,64 @@ def configs() -> dict[str, object]:
             rms_norm_eps=1e-5,
         ),
         "glm4_moe": Glm4MoeConfig(
-            **common, **MOE,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            n_group=2, topk_group=1, use_qk_norm=False, rope_parameters=rope,
+            **common,
+            **MOE,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            n_group=2,
+            topk_group=1,
+            use_qk_norm=False,
+            rope_parameters=rope,
         ),
         "glm4_moe_qknorm": Glm4MoeConfig(
-            **common, **MOE,
-            num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-            n_group=2, topk_group=1, use_qk_norm=True, rope_parameters=rope,
+            **common,
+            **MOE,
+            num_hidden_layers=3,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=16,
+            n_group=2,
+            topk_group=1,
+            use_qk_norm=True,
+            rope_parameters=rope,
         ),
         "glm_moe_dsa": GlmMoeDsaConfig(
-            **common, **MOE,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-            q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=16, n_group=2, topk_group=1,
-            index_topk=8, index_n_heads=16, index_head_dim=16, rope_parameters=rope,
+            **common,
+            **MOE,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_group=2,
+            topk_group=1,
+            index_topk=8,
+            index_n_heads=16,
+            index_head_dim=16,
+            rope_parameters=rope,
         ),
         "glm_moe_dsa_shared": GlmMoeDsaConfig(
-            **common, **MOE,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-            q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
-            v_head_dim=16, n_group=2, topk_group=1,
-            index_topk=8, index_n_heads=16, index_head_dim=16, rope_parameters=rope,
+            **common,
+            **MOE,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            n_group=2,
+            topk_group=1,
+            index_topk=8,
+            index_n_heads=16,
+            index_head_dim=16,
+            rope_parameters=rope,
             index_topk_freq=2,
         ),
     }
@@ -94,7 +135,9 @@ def make_checkpoint(name: str, out_dir: Path, seed: int = 0):
     """Saves a random model of the named config; returns the transformers model (the oracle)."""
     torch.manual_seed(seed)
     config = configs()[name]
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
     with torch.no_grad():
         for module_name, buf in model.named_buffers():
             if module_name.endswith("e_score_correction_bias"):

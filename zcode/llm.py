@@ -60,7 +60,9 @@ class LLM:
         enable_thinking: bool | None = None,
     ) -> Iterator[RequestOutput]:
         """Yields outputs for a single prompt as tokens arrive (use `delta_text`)."""
-        seq = self.engine.add_request(self.encode(prompt, enable_thinking), sampling_params or SamplingParams())
+        seq = self.engine.add_request(
+            self.encode(prompt, enable_thinking), sampling_params or SamplingParams()
+        )
         try:
             while not seq.is_finished:
                 for out in self.engine.step():
@@ -95,5 +97,7 @@ def _as_batch(prompts) -> list[Prompt]:
     if isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
         return [prompts]  # one tokenized prompt
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValidationError("prompts must be a string, token ids, messages, or a non-empty list of them")
+        raise ValidationError(
+            "prompts must be a string, token ids, messages, or a non-empty list of them"
+        )
     return list(prompts)

@@ -38,7 +38,9 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
     return out
 
 
-def perplexity(llm: LLM, token_ids: list[int], window: int = 512, stride: int = 256) -> PerplexityResult:
+def perplexity(
+    llm: LLM, token_ids: list[int], window: int = 512, stride: int = 256
+) -> PerplexityResult:
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     spans = windows(len(token_ids), window, stride)

@@ -40,14 +40,20 @@ class SamplingParams:
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (
+                self.repetition_penalty > 0,
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            ),
             (all(s for s in self.stop), "stop strings must not be empty"),
         ]
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            checks.append((value is None or 0 <= value <= MAX_LOGPROBS,
-                           f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}"))
+            checks.append(
+                (
+                    value is None or 0 <= value <= MAX_LOGPROBS,
+                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}",
+                )
+            )
         for ok, message in checks:
             if not ok:
                 raise ValidationError(message)

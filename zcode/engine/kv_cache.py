@@ -1,4 +1,4 @@
-"""Paged KV cache storage: one tensor per (layer, cached quantity), [num_blocks, block_size, *shape].
+"""Paged KV cache storage: a [num_blocks, block_size, *shape] tensor per layer and quantity.
 
 Each attention module declares what it caches per token (`cache_spec()`: K and V for GQA, the
 latent and the indexer key for MLA/DSA); all layers share one block table per sequence.

@@ -6,6 +6,7 @@ import time
 import torch
 from torch import nn
 
+from zcode.config import EngineConfig
 from zcode.engine.block_manager import BlockManager
 from zcode.engine.detokenizer import IncrementalDetokenizer
 from zcode.engine.kv_cache import KVCache
@@ -14,7 +15,6 @@ from zcode.engine.request_output import RequestOutput
 from zcode.engine.sampler import Sampler, top_logprobs
 from zcode.engine.scheduler import ScheduledSeq, Scheduler
 from zcode.engine.sequence import Sequence
-from zcode.config import EngineConfig
 from zcode.errors import ValidationError
 from zcode.sampling_params import SamplingParams
 
@@ -90,7 +90,9 @@ class LLMEngine:
         logits = self.runner.execute(scheduled)
         return self._update(scheduled, logits)
 
-    def _update(self, scheduled: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[RequestOutput]:
+    def _update(
+        self, scheduled: list[ScheduledSeq], logits: list[torch.Tensor]
+    ) -> list[RequestOutput]:
         sampling_seqs, sampling_logits = [], []
         for s, seq_logits in zip(scheduled, logits):
             seq = s.seq
@@ -121,7 +123,9 @@ class LLMEngine:
                     top_logprobs(logprobs[i], token, seq.params.prompt_logprobs)
                 )
 
-    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> RequestOutput:
+    def _append(
+        self, seq: Sequence, token: int, logprobs: dict[int, float] | None
+    ) -> RequestOutput:
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
@@ -172,8 +176,10 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             delta_text=text[emitted:end],
             delta_token_ids=delta_token_ids,
-            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
-            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=(
+                list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
+            ),
             ttft_s=seq.first_token_time - seq.arrival_time if seq.first_token_time else None,
         )
 

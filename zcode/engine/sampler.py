@@ -71,7 +71,9 @@ class Sampler:
         return probs / probs.sum()
 
 
-def top_logprobs(logprobs: torch.Tensor, token: int, num_top: int | None) -> dict[int, float] | None:
+def top_logprobs(
+    logprobs: torch.Tensor, token: int, num_top: int | None
+) -> dict[int, float] | None:
     """{token: logprob} for the chosen token and the num_top most likely ones (None if off)."""
     if num_top is None:
         return None

@@ -46,7 +46,9 @@ class Indexer(nn.Module):
         keys = gather_cache(key_cache, batch.context_slots).float()  # [B, L, Di]
         queries = q[batch.query_index].float()  # [B, S, Hi, Di]
         scores = F.relu(torch.einsum("bshd,bld->bshl", queries, keys)) * self.head_dim**-0.5
-        head_weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.num_heads**-0.5  # [T, Hi]
+        head_weights = (
+            self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.num_heads**-0.5
+        )  # [T, Hi]
         head_weights = head_weights[batch.query_index]  # [B, S, Hi]
         index_scores = (head_weights.unsqueeze(-2) @ scores).squeeze(-2)  # [B, S, L]
         causal = batch.attn_mask
@@ -106,8 +108,11 @@ class MLAttention(nn.Module):
 
         kv_pass, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], -1)
         k_rot = apply_rotary(k_rot[:, None, :], *rope, interleaved=True)[:, 0]
-        write_cache(self.cache["latent"], torch.cat([self.kv_a_layernorm(kv_pass), k_rot], -1),
-                    batch.slot_mapping)
+        write_cache(
+            self.cache["latent"],
+            torch.cat([self.kv_a_layernorm(kv_pass), k_rot], -1),
+            batch.slot_mapping,
+        )
         latent = gather_cache(self.cache["latent"], batch.context_slots)  # [B, L, R + rope]
         num_seqs, context_len = latent.shape[:2]
         k_pass, k_rot = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -121,7 +126,9 @@ class MLAttention(nn.Module):
         elif prev_keep is not None:
             keep = prev_keep
         else:
-            raise ValueError("a shared DSA layer needs the top-k selection of an earlier full layer")
+            raise ValueError(
+                "a shared DSA layer needs the top-k selection of an earlier full layer"
+            )
         mask = keep if batch.attn_mask is None else keep & batch.attn_mask
         out = padded_attention(q, keys, values, batch, self.scale, mask)  # [T, H, v_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim)), keep
@@ -133,5 +140,7 @@ def _yarn_mscale_sq(hf_config) -> float:
     if params.get("rope_type", "default") == "default" or not mscale_all_dim:
         return 1.0
     factor = params["factor"]
-    mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * torch.log(torch.tensor(factor)).item() + 1
+    mscale = (
+        1.0 if factor <= 1 else 0.1 * mscale_all_dim * torch.log(torch.tensor(factor)).item() + 1
+    )
     return mscale * mscale

@@ -88,13 +88,13 @@ def _load_weights(net: nn.Module, tensors, dtype: torch.dtype, path: Path) -> No
     tied = "lm_head.weight" not in params or getattr(net.config, "tie_word_embeddings", False)
     num_layers = net.config.num_hidden_layers
     # Layers past num_hidden_layers are the MTP (next-token prediction) layer(s).
-    mtp_weights = getattr(net, "mtp_weights", None)
+    mtp_weights = net.mtp_weights
     loaded: set[str] = set()
     ignored: list[str] = []
     for name, tensor, file in tensors:
         if name not in params:
             layer = re.match(r"model\.layers\.(\d+)\.", name)
-            if layer and int(layer.group(1)) >= num_layers and mtp_weights is not None:
+            if layer and int(layer.group(1)) >= num_layers:
                 _check_finite(file, name, tensor)
                 mtp_weights[name] = tensor.to(dtype)
             elif not (tied and name == "lm_head.weight") and not _IGNORED.search(name):

@@ -36,6 +36,10 @@ class CausalLM(nn.Module):
     def __init__(self, hf_config) -> None:
         super().__init__()
         self.config = hf_config
+        # GLM-4.5+ and GLM-5 ship their MTP (next-token prediction) layers as extra layers after
+        # num_hidden_layers; the loader keeps them here, by checkpoint name, for speculative
+        # decoding.
+        self.mtp_weights: dict[str, torch.Tensor] = {}
 
     def _init_head(self) -> None:
         c = self.config

@@ -1,8 +1,7 @@
 """GLM-5 / 5.1 / 5.2: MLA attention with the DSA lightning indexer and DeepSeek-V3-style MoE.
 
 Layers marked "shared" in `indexer_types` (GLM-5.2 IndexShare) reuse the top-k selection of the
-last full indexer layer. The MTP (next-token prediction) layer ships as extra layers after
-`num_hidden_layers`; the loader keeps its weights in `mtp_weights` for speculative decoding.
+last full indexer layer.
 """
 
 import torch
@@ -53,4 +52,3 @@ class GlmMoeDsaForCausalLM(CausalLM):
         layers = [GlmMoeDsaDecoderLayer(c, i) for i in range(c.num_hidden_layers)]
         self.model = GlmMoeDsaBackbone(c, layers, RotaryEmbedding(c, c.qk_rope_head_dim))
         self._init_head()
-        self.mtp_weights: dict[str, torch.Tensor] = {}
