@@ -8,7 +8,6 @@ import json.decoder
 import math
 import warnings
 
-import pytest
 import torch
 
 from zcode.ppl import perplexity
@@ -51,7 +50,6 @@ def oracle_greedy(oracle, prompt: list[int]) -> tuple[list[int], list[float]]:
     return out.sequences[0, len(prompt) :].tolist(), [(v[0] - v[1]).item() for v in top2]
 
 
-@pytest.mark.slow
 def test_greedy_generation_matches_transformers(default_llm, default_oracle):
     prompts = [default_llm.encode(p) for p in TEXT_PROMPTS + CHAT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
