@@ -36,6 +36,7 @@ OPTIONS = {
     ],
     "info": ["MODEL", "--json"],
     "ppl": ["MODEL", "FILE", "--window", "--stride", "--max-tokens", "--dtype"],
+    "hw": ["--refresh", "--json"],
 }  # fmt: skip
 
 
@@ -254,3 +255,15 @@ def test_missing_model_is_one_line_and_status_2(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("zcode: error: ") and "no-such-model" in result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+def test_hw_reports_measured_machine_facts_as_json(tmp_path):
+    env_cache = {"ZCODE_CACHE_DIR": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "zcode.cli", "hw", "--json"],
+        capture_output=True, text=True, env={**ENV, **env_cache}, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert facts["read_bandwidth_gbps"] > 0 and facts["fp32_gflops"] > 0
+    assert list(tmp_path.glob("hardware-*.json")), "the probe result is cached"

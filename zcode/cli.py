@@ -5,6 +5,7 @@ User mistakes (a bad flag value, a missing file, a checkpoint we cannot read) en
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -94,6 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     info.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     info.set_defaults(run=_info)
+
+    hw = commands.add_parser(
+        "hw",
+        help="this machine: cores, caches, ISA flags, measured bandwidth and matmul peaks",
+        description="Probe the hardware: CPU model, cores, caches, ISA flags (AVX2, AVX-512, "
+        "VNNI, AMX, BF16), torch's CPU capability, measured memory bandwidth and matmul "
+        "throughput per dtype, and CUDA devices when present. Measurements take a few seconds "
+        "and are cached per machine in the user cache directory.",
+    )
+    hw.add_argument("--refresh", action="store_true", help="measure again instead of the cache")
+    hw.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    hw.set_defaults(run=_hw)
 
     ppl = commands.add_parser(
         "ppl",
@@ -288,6 +301,13 @@ def _chat(args: argparse.Namespace) -> None:
 def _info(args: argparse.Namespace) -> None:
     info = model_info(args.model)
     print(json.dumps(info.to_dict(), indent=2) if args.json else format_info(info))
+
+
+def _hw(args: argparse.Namespace) -> None:
+    from zcode.hardware import format_report, probe
+
+    info = probe(refresh=args.refresh)
+    print(json.dumps(dataclasses.asdict(info), indent=2) if args.json else format_report(info))
 
 
 def _ppl(args: argparse.Namespace) -> None:
