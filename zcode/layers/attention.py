@@ -75,23 +75,22 @@ class Attention(nn.Module):
         self.cache: dict[str, torch.Tensor] = {}
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
-        """Per-token shapes of what this layer keeps in the paged KV cache."""
-        return {"k": (self.num_kv_heads, self.head_dim), "v": (self.num_kv_heads, self.head_dim)}
+        """Per-token shapes of what this layer keeps in the paged KV cache (K and V together,
+        so a step writes and gathers once)."""
+        return {"kv": (2, self.num_kv_heads, self.head_dim)}
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        num_tokens, num_heads = x.shape[0], self.num_heads
+        q = self.q_proj(x).view(num_tokens, num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, *rope, interleaved=self.interleaved_rope)
-        k = apply_rotary(k, *rope, interleaved=self.interleaved_rope)
-        write_cache(self.cache["k"], k, batch.slot_mapping)
-        write_cache(self.cache["v"], v, batch.slot_mapping)
-        keys = gather_cache(self.cache["k"], batch.context_slots)  # [B, L, KVH, D]
-        values = gather_cache(self.cache["v"], batch.context_slots)
-        out = padded_attention(q, keys, values, batch, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        qk = apply_rotary(torch.cat([q, k], dim=1), *rope, interleaved=self.interleaved_rope)
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        write_cache(self.cache["kv"], torch.stack([k, v], dim=1), batch.slot_mapping)
+        kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]
+        out = padded_attention(q, kv[:, :, 0], kv[:, :, 1], batch, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, num_heads * self.head_dim))
