@@ -94,3 +94,20 @@ class Attention(nn.Module):
         kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]
         out = padded_attention(q, kv[:, :, 0], kv[:, :, 1], batch, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, num_heads * self.head_dim))
+
+    @classmethod
+    def from_config(cls, c, interleaved_rope: bool = False, qk_norm: bool = False) -> "Attention":
+        """GQA attention as HF's Llama-style configs describe it (explicit head_dim honoured)."""
+        return cls(
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            head_dim_of(c),
+            interleaved_rope=interleaved_rope,
+            qkv_bias=getattr(c, "attention_bias", False),
+            qk_norm_eps=c.rms_norm_eps if qk_norm else None,
+        )
+
+
+def head_dim_of(c) -> int:
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

@@ -12,6 +12,21 @@ from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import RotaryEmbedding
 
 
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, rope)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class Backbone(nn.Module):
     def __init__(self, hf_config, layers: list[nn.Module], rotary: RotaryEmbedding) -> None:
         super().__init__()

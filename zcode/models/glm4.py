@@ -5,11 +5,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from zcode.forward_batch import ForwardBatch
-from zcode.layers.attention import Attention
+from zcode.layers.attention import Attention, head_dim_of
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import RotaryEmbedding
 from zcode.models.base import Backbone, CausalLM
-from zcode.models.llama import head_dim_of
 
 
 def rotary_dim_of(c) -> int:
@@ -31,14 +30,7 @@ class Glm4MLP(nn.Module):
 class Glm4DecoderLayer(nn.Module):
     def __init__(self, c) -> None:
         super().__init__()
-        self.self_attn = Attention(
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            head_dim_of(c),
-            interleaved_rope=True,
-            qkv_bias=c.attention_bias,
-        )
+        self.self_attn = Attention.from_config(c, interleaved_rope=True)
         self.mlp = Glm4MLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
