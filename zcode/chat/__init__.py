@@ -1,1 +1,1 @@
-"""Chat templates (sandboxed Jinja) and, later, GLM tool-call and reasoning parsers."""
+"""Chat: templates (sandboxed Jinja), message normalisation, GLM tool-call and reasoning parsers."""
