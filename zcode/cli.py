@@ -1,4 +1,4 @@
-"""The `zcode` command line: generate, chat, info and ppl over the offline `LLM` API.
+"""The `zcode` command line: generate, chat, info and ppl over the offline `LLM` API, and serve.
 
 User mistakes (a bad flag value, a missing file, a checkpoint we cannot read) end with one line
 `zcode: error: ...` on stderr and exit status 2; Ctrl-C exits 130 without a traceback.
@@ -142,6 +142,83 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_dtype_option(ppl)
     ppl.set_defaults(run=_ppl)
+
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server",
+        description="Serve MODEL over HTTP with OpenAI's API (/v1/completions, "
+        "/v1/chat/completions, /v1/models) plus /tokenize, /detokenize, /tokenizer_info, "
+        "/health, /version and Prometheus /metrics. SIGTERM stops admission (new requests get "
+        "503), lets in-flight requests finish for up to --shutdown-timeout seconds, aborts the "
+        "rest and exits 0.",
+    )
+    serve.add_argument(
+        "model",
+        metavar="MODEL",
+        nargs="?",
+        help=f"HF model directory or .gguf file ({DEFAULT_MODEL_HELP})",
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 exposes the server to the network "
+        "(default: %(default)s)",
+    )
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: none)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model name clients send and /v1/models lists (default: MODEL as given, or "
+        "SmolLM2-135M-Instruct)",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        metavar="N",
+        help="context length: prompt plus generated tokens (default: the model's)",
+    )
+    serve.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        metavar="N",
+        help="most requests decoded together; the rest wait (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=1024,
+        metavar="MIB",
+        help="memory for the KV cache, which bounds the tokens held by all requests at once "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the KV cache of prompt prefixes shared between requests",
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=1 << 20,
+        metavar="N",
+        help="larger request bodies get 413 (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="after SIGTERM, how long in-flight requests may run before they are aborted "
+        "(default: %(default)s)",
+    )
+    _add_dtype_option(serve)
+    serve.set_defaults(run=_serve)
     return parser
 
 
@@ -332,6 +409,38 @@ def _ppl(args: argparse.Namespace) -> None:
     print(f"perplexity  {result.perplexity:.4f}")
     print(f"tokens      {result.num_tokens} scored of {len(token_ids)}")
     print(f"seconds     {seconds:.2f}")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from zcode.server import run_server  # FastAPI and uvicorn load for this command only
+
+    for name in ("max_num_seqs", "kv_cache_mib", "max_request_bytes"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise ValidationError(f"{flag} must be at least 1, got {getattr(args, name)}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ValidationError(f"--max-model-len must be at least 2, got {args.max_model_len}")
+    if not 0 <= args.port <= 65535:
+        raise ValidationError(f"--port must be between 0 and 65535, got {args.port}")
+    if args.shutdown_timeout < 0:
+        raise ValidationError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    engine_args = dict(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    run_server(
+        args.model,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+        engine_args=engine_args,
+    )
 
 
 def _read_text(path: str) -> str:

@@ -1,0 +1,186 @@
+"""POST /v1/chat/completions: the chat template applied server-side, `n` choices, streaming.
+
+`n` fans out into n engine requests over the same prompt, choice i seeded with `seed + i`.
+`usage.prompt_tokens` is the length of our tokenization of the rendered prompt, counted once.
+"""
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, aclosing
+
+from zcode.engine.request_output import RequestOutput
+from zcode.server.protocol import ApiError, ChatCompletionRequest
+from zcode.server.serving import (
+    ServerState,
+    final_outputs,
+    merge,
+    new_id,
+    now_s,
+    sse,
+    stream_error,
+    usage,
+)
+
+# Variables the server passes to the template itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "special_tokens"}
+
+
+class Chat:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    def render(self, req: ChatCompletionRequest) -> str:
+        self.state.require_tokenizer()
+        kwargs = dict(req.chat_template_kwargs or {})
+        clash = _RESERVED_TEMPLATE_VARS & kwargs.keys()
+        if clash:
+            raise ApiError(
+                f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs"
+            )
+        enable_thinking = kwargs.pop("enable_thinking", None)
+        text = self.state.llm.apply_chat_template(
+            req.messages,
+            enable_thinking=enable_thinking,
+            add_generation_prompt=req.add_generation_prompt,
+            **kwargs,
+        )
+        if req.continue_final_message:
+            final = req.messages[-1].get("content")
+            end = text.rfind(final) if isinstance(final, str) and final else -1
+            if end < 0:
+                raise ApiError(
+                    "continue_final_message needs a final message with text content",
+                    param="messages",
+                )
+            text = text[: end + len(final)]
+        return text
+
+    async def create(self, req: ChatCompletionRequest):
+        state = self.state
+        state.check_model(req.model)
+        req.check()
+        prompt_text = self.render(req)
+        prompt_ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
+        max_tokens = req.requested_max_tokens
+        state.check_prompt(prompt_ids, max_tokens)
+        if max_tokens is None:
+            max_tokens = state.max_model_len - len(prompt_ids)
+        request_id = new_id("chatcmpl")
+        jobs = [
+            (
+                prompt_ids,
+                req.sampling_params(max_tokens, i, req.num_logprobs, None),
+                f"{request_id}-{i}",
+            )
+            for i in range(req.n)
+        ]
+        stack = AsyncExitStack()
+        streams = await stack.enter_async_context(state.engine.requests(jobs))
+        view = _View(state, req, request_id, len(prompt_ids))
+        if req.stream:
+            return _stream(view, streams, stack)
+        async with stack:
+            return view.response(await final_outputs(streams))
+
+
+class _View:
+    """Turns engine outputs into OpenAI chat completion objects and chunks."""
+
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, num_prompt):
+        self.state, self.req, self.id = state, req, request_id
+        self.num_prompt_tokens = num_prompt
+        self.created = now_s()
+
+    def response(self, finals: list[RequestOutput]) -> dict:
+        choices = []
+        for index, out in enumerate(finals):
+            message = {"role": "assistant", "content": out.text}
+            logprobs = None
+            if self.req.logprobs:
+                logprobs = {"content": self.logprobs(out.token_ids, out.logprobs or [])}
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason,
+                    "stop_reason": out.stop_reason,
+                }
+            )
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+            "usage": usage(self.num_prompt_tokens, sum(len(o.token_ids) for o in finals)),
+        }
+
+    def chunk(self, choices: list[dict], usage_stats: dict | None = None) -> dict:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.state.model_name,
+            "choices": choices,
+        }
+        if usage_stats is not None:
+            body["usage"] = usage_stats
+        return body
+
+    def logprobs(self, token_ids: list[int], logprobs: list[dict]) -> list[dict]:
+        num_top = self.req.top_logprobs or 0
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            top = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+            content.append(
+                {
+                    **self._entry(token_id, entry[token_id]),
+                    "top_logprobs": [self._entry(t, lp) for t, lp in top],
+                }
+            )
+        return content
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        token = self.state.token_str(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+async def _stream(view: _View, streams, stack: AsyncExitStack) -> AsyncIterator[str]:
+    req = view.req
+    num_choices = len(streams)
+    num_sent = [0] * num_choices  # output tokens whose logprobs were sent, per choice
+    num_output = [0] * num_choices
+    try:
+        async with stack, aclosing(merge(streams)) as outputs:
+            for index in range(num_choices):
+                delta = {"role": "assistant", "content": ""}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+                yield sse(view.chunk([choice]))
+            async for index, out in outputs:
+                logprobs = None
+                if req.logprobs:
+                    new_ids = out.token_ids[num_sent[index] :]
+                    new_lps = (out.logprobs or [])[num_sent[index] :]
+                    logprobs = {"content": view.logprobs(new_ids, new_lps)}
+                    num_sent[index] = len(out.token_ids)
+                num_output[index] = len(out.token_ids)
+                delta = {"content": out.delta_text} if out.delta_text else {}
+                if not delta and not out.finished and not (logprobs and logprobs["content"]):
+                    continue
+                choice = {
+                    "index": index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": out.finish_reason if out.finished else None,
+                }
+                if out.finished:
+                    choice["stop_reason"] = out.stop_reason
+                running_usage = None
+                if req.continuous_usage:
+                    running_usage = usage(view.num_prompt_tokens, sum(num_output))
+                yield sse(view.chunk([choice], running_usage))
+        if req.include_usage:
+            yield sse(view.chunk([], usage(view.num_prompt_tokens, sum(num_output))))
+    except Exception as e:
+        yield stream_error(e)
+    yield sse("[DONE]")

@@ -1,0 +1,110 @@
+"""`zcode serve`: load the model, serve HTTP with uvicorn, and shut down gracefully.
+
+SIGTERM does not close the listening socket at once (uvicorn's default, which turns new requests
+into connection errors): it starts a drain. New generations get 503, in-flight ones may finish
+for up to `shutdown_timeout_s`, what is still running then is aborted (its clients see
+finish_reason "abort"), and the process exits 0. A second SIGTERM, or Ctrl-C, stops at once.
+"""
+
+import asyncio
+import logging
+import signal
+import time
+from pathlib import Path
+
+import uvicorn
+
+from zcode.llm import LLM
+from zcode.loader.checkpoint import DEFAULT_MODEL_FILE, resolve_model_path
+from zcode.server.app import build_app
+from zcode.server.async_engine import AsyncEngine
+from zcode.server.metrics import Metrics
+from zcode.server.serving import ServerState
+
+logger = logging.getLogger("zcode.server")
+
+ABORT_GRACE_S = 2.0  # after aborting, how long aborted responses get to reach their clients
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        return DEFAULT_MODEL_FILE.split(".")[0]
+    return model
+
+
+def build_state(model: str | None, served_model_name: str | None, engine_args: dict) -> ServerState:
+    """Loads the model and wires the engine thread, metrics and server state together."""
+    llm = LLM(model, **engine_args)
+    name = served_model_name or default_model_name(model)
+    engine = AsyncEngine(llm.engine, Metrics(name))
+    root = str(Path(resolve_model_path(model)).resolve())
+    return ServerState(llm, engine, name, root, int(time.time()))
+
+
+def run_server(
+    model: str | None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_request_bytes: int = 1 << 20,
+    shutdown_timeout_s: float = 30.0,
+    engine_args: dict | None = None,
+) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    state = build_state(model, served_model_name, engine_args or {})
+    app = build_app(state, api_key, max_request_bytes)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5
+    )
+    logger.info(
+        "serving %s (max_model_len %d) on http://%s:%d",
+        state.model_name,
+        state.max_model_len,
+        host,
+        port,
+    )
+    _GracefulServer(config, state, shutdown_timeout_s).run()
+
+
+class _GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout_s: float):
+        super().__init__(config)
+        self.state = state
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGTERM and not self.state.draining and self._loop is not None:
+            self.state.draining = True
+            self._loop.call_soon_threadsafe(self._start_drain)
+            return
+        super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        state = self.state
+        logger.info(
+            "SIGTERM: refusing new requests, waiting up to %.1f s for %d in flight",
+            self.shutdown_timeout_s,
+            state.num_inflight,
+        )
+        await _wait_idle(state, self.shutdown_timeout_s)
+        if state.num_inflight:
+            logger.warning("aborting %d requests still in flight", state.num_inflight)
+            state.engine.abort_all()
+            await _wait_idle(state, ABORT_GRACE_S)
+        self.should_exit = True
+
+
+async def _wait_idle(state: ServerState, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while state.num_inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)

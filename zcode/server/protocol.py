@@ -1,0 +1,231 @@
+"""Request bodies of the OpenAI-compatible API as pydantic models, and the API's error type.
+
+Field names and defaults are OpenAI's, plus vLLM's sampling extras (`top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, ...). Unknown fields are ignored, as OpenAI and vLLM do;
+known fields we cannot honour (`logit_bias`, penalties, `suffix`) are rejected rather than
+silently dropped. Ranges are checked by pydantic, so a bad value names its field in the 400.
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from zcode.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 16
+SEED_RANGE = 1 << 63
+
+TokenId = Annotated[int, Field(ge=0)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+class ApiError(Exception):
+    """An error the HTTP layer answers with `{"error": {message, type, param, code}}`."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param = message, status, type, param
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _GenerateRequest(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = Field(None, ge=-SEED_RANGE, lt=SEED_RANGE)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    user: str | None = None
+
+    def check(self) -> None:
+        """Checks across fields, and fields we cannot honour; raises ApiError naming the field."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(
+                "Stream options can only be defined when stream=True.", param="stream_options"
+            )
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise ApiError("at most 16 stop strings are supported", param="stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ApiError(f"{name} is not supported; use repetition_penalty", param=name)
+        if self.logit_bias:
+            raise ApiError("logit_bias is not supported", param="logit_bias")
+
+    def sampling_params(
+        self, max_tokens: int, index: int, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        """The engine's parameters for choice `index`; each choice gets its own seed."""
+        seed = None if self.seed is None else (self.seed + index) % SEED_RANGE
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_k=max(self.top_k, 0),
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
+
+
+class CompletionRequest(_GenerateRequest):
+    prompt: Prompt
+    echo: bool = False
+    logprobs: NumLogprobs | None = None
+    max_tokens: int | None = Field(16, ge=0)
+    prompt_logprobs: NumLogprobs | None = None
+    add_special_tokens: bool = True
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.suffix:
+            raise ApiError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError("best_of is not supported (it must equal n)", param="best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise ApiError("max_tokens=0 is only allowed with echo=true", param="max_tokens")
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: dict[str, str]
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError(
+                "When response_format type is 'json_schema', the 'json_schema' field must be "
+                "provided."
+            )
+        return self
+
+
+class ChatCompletionRequest(_GenerateRequest):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def check(self) -> None:
+        super().check()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(
+                "when using `top_logprobs`, `logprobs` must be set to true", param="top_logprobs"
+            )
+        if self.tools is not None and not self.tools:
+            raise ApiError("`tools` must not be an empty array", param="tools")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ApiError("When using `tool_choice`, `tools` must be set.", param="tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.get("name")
+            if name not in {t.function.name for t in self.tools or []}:
+                raise ApiError(
+                    "The tool specified in `tool_choice` does not match any of the specified "
+                    "`tools`",
+                    param="tool_choice",
+                )
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+            )
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[TokenId]
