@@ -1,0 +1,151 @@
+"""A real `zcode serve` subprocess on a free loopback port, as vLLM's RemoteOpenAIServer.
+
+Tests talk to it with the official `openai` client, and with plain `http.client` where they need
+what the client hides (raw bodies, status codes, headers, dropping a connection mid-stream).
+"""
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import openai
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a second torch thread mostly spins on 2 cores
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    def __init__(self, *args: str, api_key: str | None = None, startup_timeout_s: float = 180):
+        self.port = free_port()
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="zcode-serve-", suffix=".log")
+        command = [sys.executable, "-m", "zcode.cli", "serve", *args, "--port", str(self.port)]
+        if api_key:
+            command += ["--api-key", api_key]
+        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=ENV)
+        self._wait_healthy(startup_timeout_s)
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"zcode serve exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if self.request("GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"zcode serve not healthy after {timeout_s} s:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=self.api_key or "unused",
+            max_retries=0,
+            timeout=120,
+            **kwargs,
+        )
+
+    def async_client(self, **kwargs) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=self.api_key or "unused",
+            max_retries=0,
+            timeout=300,
+            **kwargs,
+        )
+
+    def connection(self, timeout_s: float = 120) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+
+    def headers(self, auth: bool = True) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if auth and self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: dict | str | bytes | None = None,
+        headers: dict | None = None,
+    ) -> tuple[int, dict | str]:
+        """(status, JSON body or text) of one plain HTTP request."""
+        conn = self.connection()
+        try:
+            if isinstance(body, dict):
+                body = json.dumps(body)
+            conn.request(
+                method, path, body=body, headers=self.headers() if headers is None else headers
+            )
+            response = conn.getresponse()
+            text = response.read().decode()
+        finally:
+            conn.close()
+        try:
+            return response.status, json.loads(text)
+        except json.JSONDecodeError:
+            return response.status, text
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample on /metrics, keyed by name plus labels other than model_name."""
+        status, text = self.request("GET", "/metrics")
+        assert status == 200, text
+        samples = {}
+        for name, labels, value in re.findall(r"^([\w:]+)(?:\{(.*)\})? (\S+)$", text, re.M):
+            labels = ",".join(
+                part for part in labels.split(",") if part and not part.startswith("model_name=")
+            )
+            samples[f"{name}{{{labels}}}" if labels else name] = float(value)
+        return samples
+
+    def wait_idle(self, timeout_s: float = 30) -> dict[str, float]:
+        """Polls /metrics until no request runs or waits; returns the last samples."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            idle = m["zcode:num_requests_running"] == 0 and m["zcode:num_requests_waiting"] == 0
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)
+
+    def terminate(self, timeout_s: float = 60) -> int:
+        """SIGTERM, then the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self.log.close()
+
+    def __enter__(self) -> "RemoteServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
