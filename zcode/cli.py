@@ -429,8 +429,9 @@ def _serve(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         kv_cache_bytes=args.kv_cache_mib << 20,
-        enable_prefix_caching=not args.no_prefix_caching,
     )
+    if args.no_prefix_caching:
+        engine_args["enable_prefix_caching"] = False
     run_server(
         args.model,
         host=args.host,
