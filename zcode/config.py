@@ -15,6 +15,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared by earlier requests
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -33,7 +33,9 @@ class LLMEngine:
         )
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
@@ -75,6 +77,21 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def stats(self) -> dict:
+        """A snapshot for metrics; the prefix-cache and preemption counts are running totals."""
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_usage": bm.usage,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_free_blocks": bm.num_evictable_blocks,
+            "num_blocks": bm.num_blocks,
+        }
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)

@@ -3,7 +3,8 @@
 Requests are counted by computed vs total tokens, not by phase: a prompt is prefilled in chunks
 that fit the step's token budget, a decoding sequence asks for one token, and both share a step.
 Running sequences go first; when KV blocks run out the newest running sequence is preempted
-(its blocks freed, to be recomputed later).
+(its blocks freed, to be recomputed later). A sequence admitted from the queue starts after the
+longest prefix of its tokens already in the prefix cache.
 """
 
 from collections import deque
@@ -42,6 +43,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledSeq]:
+        for seq in self.running:  # what the previous step computed becomes reusable
+            self.block_manager.cache_full_blocks(seq)
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
@@ -57,11 +60,12 @@ class Scheduler:
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, num_new):
+            prefix = self.block_manager.cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(prefix) * self.block_manager.block_size, budget)
+            if not self.block_manager.can_allocate(seq, num_new, prefix):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq, num_new)
+            self.block_manager.allocate(seq, num_new, prefix)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))

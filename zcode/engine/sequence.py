@@ -31,6 +31,9 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained content hash of each full block of tokens
+        self.num_hashed_blocks = 0  # leading blocks of block_table already offered to the cache
+        self.num_cached_tokens = 0  # tokens reused from the prefix cache at the latest admission
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None  # "stop", "length" or "abort"
         self.stop_reason: int | str | None = None
