@@ -20,6 +20,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -2,6 +2,7 @@
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -100,32 +101,49 @@ class LLMEngine:
             self.sampler.release(seq)
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns an output for every sequence that made progress."""
+        """One engine iteration; returns an output for every sequence that made progress.
+
+        A sequence whose forward pass, sampling or output fails is finished with reason "error"
+        and the others carry on, so one bad request cannot wedge the engine.
+        """
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        logits = self.runner.execute(scheduled)
-        return self._update(scheduled, logits)
+        ran, failed = _isolating_failures(self.runner.execute, scheduled, lambda s: s.seq)
+        return [self._fail(s.seq) for s in failed] + self._update(ran)
 
-    def _update(
-        self, scheduled: list[ScheduledSeq], logits: list[torch.Tensor]
-    ) -> list[RequestOutput]:
-        sampling_seqs, sampling_logits = [], []
-        for s, seq_logits in zip(scheduled, logits):
+    def _update(self, ran: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[RequestOutput]:
+        sampling = []
+        for s, seq_logits in ran:
             seq = s.seq
             if seq.wants_prompt_logprobs:
                 self._record_prompt_logprobs(seq, seq_logits)
             completes = s.completes_prompt
             seq.num_computed_tokens += s.num_new_tokens
             if completes:
-                sampling_seqs.append(seq)
-                sampling_logits.append(seq_logits[-1])
-        if not sampling_seqs:
-            return []
-        tokens, logprobs = self.sampler(torch.stack(sampling_logits), sampling_seqs)
-        return [
-            self._append(seq, token, lp) for seq, token, lp in zip(sampling_seqs, tokens, logprobs)
-        ]
+                sampling.append((seq, seq_logits[-1]))
+        sampled, failed = _isolating_failures(self._sample, sampling, lambda item: item[0])
+        outputs = [self._fail(seq) for seq, _ in failed]
+        for (seq, _), (token, logprobs) in sampled:
+            try:
+                outputs.append(self._append(seq, token, logprobs))
+            except Exception:
+                logger.exception("request %s failed", seq.request_id)
+                outputs.append(self._fail(seq))
+        return outputs
+
+    def _sample(
+        self, items: list[tuple[Sequence, torch.Tensor]]
+    ) -> list[tuple[int, dict[int, float] | None]]:
+        seqs = [seq for seq, _ in items]
+        tokens, logprobs = self.sampler(torch.stack([logits for _, logits in items]), seqs)
+        return list(zip(tokens, logprobs))
+
+    def _fail(self, seq: Sequence) -> RequestOutput:
+        self.scheduler.finish(seq, "error")
+        self.sampler.release(seq)
+        self.sequences.pop(seq.request_id, None)
+        return self._output(seq, [])
 
     def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         # logits row i predicts the token after position (computed + i)
@@ -199,6 +217,27 @@ class LLMEngine:
             ),
             ttft_s=seq.first_token_time - seq.arrival_time if seq.first_token_time else None,
         )
+
+
+def _isolating_failures(fn: Callable[[list], list], items: list, seq_of: Callable) -> tuple:
+    """Applies `fn` (one result per item) to all items; if that raises, to each item alone.
+
+    Returns ([(item, result)], [items it failed on]); each failure is logged with its request.
+    """
+    if not items:
+        return [], []
+    try:
+        return list(zip(items, fn(items))), []
+    except Exception:
+        if len(items) == 1:
+            logger.exception("request %s failed", seq_of(items[0]).request_id)
+            return [], items
+    done, failed = [], []
+    for item in items:
+        item_done, item_failed = _isolating_failures(fn, [item], seq_of)
+        done += item_done
+        failed += item_failed
+    return done, failed
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

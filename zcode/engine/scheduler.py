@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from zcode.engine.block_manager import BlockManager
 from zcode.engine.sequence import Sequence, SequenceStatus
+from zcode.errors import ValidationError
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,15 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        # A sequence that cannot fit alone in the whole cache would wait (or preempt) forever.
+        max_tokens = seq.num_prompt_tokens + seq.params.max_tokens
+        bm = self.block_manager
+        if -(-max_tokens // bm.block_size) > bm.num_blocks:
+            raise ValidationError(
+                f"{max_tokens} tokens ({seq.num_prompt_tokens} in the prompt, "
+                f"{seq.params.max_tokens} to generate) do not fit in the KV cache of "
+                f"{bm.num_blocks * bm.block_size} tokens"
+            )
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -48,11 +58,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         for seq in list(self.running):
+            if budget == 0:
+                break
             if seq not in self.running:  # preempted below to make room for an older sequence
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new == 0:
-                break
             if not self._make_room(seq, num_new):
                 continue
             self.block_manager.allocate(seq, num_new)
