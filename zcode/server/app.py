@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from zcode.chat.messages import normalize_messages
 from zcode.errors import ValidationError
 from zcode.server.async_engine import EngineError
 from zcode.server.chat import Chat
@@ -83,7 +84,7 @@ def build_app(
         state.require_tokenizer()
         if body.messages is not None:
             text = state.llm.apply_chat_template(
-                body.messages, add_generation_prompt=body.add_generation_prompt
+                normalize_messages(body.messages), add_generation_prompt=body.add_generation_prompt
             )
             tokens = state.tokenizer.encode(text, add_special_tokens=False)
         else:

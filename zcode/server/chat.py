@@ -1,5 +1,8 @@
 """POST /v1/chat/completions: the chat template applied server-side, `n` choices, streaming.
 
+Messages are normalised (content parts to strings, tool-call arguments to dicts) before the
+template renders them; the output is split into reasoning, content and GLM tool calls.
+
 `n` fans out into n engine requests over the same prompt, choice i seeded with `seed + i`.
 `usage.prompt_tokens` is the length of our tokenization of the rendered prompt, counted once.
 """
@@ -7,8 +10,12 @@
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing
 
+from zcode.chat.messages import normalize_messages
+from zcode.chat.reasoning_parser import prompt_opens_reasoning
+from zcode.chat.tool_parser import CALL_START
 from zcode.engine.request_output import RequestOutput
-from zcode.server.protocol import ApiError, ChatCompletionRequest
+from zcode.server.chat_output import ChoiceOutput
+from zcode.server.protocol import ApiError, ChatCompletionRequest, NamedToolChoice
 from zcode.server.serving import (
     ServerState,
     final_outputs,
@@ -27,8 +34,11 @@ _RESERVED_TEMPLATE_VARS = {"messages", "tools", "add_generation_prompt", "specia
 class Chat:
     def __init__(self, state: ServerState) -> None:
         self.state = state
+        template = getattr(state.tokenizer, "chat_template", None) or ""
+        self.reasoning = "<think>" in template  # split reasoning_content for thinking models
+        self.glm_tools = "<arg_key>" in template  # the template writes GLM tool calls
 
-    def render(self, req: ChatCompletionRequest) -> str:
+    def render(self, req: ChatCompletionRequest, tools: list[dict] | None, forced: bool) -> str:
         self.state.require_tokenizer()
         kwargs = dict(req.chat_template_kwargs or {})
         clash = _RESERVED_TEMPLATE_VARS & kwargs.keys()
@@ -36,16 +46,18 @@ class Chat:
             raise ApiError(
                 f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs"
             )
-        enable_thinking = kwargs.pop("enable_thinking", None)
+        enable_thinking = kwargs.pop("enable_thinking", False if forced else None)
+        messages = normalize_messages(req.messages)
         text = self.state.llm.apply_chat_template(
-            req.messages,
+            messages,
             enable_thinking=enable_thinking,
+            tools=tools,
             add_generation_prompt=req.add_generation_prompt,
             **kwargs,
         )
         if req.continue_final_message:
-            final = req.messages[-1].get("content")
-            end = text.rfind(final) if isinstance(final, str) and final else -1
+            final = messages[-1].get("content")
+            end = text.rfind(final) if final else -1
             if end < 0:
                 raise ApiError(
                     "continue_final_message needs a final message with text content",
@@ -54,11 +66,29 @@ class Chat:
             text = text[: end + len(final)]
         return text
 
+    def _forced_call_prefix(self, req: ChatCompletionRequest, prompt_text: str) -> str:
+        """The start of the tool call that `required` or a named tool_choice makes the model write.
+
+        No constrained decoding: the GLM call is begun in the prompt (its name too, when named),
+        after closing a reasoning block the template left open.
+        """
+        if not self.glm_tools or req.tool_choice in (None, "none", "auto"):
+            return ""
+        prefix = "</think>" if self.reasoning and prompt_opens_reasoning(prompt_text) else ""
+        if isinstance(req.tool_choice, NamedToolChoice):
+            return prefix + CALL_START + req.tool_choice.function["name"]
+        return prefix + CALL_START
+
     async def create(self, req: ChatCompletionRequest):
         state = self.state
         state.check_model(req.model)
         req.check()
-        prompt_text = self.render(req)
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
+        forced = use_tools and req.tool_choice not in (None, "auto")
+        prompt_text = self.render(req, tools, forced)
+        call_prefix = self._forced_call_prefix(req, prompt_text)
+        prompt_text += call_prefix
         prompt_ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
         max_tokens = req.requested_max_tokens
         state.check_prompt(prompt_ids, max_tokens)
@@ -73,9 +103,16 @@ class Chat:
             )
             for i in range(req.n)
         ]
+        starts_in_reasoning = self.reasoning and prompt_opens_reasoning(prompt_text)
+        # The forced prefix closed any reasoning block; what it begins is a tool call.
+        call_prefix = call_prefix.removeprefix("</think>")
+
+        def parser() -> ChoiceOutput:
+            return ChoiceOutput(self.reasoning, starts_in_reasoning, tools, call_prefix)
+
         stack = AsyncExitStack()
         streams = await stack.enter_async_context(state.engine.requests(jobs))
-        view = _View(state, req, request_id, len(prompt_ids))
+        view = _View(state, req, request_id, len(prompt_ids), parser)
         if req.stream:
             return _stream(view, streams, stack)
         async with stack:
@@ -85,15 +122,19 @@ class Chat:
 class _View:
     """Turns engine outputs into OpenAI chat completion objects and chunks."""
 
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, num_prompt):
+    def __init__(
+        self, state: ServerState, req: ChatCompletionRequest, request_id: str, num_prompt, parser
+    ):
         self.state, self.req, self.id = state, req, request_id
         self.num_prompt_tokens = num_prompt
+        self.parser = parser
         self.created = now_s()
 
     def response(self, finals: list[RequestOutput]) -> dict:
         choices = []
         for index, out in enumerate(finals):
-            message = {"role": "assistant", "content": out.text}
+            output = self.parser()
+            message = output.message(out.text)
             logprobs = None
             if self.req.logprobs:
                 logprobs = {"content": self.logprobs(out.token_ids, out.logprobs or [])}
@@ -102,7 +143,7 @@ class _View:
                     "index": index,
                     "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": out.finish_reason,
+                    "finish_reason": output.finish_reason(out.finish_reason),
                     "stop_reason": out.stop_reason,
                 }
             )
@@ -150,6 +191,7 @@ async def _stream(view: _View, streams, stack: AsyncExitStack) -> AsyncIterator[
     num_choices = len(streams)
     num_sent = [0] * num_choices  # output tokens whose logprobs were sent, per choice
     num_output = [0] * num_choices
+    outputs_text = [view.parser() for _ in range(num_choices)]
     try:
         async with stack, aclosing(merge(streams)) as outputs:
             for index in range(num_choices):
@@ -164,14 +206,19 @@ async def _stream(view: _View, streams, stack: AsyncExitStack) -> AsyncIterator[
                     logprobs = {"content": view.logprobs(new_ids, new_lps)}
                     num_sent[index] = len(out.token_ids)
                 num_output[index] = len(out.token_ids)
-                delta = {"content": out.delta_text} if out.delta_text else {}
+                parser = outputs_text[index]
+                delta = parser.feed(out.delta_text)
+                if out.finished:
+                    _merge_delta(delta, parser.finish())
                 if not delta and not out.finished and not (logprobs and logprobs["content"]):
                     continue
                 choice = {
                     "index": index,
                     "delta": delta,
                     "logprobs": logprobs,
-                    "finish_reason": out.finish_reason if out.finished else None,
+                    "finish_reason": parser.finish_reason(out.finish_reason)
+                    if out.finished
+                    else None,
                 }
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
@@ -184,3 +231,8 @@ async def _stream(view: _View, streams, stack: AsyncExitStack) -> AsyncIterator[
     except Exception as e:
         yield stream_error(e)
     yield sse("[DONE]")
+
+
+def _merge_delta(delta: dict, more: dict) -> None:
+    for key, value in more.items():
+        delta[key] = delta[key] + value if key in delta else value

@@ -1,0 +1,328 @@
+"""GLM tool calls and reasoning through the real HTTP stack, with a scripted model.
+
+No small model here writes GLM tool calls on request, so a parrot stands in for `LLMEngine`: it
+answers every chat with the last user message, three characters per step, so tags are split
+across stream chunks. Everything else is real: the FastAPI app and the async engine thread under
+uvicorn (in a thread of this process), the chat parsers, and the official `openai` client.
+"""
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import openai
+import pytest
+import uvicorn
+from remote_server import free_port
+
+from zcode.engine.request_output import RequestOutput
+from zcode.llm import LLM
+from zcode.server.app import build_app
+from zcode.server.async_engine import AsyncEngine
+from zcode.server.metrics import Metrics
+from zcode.server.serving import ServerState
+
+# GLM-4.7 in miniature: compact tool calls, a generation prompt that opens <think> (thinking on)
+# or closes it (enable_thinking=false).
+GLM47_LIKE = """[gMASK]<sop>
+{%- if tools %}<|system|>Tools:{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'system' or m.role == 'user' %}<|{{ m.role }}|>{{ m.content }}
+{%- elif m.role == 'assistant' %}<|assistant|></think>{{ m.content or '' }}
+{%- for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}
+{%- for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key><arg_value>
+{{- v if v is string else v | tojson }}</arg_value>{% endfor %}</tool_call>{% endfor %}
+{%- elif m.role == 'tool' %}<|observation|><tool_response>{{ m.content }}</tool_response>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|>
+{%- if enable_thinking is defined and not enable_thinking %}</think>{% else %}<think>{% endif %}
+{%- endif %}"""
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+CHUNK_CHARS = 3
+
+
+class CharTokenizer:
+    """One token per character, so token counts are character counts."""
+
+    chat_template = GLM47_LIKE
+    eos_token, bos_token, pad_token, unk_token = "<|endoftext|>", None, None, None
+    special_tokens_map = {"eos_token": "<|endoftext|>"}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(map(chr, ids))
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
+
+@dataclass
+class _Request:
+    prompt_ids: list[int]
+    answer: str
+    max_tokens: int
+    num_chars: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+
+class ParrotEngine:
+    """Answers with the last user message; an answer containing FAIL makes the step raise."""
+
+    max_model_len = 4096
+    vocab_size = 0x110000
+
+    def __init__(self) -> None:
+        self.requests: dict[str, _Request] = {}
+
+    @property
+    def scheduler(self):
+        return SimpleNamespace(running=[SimpleNamespace(request_id=r) for r in self.requests])
+
+    def add_request(self, prompt_ids, params, request_id):
+        prompt = "".join(map(chr, prompt_ids))
+        answer = prompt.rsplit("<|user|>", 1)[1].split("<|", 1)[0]
+        self.requests[request_id] = _Request(prompt_ids, answer, params.max_tokens)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def abort(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def stats(self) -> dict:
+        return {"num_running": len(self.requests), "num_waiting": 0, "kv_usage": 0.0}
+
+    def step(self) -> list[RequestOutput]:
+        if any("FAIL" in r.answer for r in self.requests.values()):
+            raise RuntimeError("scripted failure")
+        outputs = []
+        for request_id, r in list(self.requests.items()):
+            delta = r.answer[r.num_chars : r.num_chars + CHUNK_CHARS]
+            r.num_chars += len(delta)
+            r.token_ids.append(len(r.token_ids))
+            done = r.num_chars >= len(r.answer)
+            finished = done or len(r.token_ids) >= r.max_tokens
+            if finished:
+                del self.requests[request_id]
+            outputs.append(
+                RequestOutput(
+                    request_id, r.prompt_ids, r.answer[: r.num_chars], list(r.token_ids),
+                    finished, ("stop" if done else "length") if finished else None,
+                    delta_text=delta, delta_token_ids=r.token_ids[-1:],
+                )
+            )  # fmt: skip
+        time.sleep(0.001)
+        return outputs
+
+
+class ParrotLLM:
+    apply_chat_template = LLM.apply_chat_template
+
+    def __init__(self) -> None:
+        self.tokenizer = CharTokenizer()
+        self.engine = ParrotEngine()
+
+
+@pytest.fixture(scope="module")
+def server():
+    llm = ParrotLLM()
+    state = ServerState(llm, AsyncEngine(llm.engine, Metrics("parrot")), "parrot", "parrot", 0)
+    port = free_port()
+    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", state=state)
+    uv.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, answer: str, stream: bool = False, **kwargs):
+    messages = [{"role": "user", "content": answer}]
+    return client.chat.completions.create(
+        model="parrot", messages=messages, stream=stream, **kwargs
+    )
+
+
+def streamed(client, answer: str, **kwargs) -> tuple[dict, str, list]:
+    """Rebuilds the message from a stream: (message fields, finish reason, chunks)."""
+    chunks = list(chat(client, answer, stream=True, **kwargs))
+    message = {"content": "", "reasoning_content": ""}
+    calls: dict[int, dict] = {}
+    reasons = []
+    for chunk in chunks:
+        for c in chunk.choices:
+            delta = c.delta
+            message["content"] += delta.content or ""
+            message["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            for d in delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or d.id
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+            reasons.append(c.finish_reason)
+    assert reasons[-1] is not None and not any(reasons[:-1])
+    message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return message, reasons[-1], chunks
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+
+
+def test_reasoning_split_when_the_template_opens_think(client):
+    answer = "Two and two.</think>\n\nThe answer is 4."
+    out = chat(client, answer)
+    message = out.choices[0].message
+    assert message.reasoning_content == "Two and two."
+    assert message.content == "The answer is 4."
+    assert out.usage.completion_tokens == -(-len(answer) // CHUNK_CHARS)
+    fields, reason, _ = streamed(client, answer)
+    assert fields["reasoning_content"] == "Two and two." and fields["content"] == "The answer is 4."
+    assert reason == out.choices[0].finish_reason == "stop"
+
+
+def test_no_reasoning_with_thinking_off(client):
+    out = chat(client, "Plain answer.", extra_body=NO_THINKING)
+    message = out.choices[0].message
+    assert message.content == "Plain answer."
+    assert not (message.model_extra or {}).get("reasoning_content")
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        # GLM-4.7/5: compact
+        "Let me check.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
+        "<arg_key>days</arg_key><arg_value>2</arg_value></tool_call>",
+        # GLM-4.5/4.6: newlines between the parts
+        "Let me check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+        "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>\n",
+    ],
+    ids=["glm47", "glm45"],
+)
+def test_tool_call_both_formats_streamed_and_not(client, answer):
+    kwargs = dict(tools=TOOLS, tool_choice="auto", extra_body=NO_THINKING)
+    out = chat(client, answer, **kwargs)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me check."
+    assert calls_of(choice.message) == [("get_weather", {"city": "Paris", "days": 2})]
+    assert choice.message.tool_calls[0].id.startswith("call_")
+    fields, reason, _ = streamed(client, answer, **kwargs)
+    assert reason == "tool_calls" and fields["content"] == "Let me check."
+    [call] = fields["tool_calls"]
+    assert call["id"].startswith("call_") and call["name"] == "get_weather"
+    assert json.loads(call["arguments"]) == {"city": "Paris", "days": 2}
+
+
+def test_zero_argument_call_and_unknown_tool_dropped(client):
+    answer = (
+        "<tool_call>get_time</tool_call><tool_call>rm_rf<arg_key>path</arg_key>"
+        "<arg_value>/</arg_value></tool_call>"
+    )
+    kwargs = dict(tools=TOOLS, extra_body=NO_THINKING)
+    message = chat(client, answer, **kwargs).choices[0].message
+    assert calls_of(message) == [("get_time", {})] and message.content is None
+    fields, _, _ = streamed(client, answer, **kwargs)
+    assert [(c["name"], json.loads(c["arguments"])) for c in fields["tool_calls"]] == [
+        ("get_time", {})
+    ]
+
+
+def test_reasoning_then_tool_call(client):
+    answer = "Need the weather.</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>"  # noqa: E501
+    out = chat(client, answer, tools=TOOLS)
+    message = out.choices[0].message
+    assert message.reasoning_content == "Need the weather."
+    assert calls_of(message) == [("get_weather", {"city": "Rome"})]
+
+
+def test_named_tool_choice_begins_the_call(client):
+    # The parrot writes only the arguments; the server began `<tool_call>get_weather` itself.
+    answer = "<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>"
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    out = chat(client, answer, tools=TOOLS, tool_choice=choice)
+    assert calls_of(out.choices[0].message) == [("get_weather", {"city": "Oslo"})]
+    assert out.choices[0].finish_reason == "tool_calls"
+    fields, reason, _ = streamed(client, answer, tools=TOOLS, tool_choice=choice)
+    assert [c["name"] for c in fields["tool_calls"]] == ["get_weather"] and reason == "tool_calls"
+
+
+def test_required_tool_choice(client):
+    out = chat(client, "get_time</tool_call>", tools=TOOLS, tool_choice="required")
+    assert calls_of(out.choices[0].message) == [("get_time", {})]
+
+
+def test_tool_choice_none_leaves_text_alone(client):
+    answer = "<tool_call>get_time</tool_call>"
+    out = chat(client, answer, tools=TOOLS, tool_choice="none", extra_body=NO_THINKING)
+    assert out.choices[0].message.content == answer and not out.choices[0].message.tool_calls
+
+
+def test_tool_result_as_content_parts_is_rendered(server):
+    import http.client
+
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "22C"}]},
+    ]
+    conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+    body = json.dumps({"messages": messages})
+    conn.request("POST", "/tokenize", body, {"Content-Type": "application/json"})
+    tokens = json.loads(conn.getresponse().read())["tokens"]
+    prompt = "".join(map(chr, tokens))
+    assert "<tool_response>22C</tool_response>" in prompt
+    assert "<arg_key>city</arg_key><arg_value>Paris</arg_value>" in prompt
+
+
+def test_failing_step_fails_its_request_only(client):
+    with pytest.raises(openai.InternalServerError):
+        chat(client, "FAIL now")
+    after = chat(client, "still here", extra_body=NO_THINKING)
+    assert after.choices[0].message.content == "still here"
+
+
+def test_n_choices_each_parsed(client):
+    answer = "ok</think>done"
+    out = chat(client, answer, n=2)
+    assert [c.message.content for c in out.choices] == ["done", "done"]
+    assert [c.message.reasoning_content for c in out.choices] == ["ok", "ok"]
