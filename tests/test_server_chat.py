@@ -85,7 +85,11 @@ class _Request:
 
 
 class ParrotEngine:
-    """Answers with the last user message; an answer containing FAIL makes the step raise."""
+    """Answers with the last user message.
+
+    An answer containing FAIL makes the whole step raise; one containing ERROR finishes that
+    request with reason "error" on its second token.
+    """
 
     max_model_len = 4096
     vocab_size = 0x110000
@@ -121,13 +125,15 @@ class ParrotEngine:
             r.token_ids.append(len(r.token_ids))
             done = r.num_chars >= len(r.answer)
             finished = done or len(r.token_ids) >= r.max_tokens
+            reason = ("stop" if done else "length") if finished else None
+            if "ERROR" in r.answer and len(r.token_ids) == 2:  # as LLMEngine isolates a failure
+                finished, reason = True, "error"
             if finished:
                 del self.requests[request_id]
             outputs.append(
                 RequestOutput(
                     request_id, r.prompt_ids, r.answer[: r.num_chars], list(r.token_ids),
-                    finished, ("stop" if done else "length") if finished else None,
-                    delta_text=delta, delta_token_ids=r.token_ids[-1:],
+                    finished, reason, delta_text=delta, delta_token_ids=r.token_ids[-1:],
                 )
             )  # fmt: skip
         time.sleep(0.001)
@@ -326,3 +332,19 @@ def test_n_choices_each_parsed(client):
     out = chat(client, answer, n=2)
     assert [c.message.content for c in out.choices] == ["done", "done"]
     assert [c.message.reasoning_content for c in out.choices] == ["ok", "ok"]
+
+
+def test_request_the_engine_fails_gets_500_or_an_in_band_error(server, client):
+    import http.client
+
+    with pytest.raises(openai.InternalServerError):
+        chat(client, "ERROR soon", extra_body=NO_THINKING)
+    conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+    body = {"model": "parrot", "messages": [{"role": "user", "content": "ERROR soon"}]}
+    conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    events = [e for e in conn.getresponse().read().decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["code"] == 500 and error["type"] == "InternalServerError"
+    assert chat(client, "fine", extra_body=NO_THINKING).choices[0].message.content == "fine"

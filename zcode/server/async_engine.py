@@ -4,7 +4,8 @@ HTTP handlers never touch `LLMEngine`: they send commands (add, abort) through a
 the engine thread reads, and each request receives its outputs on an asyncio queue of its own,
 filled from the engine thread with `call_soon_threadsafe`. So the engine needs no locks, and a
 slow client never blocks a step. The engine thread catches everything: a request the engine
-rejects fails alone; a step that raises fails the requests of that batch, and the loop goes on.
+rejects fails alone, as does one the engine finishes with reason "error"; should a whole step
+raise, the requests of that batch fail and the loop goes on.
 """
 
 import asyncio
@@ -59,6 +60,8 @@ class RequestStream:
         if item is _ABORTED:
             item = self._aborted()
         self.last = item
+        if item.finish_reason == "error":  # the engine isolated a failure in this request
+            raise EngineError("the engine failed while running this request")
         return item
 
     def _aborted(self) -> RequestOutput:
@@ -218,24 +221,9 @@ class AsyncEngine:
         if self.metrics is None:
             return
         try:
-            self.metrics.engine_stats(engine_stats(self.engine))
+            self.metrics.engine_stats(self.engine.stats())
         except Exception:  # metrics must never stop the engine
             logger.exception("reading engine stats failed")
-
-
-def engine_stats(engine: LLMEngine) -> dict:
-    """`LLMEngine.stats()`, or the same facts read off the scheduler where it is missing."""
-    if hasattr(engine, "stats"):
-        return engine.stats()
-    blocks = engine.block_manager
-    return {
-        "num_running": len(engine.scheduler.running),
-        "num_waiting": len(engine.scheduler.waiting),
-        "kv_usage": blocks.usage,
-        "num_preemptions": engine.scheduler.num_preemptions,
-        "num_free_blocks": blocks.num_free_blocks,
-        "num_blocks": blocks.num_blocks,
-    }
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
