@@ -203,6 +203,24 @@ def test_echo_logprobs_for_lm_eval(client, tokenizer):
     assert prompt_only.usage.completion_tokens == 0
 
 
+def test_streamed_echo_logprobs_and_n_equal_non_streamed(client):
+    kwargs = dict(model=MODEL, prompt=["Hello", PROMPT], n=2, max_tokens=4, temperature=0.8,
+                  seed=3, echo=True, logprobs=2)  # fmt: skip
+    full = client.completions.create(**kwargs)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options=options))
+    texts: dict[int, str] = {}
+    tokens: dict[int, list] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens[c.index] = tokens.get(c.index, []) + (c.logprobs.tokens if c.logprobs else [])
+    assert [c.index for c in full.choices] == [0, 1, 2, 3]
+    assert [c.text for c in full.choices] == [texts[i] for i in range(4)]
+    assert [c.logprobs.tokens for c in full.choices] == [tokens[i] for i in range(4)]
+    assert chunks[-1].usage == full.usage
+
+
 def test_tokenize_detokenize_tokenizer_info(server, tokenizer):
     status, body = server.request("POST", "/tokenize", {"prompt": PROMPT})
     assert status == 200 and body["tokens"] == tokenizer.encode(PROMPT)

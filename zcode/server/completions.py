@@ -187,7 +187,7 @@ async def _stream(view: _View, streams, stack: AsyncExitStack) -> AsyncIterator[
             if req.echo:
                 for index in range(len(streams)):
                     prompt = view.prompt_of(index)
-                    yield sse(view.chunk([view._choice(index, prompt.text)]))
+                    yield sse(view.chunk([view._choice(index, prompt.text, None)]))
                     text_len[index] = len(prompt.text)
             echo_logprobs_pending = set(range(len(streams))) if req.echo else set()
             async for index, out in outputs:

@@ -6,6 +6,7 @@ length") and give the exact token counts.
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -16,6 +17,8 @@ from zcode.engine.request_output import RequestOutput
 from zcode.llm import LLM
 from zcode.server.async_engine import AsyncEngine, EngineError, RequestStream
 from zcode.server.protocol import ApiError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,6 +125,7 @@ def stream_error(e: BaseException) -> str:
         return sse(error_body(e.message, e.type, e.status, e.param))
     if isinstance(e, EngineError):
         return sse(error_body(str(e), "InternalServerError", 500))
+    logger.error("streaming failed", exc_info=e)
     return sse(error_body("internal server error", "InternalServerError", 500))
 
 
