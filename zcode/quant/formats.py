@@ -1,0 +1,128 @@
+"""The interface every weight format implements, the helpers they share, and the bf16 format.
+
+A format holds one linear layer's weight W [N, K] in its own packed layout, as buffers (so
+`state_dict` carries it), and computes `x @ W.T` two ways:
+
+- `linear_reference(x)`: plain PyTorch that is obviously correct: dequantize, then F.linear in
+  fp32; for the formats that also quantize activations (A8), the same integer math in float64,
+  where every product and sum of int8 values and bf16 scales is exact.
+- `linear_fast(x)`: the kernel bench/bench_linear.py measured fastest on this CPU, tested against
+  the reference. Each format's docstring records the choice and the numbers behind it.
+
+Scales and zero points are stored in bf16, the type the packed torch kernels take, so that the
+reference and the fast path dequantize to the very same weights; rounding the scale *up* to a
+bf16 value keeps the round-to-nearest error bound |w - dequantize(w)| <= scale / 2 exact.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Smallest scale: a group or channel that is all zeros still divides by something finite.
+MIN_SCALE = 1e-8
+ACT_QMAX = 127  # int8 activations are symmetric in [-127, 127]
+# Weight rows dequantized per GEMM on the many-rows path: the bf16 tile (~0.6 MB at K = 576) stays
+# in cache and no weight-sized buffer is allocated per call, which made SmolLM2's lm_head 2.4x
+# faster to dequantize than in one piece.
+DEQUANT_TILE_ROWS = 512
+
+
+class PackedWeight(nn.Module, ABC):
+    """One linear layer's weight [out_features, in_features] in a packed format."""
+
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+
+    @classmethod
+    @abstractmethod
+    def quantize(cls, weight: torch.Tensor) -> "PackedWeight":
+        """Round-to-nearest from a float weight [N, K]."""
+
+    @abstractmethod
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this format stands for, [N, K]."""
+
+    @abstractmethod
+    def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] float -> [M, N] (bf16 or fp32: the caller casts)."""
+
+    def linear_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] float -> [M, N] fp32."""
+        return F.linear(x.float(), self.dequantize())
+
+    @property
+    @abstractmethod
+    def weight_bytes(self) -> int:
+        """Bytes the fast path reads per call: packed weight plus scales (the roofline's input)."""
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class Bf16Weight(PackedWeight):
+    """The weight rounded to bf16; the fast path is bf16 F.linear (oneDNN, AMX here).
+
+    At one row it is ~10% slower than fp32 F.linear on this CPU despite half the bytes; from 8
+    rows up it is 2.5x faster, 3.2x at 64 and 5-6.6x at 512 (bench/bench_linear.py).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__(*weight.shape)
+        self.register_buffer("weight", weight)  # bf16 [N, K]
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Bf16Weight":
+        return cls(weight.detach().to(torch.bfloat16).contiguous())
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+    def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weight.numel() * 2
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16 value >= each element of x (fp32): a scale that still covers the range."""
+    rounded = x.to(torch.bfloat16)
+    up = torch.nextafter(rounded, torch.tensor(float("inf"), dtype=torch.bfloat16))
+    return torch.where(rounded.float() < x, up, rounded)
+
+
+def pad_columns(x: torch.Tensor, num_columns: int) -> torch.Tensor:
+    """x: [M, K] -> [M, num_columns], zero-filled on the right (no copy when already that wide)."""
+    return x if x.shape[1] == num_columns else F.pad(x, (0, num_columns - x.shape[1]))
+
+
+def linear_dequantized(
+    x: torch.Tensor, num_rows: int, dequantize_rows: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor:
+    """x [M, K] @ W.T with W dequantized DEQUANT_TILE_ROWS rows at a time by
+    `dequantize_rows(start, end)` -> [end - start, K] in x's dtype. Returns [M, num_rows]."""
+    tiles = [
+        F.linear(x, dequantize_rows(start, min(start + DEQUANT_TILE_ROWS, num_rows)))
+        for start in range(0, num_rows, DEQUANT_TILE_ROWS)
+    ]
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric int8 activations: x [M, K] -> (q int8 [M, K], scale fp32 [M, 1]).
+
+    x ~= q * scale with |x - q * scale| <= scale / 2 (round to nearest, amax / 127 per row).
+    """
+    x = x.float()
+    scale = (x.abs().amax(dim=1, keepdim=True) / ACT_QMAX).clamp_(min=MIN_SCALE)
+    q = torch.round(x / scale).clamp_(-ACT_QMAX, ACT_QMAX).to(torch.int8)
+    return q, scale

@@ -1,0 +1,147 @@
+"""int4 weights in groups along K, asymmetric: weight-only (W4A16) and with int8 activations (W4A8).
+
+Per group of `group_size` consecutive inputs of one output row: w = (q - 8) * scale + zero with
+q in [0, 15] — torch's int4 kernel convention, so `zero` is the value of q = 8, not an integer
+zero point. Asymmetric (scale and zero per group, both bf16, like llama.cpp's Q4_1) because it
+spends all 16 levels on each group's [min, max]; the kernel reads a zero anyway.
+
+Stored twice: `qweight`, two nibbles per byte in plain row-major order (low nibble = even k), is
+the canonical layout — independent of the CPU, what `dequantize` and the many-row path read and
+what a checkpoint would save; `packed` is the same nibbles in the blocked layout of
+torch's CPU kernel, which depends on the ISA torch dispatches to. So the runtime footprint is 8
+bits per weight; `weight_bytes` counts only what a decode step reads. A custom kernel reading
+`qweight` directly would drop the second copy.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from zcode.quant.formats import (
+    MIN_SCALE,
+    PackedWeight,
+    bf16_at_least,
+    linear_dequantized,
+    pad_columns,
+    quantize_per_token,
+    round_up,
+)
+
+GROUP_SIZES = (32, 64, 128)  # the kernel also takes 256
+N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu rejects N % 16 != 0: rows are zero-padded
+# Up to this many rows the packed int4 kernel beats dequantize-to-bf16 + bf16 F.linear.
+PACKED_MAX_ROWS = 64
+
+
+class Int4Weight(PackedWeight):
+    """W4A16: group-wise int4 weight, activations stay float.
+
+    Fast path, chosen by bench/bench_linear.py (1 thread, SmolLM2 shapes, shared machine): up to
+    PACKED_MAX_ROWS rows torch.ops.aten._weight_int4pack_mm_for_cpu with bf16 activations, 2.2x
+    fp32 F.linear at one row (54 vs 121 us at K=576, N=1536; lm_head 1.5 vs 8.4 ms, ~11.6 GB/s,
+    the single-thread bandwidth). Its cost grows ~22 us per row, so past ~64 rows the canonical
+    nibbles are dequantized to bf16 tile by tile and multiplied with bf16 F.linear (AMX): 2.2x
+    fp32 at 512 rows. The eager dequantize (~1.6 ns per weight) is what that path spends;
+    torch.compile of dequantize + linear was slower (2.1 vs 1.6 ms at 64 rows).
+
+    K is padded up to a multiple of the group size (SmolLM2's 576 is not a multiple of 128): the
+    padding repeats the row's last value, so it never widens a group's range, and meets zero
+    activations, so it adds nothing.
+    """
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales_and_zeros: torch.Tensor,
+        group_size: int,
+        out_features: int,
+        in_features: int,
+    ) -> None:
+        super().__init__(out_features, in_features)
+        self.group_size = group_size
+        self.register_buffer("qweight", qweight)  # uint8 [N_pad, K_pad / 2]
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # bf16 [K_pad / group, N_pad, 2]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(self.unpack().int(), 1)
+        self.register_buffer("packed", packed, persistent=False)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, group_size: int = 32) -> "Int4Weight":
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}")
+        w = weight.detach().float()
+        num_rows, num_cols = w.shape
+        padded_cols = round_up(num_cols, group_size)
+        w = torch.cat([w, w[:, -1:].expand(-1, padded_cols - num_cols)], dim=1)
+        w = F.pad(w, (0, 0, 0, round_up(num_rows, N_MULTIPLE) - num_rows))
+        groups = w.view(w.shape[0], -1, group_size)  # [N, G, group]
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+        zeros = (lo + (hi - lo) * (8 / 15)).to(torch.bfloat16)
+        z = zeros.float()
+        # q - 8 spans [-8, 7]: the scale must reach down to lo and up to hi from the rounded zero.
+        scales = bf16_at_least(torch.maximum((hi - z) / 7, (z - lo) / 8).clamp_(min=MIN_SCALE))
+        q = torch.round((groups - z[..., None]) / scales.float()[..., None]) + 8
+        q = q.clamp_(0, 15).to(torch.uint8).view(w.shape)
+        qweight = q[:, 0::2] | (q[:, 1::2] << 4)
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
+        return cls(qweight, scales_and_zeros, group_size, num_rows, num_cols)
+
+    def unpack(self) -> torch.Tensor:
+        """The integer codes, uint8 [N_pad, K_pad] in [0, 15]."""
+        q = torch.stack([self.qweight & 15, self.qweight >> 4], dim=-1)
+        return q.view(self.qweight.shape[0], -1)
+
+    def dequantize_rows(
+        self, start: int, end: int, dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
+        """Rows [start, end) of the padded weight, [end - start, K_pad]."""
+        # In place in one buffer: this runs per call on the many-rows path.
+        qweight = self.qweight[start:end]
+        out = torch.empty(*qweight.shape, 2, dtype=dtype)
+        out[..., 0] = qweight & 15
+        out[..., 1] = qweight >> 4
+        groups = out.view(end - start, -1, self.group_size)  # [rows, G, group]
+        scales_and_zeros = self.scales_and_zeros[:, start:end].to(dtype).transpose(0, 1)
+        scales, zeros = scales_and_zeros.unbind(-1)  # [rows, G]
+        groups.sub_(8).mul_(scales[..., None]).add_(zeros[..., None])
+        return out.view(end - start, -1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dequantize_rows(0, self.out_features, dtype)[:, : self.in_features]
+
+    def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= PACKED_MAX_ROWS:
+            return self.mm_packed(x)
+        return self.mm_dequantized(x)
+
+    def mm_packed(self, x: torch.Tensor) -> torch.Tensor:
+        x = pad_columns(x.to(torch.bfloat16), self.qweight.shape[1] * 2)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, self.packed, self.group_size, self.scales_and_zeros
+        )
+        return out[:, : self.out_features]
+
+    def mm_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        x = pad_columns(x.to(torch.bfloat16), self.qweight.shape[1] * 2)
+        return linear_dequantized(x, self.out_features, self.dequantize_rows)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() + self.scales_and_zeros.numel() * 2
+
+
+class W4A8Weight(Int4Weight):
+    """W4A8: the group-wise int4 weight times int8 activations quantized per token on the fly.
+
+    out[m, n] = x_scale[m] * sum_k xq[m, k] * w[n, k]. No CPU kernel in torch multiplies int4 by
+    int8, so the fast path feeds the int8 codes, exact in bf16, to the W4A16 kernels and applies
+    x_scale afterwards: the same math, summed in fp32 and rounded to bf16 once at the end. It is
+    never faster than int4 on this CPU; the format exists so the planner can price its quality.
+    """
+
+    def linear_reference(self, x: torch.Tensor) -> torch.Tensor:
+        xq, x_scale = quantize_per_token(x)
+        acc = F.linear(xq.double(), self.dequantize(torch.float64))
+        return (acc * x_scale.double()).float()
+
+    def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
+        xq, x_scale = quantize_per_token(x)
+        return super().linear_fast(xq.to(torch.bfloat16)).float() * x_scale
