@@ -4,8 +4,9 @@ A format holds one linear layer's weight W [N, K] in its own packed layout, as b
 `state_dict` carries it), and computes `x @ W.T` two ways:
 
 - `linear_reference(x)`: plain PyTorch that is obviously correct: dequantize, then F.linear in
-  fp32; for the formats that also quantize activations (A8), the same integer math in float64,
-  where every product and sum of int8 values and bf16 scales is exact.
+  fp32; for the formats that also quantize activations (A8), the integer math in float64, where
+  each product of an int8 code and a bf16-built weight is exact and the sums round far below
+  fp32's precision.
 - `linear_fast(x)`: the kernel bench/bench_linear.py measured fastest on this CPU, tested against
   the reference. Each format's docstring records the choice and the numbers behind it.
 
