@@ -61,7 +61,8 @@ class ZCodeRunner:
     def __init__(self, dtype: str) -> None:
         from zcode import LLM
 
-        self.llm = LLM(None, dtype=dtype)
+        # Repeats reuse the same prompts: without this the prefix cache would skip their prefill.
+        self.llm = LLM(None, dtype=dtype, enable_prefix_caching=False)
         self.format = dtype
         self.bytes_per_token = _param_bytes(self.llm.model)
 
