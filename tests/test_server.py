@@ -285,6 +285,10 @@ INVALID = {
         "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, 400,
         "response_format", ["json_schema"],
     ),
+    "json_object not enforced": (
+        "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400,
+        "response_format", ["not implemented"],
+    ),
     "wrong type": ("/v1/completions", {**COMPLETION, "max_tokens": "many"}, 400, "max_tokens", []),
     "missing prompt": ("/v1/completions", {"model": MODEL}, 400, "prompt", []),
     "unknown model": ("/v1/completions", {**COMPLETION, "model": "gpt-9"}, 404, "model", ["gpt-9"]),

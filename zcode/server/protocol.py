@@ -196,6 +196,13 @@ class ChatCompletionRequest(_GenerateRequest):
                     "`tools`",
                     param="tool_choice",
                 )
+        if self.response_format is not None and self.response_format.type != "text":
+            # Accepting it without constrained decoding would promise JSON we cannot guarantee.
+            raise ApiError(
+                f"response_format {self.response_format.type!r} is not implemented yet: ZCode has "
+                "no constrained decoding, so it cannot guarantee JSON output",
+                param="response_format",
+            )
         if self.continue_final_message and self.add_generation_prompt:
             raise ApiError(
                 "continue_final_message and add_generation_prompt cannot both be true",
