@@ -22,6 +22,7 @@ from zcode.server.serving import (
     merge,
     new_id,
     now_s,
+    openai_object,
     sse,
     stream_error,
     usage,
@@ -147,26 +148,24 @@ class _View:
                     "stop_reason": out.stop_reason,
                 }
             )
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-            "usage": usage(self.num_prompt_tokens, sum(len(o.token_ids) for o in finals)),
-        }
+        return openai_object(
+            "chat.completion",
+            self.id,
+            self.created,
+            self.state.model_name,
+            choices,
+            usage(self.num_prompt_tokens, sum(len(o.token_ids) for o in finals)),
+        )
 
     def chunk(self, choices: list[dict], usage_stats: dict | None = None) -> dict:
-        body = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-        }
-        if usage_stats is not None:
-            body["usage"] = usage_stats
-        return body
+        return openai_object(
+            "chat.completion.chunk",
+            self.id,
+            self.created,
+            self.state.model_name,
+            choices,
+            usage_stats,
+        )
 
     def logprobs(self, token_ids: list[int], logprobs: list[dict]) -> list[dict]:
         num_top = self.req.top_logprobs or 0

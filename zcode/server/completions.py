@@ -18,6 +18,7 @@ from zcode.server.serving import (
     merge,
     new_id,
     now_s,
+    openai_object,
     sse,
     stream_error,
     usage,
@@ -111,14 +112,14 @@ class _View:
             choices.append(self._choice(index, text, lp, out.finish_reason, out.stop_reason))
         num_prompt = sum(len(p.token_ids) for p in self.prompts)
         num_output = sum(len(self.output(out)[1]) for out in finals)
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-            "usage": usage(num_prompt, num_output),
-        }
+        return openai_object(
+            "text_completion",
+            self.id,
+            self.created,
+            self.state.model_name,
+            choices,
+            usage(num_prompt, num_output),
+        )
 
     def _choice(self, index, text, logprobs, finish_reason=None, stop_reason=None) -> dict:
         return {
@@ -130,16 +131,9 @@ class _View:
         }
 
     def chunk(self, choices: list[dict], usage_stats: dict | None = None) -> dict:
-        body = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.state.model_name,
-            "choices": choices,
-        }
-        if usage_stats is not None:
-            body["usage"] = usage_stats
-        return body
+        return openai_object(
+            "text_completion", self.id, self.created, self.state.model_name, choices, usage_stats
+        )
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict], offset: int) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []

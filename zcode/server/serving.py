@@ -98,6 +98,22 @@ def now_s() -> int:
     return int(time.time())
 
 
+def openai_object(
+    kind: str, request_id: str, created: int, model: str, choices: list[dict], usage_stats=None
+) -> dict:
+    """The envelope every completion object and streamed chunk shares."""
+    body = {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_stats is not None:
+        body["usage"] = usage_stats
+    return body
+
+
 def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
     return {
         "prompt_tokens": num_prompt_tokens,
