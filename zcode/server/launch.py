@@ -9,6 +9,7 @@ finish_reason "abort"), and the process exits 0. A second SIGTERM, or Ctrl-C, st
 import asyncio
 import logging
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -64,7 +65,17 @@ def run_server(
         host,
         port,
     )
-    _GracefulServer(config, state, shutdown_timeout_s).run()
+    server = _GracefulServer(config, state, shutdown_timeout_s)
+    # The engine steps on the main thread (see AsyncEngine.claim_caller_thread); uvicorn serves
+    # from a second thread, which does not install signal handlers, so we forward them.
+    state.engine.claim_caller_thread()
+    http = threading.Thread(target=server.run, name="zcode-http")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, server.handle_exit)
+    http.start()
+    state.engine.run()  # returns when the app's shutdown stops the engine, or if it dies
+    server.should_exit = True
+    http.join()
 
 
 class _GracefulServer(uvicorn.Server):
