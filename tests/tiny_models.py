@@ -42,6 +42,23 @@ def configs() -> dict[str, object]:
         eos_token_id=1,
         bos_token_id=2,
     )
+    # index_topk 8 < the test sequences, so the indexer really drops tokens; 16 indexer heads make
+    # exact score ties (which make the oracle itself ambiguous) practically vanish.
+    dsa = dict(
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_group=2,
+        topk_group=1,
+        index_topk=8,
+        index_n_heads=16,
+        index_head_dim=16,
+        rope_parameters=rope,
+    )
     return {
         "llama": LlamaConfig(
             **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
@@ -79,42 +96,10 @@ def configs() -> dict[str, object]:
             use_qk_norm=True,
             rope_parameters=rope,
         ),
-        "glm_moe_dsa": GlmMoeDsaConfig(
-            **common,
-            **MOE,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            n_group=2,
-            topk_group=1,
-            index_topk=8,
-            index_n_heads=16,
-            index_head_dim=16,
-            rope_parameters=rope,
-        ),
+        "glm_moe_dsa": GlmMoeDsaConfig(**common, **MOE, **dsa, num_hidden_layers=3),
+        # GLM-5.2 IndexShare: layers alternate between running the indexer and sharing its top-k.
         "glm_moe_dsa_shared": GlmMoeDsaConfig(
-            **common,
-            **MOE,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=16,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            n_group=2,
-            topk_group=1,
-            index_topk=8,
-            index_n_heads=16,
-            index_head_dim=16,
-            rope_parameters=rope,
-            index_topk_freq=2,
+            **common, **MOE, **dsa, num_hidden_layers=4, index_topk_freq=2
         ),
     }
 
