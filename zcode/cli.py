@@ -87,12 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         "MoE), KV-cache bytes per token, and the memory its weights need at fp32, bf16, int8 and "
         "int4 plus the KV cache of one max-length sequence, against this machine's RAM.",
     )
-    info.add_argument(
-        "model",
-        metavar="MODEL",
-        nargs="?",
-        help=f"HF model directory, its config.json, or a .gguf file ({DEFAULT_MODEL_HELP})",
-    )
+    _add_model_argument(info, "HF model directory, its config.json, or a .gguf file")
     info.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     info.set_defaults(run=_info)
 
@@ -115,12 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "WINDOW - STRIDE tokens of context) and print the perplexity, the number of tokens scored "
         "and the seconds spent scoring (model loading excluded).",
     )
-    ppl.add_argument(
-        "model",
-        metavar="MODEL",
-        nargs="?",
-        help=f"HF model directory or .gguf file ({DEFAULT_MODEL_HELP})",
-    )
+    _add_model_argument(ppl)
     ppl.add_argument("file", metavar="FILE", help="UTF-8 text file to score")
     ppl.add_argument(
         "--window",
@@ -152,12 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
         "503), lets in-flight requests finish for up to --shutdown-timeout seconds, aborts the "
         "rest and exits 0.",
     )
-    serve.add_argument(
-        "model",
-        metavar="MODEL",
-        nargs="?",
-        help=f"HF model directory or .gguf file ({DEFAULT_MODEL_HELP})",
-    )
+    _add_model_argument(serve)
     serve.add_argument(
         "--host",
         default="127.0.0.1",
@@ -220,6 +205,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_option(serve)
     serve.set_defaults(run=_serve)
     return parser
+
+
+def _add_model_argument(
+    parser: argparse.ArgumentParser, what: str = "HF model directory or .gguf file"
+) -> None:
+    parser.add_argument("model", metavar="MODEL", nargs="?", help=f"{what} ({DEFAULT_MODEL_HELP})")
 
 
 def _add_model_option(parser: argparse.ArgumentParser) -> None:
