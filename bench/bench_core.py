@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from table_format import print_rows
 
 NUM_THREADS = 2
 RESULTS_PATH = Path(__file__).parent / "results" / "core.json"
@@ -295,12 +296,7 @@ def print_table(results: list[dict], bandwidth: float) -> None:
                 ratio_text,
             )
         )
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    line = " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
-    print(line)
-    print("-" * len(line))
-    for row in rows:
-        print(" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    print_rows(headers, rows)
     print(
         f"tok/s as best/median over repeats (best = from the min time). Roofline = "
         f"{bandwidth / 1e9:.1f} GB/s / bytes read per token (weights only; KV reads excluded). "

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import openai
+from table_format import print_rows
 
 NUM_THREADS = 2
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -345,12 +346,7 @@ def print_table(results: dict[str, dict[int, dict]], levels: tuple[int, ...]) ->
                     "-" if ratio is None else f"{ratio:.2f}x",
                 )
             )
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    line = " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))
-    print(line)
-    print("-" * len(line))
-    for row in rows:
-        print(" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    print_rows(headers, rows)
 
 
 async def measure(
