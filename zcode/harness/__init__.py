@@ -1,0 +1,5 @@
+"""The per-request execution plan and the planners that choose it."""
+
+from zcode.harness.plan import ExecutionPlan
+
+__all__ = ["ExecutionPlan"]
