@@ -32,6 +32,30 @@ N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu rejects N % 16 != 0: rows
 PACKED_MAX_ROWS = 64
 
 
+def check_group_size(group_size: int) -> None:
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}")
+
+
+def group_grid(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The asymmetric grid of each group: groups [..., group] fp32 -> (scales, zeros) bf16 [...].
+
+    The zero (the value of q = 8) sits 8/15 of the way from min to max; the scale, rounded up to
+    bf16, reaches down to min and up to max from the rounded zero (q - 8 spans [-8, 7]).
+    """
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    zeros = (lo + (hi - lo) * (8 / 15)).to(torch.bfloat16)
+    z = zeros.float()
+    scales = bf16_at_least(torch.maximum((hi - z) / 7, (z - lo) / 8).clamp_(min=MIN_SCALE))
+    return scales, zeros
+
+
+def codes_on_grid(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Round to nearest on a grid: w [..., n] fp32, scales and zeros [...] -> uint8 [..., n]."""
+    q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None]) + 8
+    return q.clamp_(0, 15).to(torch.uint8)
+
+
 class Int4Weight(PackedWeight):
     """W4A16: group-wise int4 weight, activations stay float.
 
@@ -65,24 +89,51 @@ class Int4Weight(PackedWeight):
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, group_size: int = 32) -> "Int4Weight":
-        if group_size not in GROUP_SIZES:
-            raise ValueError(f"int4 group size must be one of {GROUP_SIZES}, got {group_size}")
+        check_group_size(group_size)
         w = weight.detach().float()
-        num_rows, num_cols = w.shape
+        num_cols = w.shape[1]
         padded_cols = round_up(num_cols, group_size)
         w = torch.cat([w, w[:, -1:].expand(-1, padded_cols - num_cols)], dim=1)
-        w = F.pad(w, (0, 0, 0, round_up(num_rows, N_MULTIPLE) - num_rows))
         groups = w.view(w.shape[0], -1, group_size)  # [N, G, group]
-        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-        zeros = (lo + (hi - lo) * (8 / 15)).to(torch.bfloat16)
-        z = zeros.float()
-        # q - 8 spans [-8, 7]: the scale must reach down to lo and up to hi from the rounded zero.
-        scales = bf16_at_least(torch.maximum((hi - z) / 7, (z - lo) / 8).clamp_(min=MIN_SCALE))
-        q = torch.round((groups - z[..., None]) / scales.float()[..., None]) + 8
-        q = q.clamp_(0, 15).to(torch.uint8).view(w.shape)
+        scales, zeros = group_grid(groups)
+        codes = codes_on_grid(groups, scales, zeros).view(w.shape)
+        return cls.from_codes(codes, scales, zeros, group_size, num_cols)
+
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        group_size: int,
+        in_features: int | None = None,
+    ) -> "Int4Weight":
+        """Packs precomputed codes (uint8 [N, K or K_pad] in [0, 15]) with their bf16 grid
+        (scales and zeros [N, K_pad / group]): how GPTQ's result lands in this very format.
+
+        Missing padding columns get code 8 (they meet zero activations); padding rows get a
+        zero weight, as `quantize` gives them.
+        """
+        check_group_size(group_size)
+        num_rows, num_cols = codes.shape
+        in_features = num_cols if in_features is None else in_features
+        padded_cols = round_up(in_features, group_size)
+        if num_cols not in (in_features, padded_cols) or scales.shape != zeros.shape:
+            raise ValueError(
+                f"codes {tuple(codes.shape)}, scales {tuple(scales.shape)} and zeros "
+                f"{tuple(zeros.shape)} do not fit in_features {in_features}, group {group_size}"
+            )
+        if scales.shape != (num_rows, padded_cols // group_size):
+            raise ValueError(f"need one scale per group: {tuple(scales.shape)}")
+        padded_rows = round_up(num_rows, N_MULTIPLE) - num_rows
+        q = F.pad(codes.to(torch.uint8), (0, padded_cols - num_cols), value=8)
+        q = F.pad(q, (0, 0, 0, padded_rows), value=8)
+        pad_scale = bf16_at_least(torch.full((padded_rows, scales.shape[1]), MIN_SCALE))
+        scales = torch.cat([scales.to(torch.bfloat16), pad_scale])
+        zeros = F.pad(zeros.to(torch.bfloat16), (0, 0, 0, padded_rows))
         qweight = q[:, 0::2] | (q[:, 1::2] << 4)
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
-        return cls(qweight, scales_and_zeros, group_size, num_rows, num_cols)
+        return cls(qweight, scales_and_zeros, group_size, num_rows, in_features)
 
     def unpack(self) -> torch.Tensor:
         """The integer codes, uint8 [N_pad, K_pad] in [0, 15]."""

@@ -24,6 +24,16 @@ K_MULTIPLE = 16
 PACKED_MAX_ROWS = 24
 
 
+def channel_scales(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] fp32 -> bf16 [N]: amax / 127 per row, rounded up so every weight is in range."""
+    return bf16_at_least((w.abs().amax(dim=1) / QMAX).clamp_(min=MIN_SCALE))
+
+
+def codes_on_scale(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Round to nearest: w [N, k] fp32, scales bf16 [N] -> int8 [N, k]."""
+    return torch.round(w / scales.float()[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+
+
 class Int8Weight(PackedWeight):
     """W8A16: the weight in int8, activations stay float.
 
@@ -45,9 +55,17 @@ class Int8Weight(PackedWeight):
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "Int8Weight":
         w = weight.detach().float()
-        scales = bf16_at_least((w.abs().amax(dim=1) / QMAX).clamp_(min=MIN_SCALE))
-        q = torch.round(w / scales.float()[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-        return cls(pad_columns(q, round_up(w.shape[1], K_MULTIPLE)), scales, w.shape[1])
+        scales = channel_scales(w)
+        return cls.from_codes(codes_on_scale(w, scales), scales)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Weight":
+        """Packs precomputed codes (int8 [N, K] in [-127, 127]) with their bf16 scales [N]: how
+        GPTQ's result lands in this very format."""
+        if scales.shape != (codes.shape[0],):
+            raise ValueError(f"need one scale per row of {tuple(codes.shape)}: {scales.shape}")
+        codes = codes.to(torch.int8)
+        return cls(pad_columns(codes, round_up(codes.shape[1], K_MULTIPLE)), scales, codes.shape[1])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         q = self.qweight[:, : self.in_features]
