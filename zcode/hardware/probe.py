@@ -94,6 +94,11 @@ def probe(
     return info
 
 
+def fingerprint(info: HardwareInfo) -> str:
+    """The key this machine's caches (probe, cost model, kernel autotune) are filed under."""
+    return _cache_key(dataclasses.asdict(info))
+
+
 def default_cache_dir() -> Path:
     """$ZCODE_CACHE_DIR, else $XDG_CACHE_HOME/zcode, else ~/.cache/zcode."""
     if explicit := os.environ.get("ZCODE_CACHE_DIR"):

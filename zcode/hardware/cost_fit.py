@@ -1,0 +1,195 @@
+"""Measuring the cost model's ground truth: engine step times of SmolLM2-135M under several plans.
+
+`fit_smollm2` measures FIT_PLANS at FIT_SETTINGS and fits the coefficients; `check_smollm2`
+measures CHECK_PLANS, which the fit never saw (other formats, other mixes, other batch sizes and
+context lengths), and returns predicted against measured for each. Decode time is the median of
+several timed engine steps after a warm-up step; prefill time the best of a few one-step prefills
+(other processes only ever make a step slower).
+"""
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from zcode.hardware.cost_model import (
+    DECODE,
+    PREFILL,
+    CostModel,
+    fit_coefficients,
+    predict,
+    step_features,
+)
+
+Formats = Callable[[list[str]], dict[str, str]]
+
+
+def _uniform(fmt: str, head: bool = True) -> Formats:
+    return lambda names: {n: fmt for n in names if head or n != "lm_head"}
+
+
+def _by_part(attn: str, mlp: str, head: str) -> Formats:
+    def formats(names: list[str]) -> dict[str, str]:
+        return {n: head if n == "lm_head" else attn if ".self_attn." in n else mlp for n in names}
+
+    return formats
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    name: str
+    dtype: str  # the model's load dtype
+    formats: Formats  # quantizable module names -> {module: format}
+    category: str  # dense, int8, int4, other: how the check reports errors
+
+
+# fmt: off
+FIT_PLANS = (
+    PlanSpec("fp32", "float32", _uniform("fp32"), "dense"),
+    PlanSpec("bf16-model", "bfloat16", _uniform("fp32"), "dense"),
+    PlanSpec("int8", "float32", _uniform("int8"), "int8"),
+    PlanSpec("int8-body", "float32", _uniform("int8", head=False), "int8"),
+    PlanSpec("int4-g32", "float32", _uniform("int4-g32"), "int4"),
+    PlanSpec("int4-g32-body", "float32", _uniform("int4-g32", head=False), "int4"),
+    PlanSpec("bf16", "float32", _uniform("bf16"), "other"),
+    PlanSpec("w8a8", "float32", _uniform("w8a8"), "other"),
+    PlanSpec("w4a8", "float32", _uniform("w4a8"), "other"),
+    PlanSpec("attn-int8/mlp-int4/head-bf16", "float32", _by_part("int8", "int4-g32", "bf16"),
+             "other"),
+)
+CHECK_PLANS = (
+    PlanSpec("fp32", "float32", _uniform("fp32"), "dense"),
+    PlanSpec("bf16-model", "bfloat16", _uniform("fp32"), "dense"),
+    PlanSpec("attn-fp32/mlp-int8/head-fp32", "float32", _by_part("fp32", "int8", "fp32"), "int8"),
+    PlanSpec("attn-int8/mlp-int8/head-bf16", "float32", _by_part("int8", "int8", "bf16"), "int8"),
+    PlanSpec("int4-g64", "float32", _uniform("int4-g64"), "int4"),
+    PlanSpec("int4-g128", "float32", _uniform("int4-g128"), "int4"),
+    PlanSpec("attn-int4/mlp-int4/head-int8", "float32", _by_part("int4-g64", "int4-g128", "int8"),
+             "int4"),
+)
+# (mode, batch size, context or prompt length)
+FIT_SETTINGS = ((DECODE, 1, 64), (DECODE, 1, 512), (DECODE, 4, 256), (PREFILL, 1, 64),
+                (PREFILL, 1, 256))
+CHECK_SETTINGS = ((DECODE, 1, 1000), (DECODE, 2, 128), (PREFILL, 1, 160))
+# fmt: on
+NUM_DECODE_STEPS = 8
+NUM_PREFILL_REPEATS = 3
+
+
+@dataclass(frozen=True)
+class Measurement:
+    plan: PlanSpec
+    mode: str
+    batch_size: int
+    context_len: int
+    features: dict[str, float]  # of the plan given as data on the unquantized model
+    measured_ms: float
+
+
+def fit_smollm2(fingerprint: str) -> CostModel:
+    """Measures FIT_PLANS at FIT_SETTINGS on this machine and fits a CostModel to them."""
+    measurements = measure_plans(FIT_PLANS, FIT_SETTINGS)
+    coefficients = {
+        mode: fit_coefficients(
+            [m.features for m in measurements if m.mode == mode],
+            [m.measured_ms for m in measurements if m.mode == mode],
+        )
+        for mode in (DECODE, PREFILL)
+    }
+    return CostModel(
+        coefficients[DECODE],
+        coefficients[PREFILL],
+        fingerprint,
+        tuple(p.name for p in FIT_PLANS),
+    )
+
+
+def check_smollm2(
+    cost: CostModel, plans: tuple[PlanSpec, ...] = CHECK_PLANS, settings=CHECK_SETTINGS
+) -> list[tuple[Measurement, float]]:
+    """(measurement, predicted ms) for each held-out plan and setting."""
+    out = []
+    for m in measure_plans(plans, settings):
+        out.append((m, predict(cost.decode if m.mode == DECODE else cost.prefill, m.features)))
+    return out
+
+
+def measure_plans(
+    plans: tuple[PlanSpec, ...], settings: tuple[tuple[str, int, int], ...]
+) -> list[Measurement]:
+    from zcode import LLM
+    from zcode.quant import apply_precision, quantizable_modules
+
+    measurements = []
+    for dtype in dict.fromkeys(p.dtype for p in plans):
+        llm = LLM(None, dtype=dtype, enable_prefix_caching=False)
+        model, engine = llm.model, llm.engine
+        names = quantizable_modules(model)
+        for spec in (p for p in plans if p.dtype == dtype):
+            formats = spec.formats(names)
+            modules = dict(model.named_modules())
+            rows = {(mode, b, n): _features(model, formats, mode, b, n) for mode, b, n in settings}
+            replaced = apply_precision(model, formats)
+            try:
+                _measure_decode(engine, 1, 16)  # warm-up: first calls pick and pack kernels
+                for (mode, b, n), features in rows.items():
+                    ms = (
+                        _measure_decode(engine, b, n)
+                        if mode == DECODE
+                        else _measure_prefill(engine, n)
+                    )
+                    measurements.append(Measurement(spec, mode, b, n, features, ms))
+            finally:
+                for name in replaced:
+                    parent, _, child = name.rpartition(".")
+                    setattr(model.get_submodule(parent), child, modules[name])
+    return measurements
+
+
+def _features(
+    model: nn.Module, formats: dict[str, str], mode: str, batch_size: int, length: int
+) -> dict[str, float]:
+    if mode == DECODE:
+        return step_features(model, formats, batch_size, length, num_seqs=batch_size)
+    return step_features(model, formats, length, length)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    return [(seed * 7919 + j * 104729) % 49000 + 100 for j in range(length)]
+
+
+def _measure_decode(engine, batch_size: int, context_len: int) -> float:
+    """Median ms of one decode step of `batch_size` sequences at ~`context_len` context."""
+    from zcode import SamplingParams
+
+    params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 2, temperature=0, ignore_eos=True)
+    seqs = [engine.add_request(_prompt(context_len, i), params) for i in range(batch_size)]
+    try:
+        engine.step()  # the prefill
+        engine.step()  # the first decode step pays for allocations of the new shapes
+        times = []
+        for _ in range(NUM_DECODE_STEPS):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+    finally:
+        for seq in seqs:
+            engine.abort(seq.request_id)
+    return 1e3 * statistics.median(times)
+
+
+def _measure_prefill(engine, prompt_len: int) -> float:
+    """Best-of ms of prefilling one prompt of `prompt_len` tokens in one step."""
+    from zcode import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times = []
+    for i in range(NUM_PREFILL_REPEATS):
+        seq = engine.add_request(_prompt(prompt_len, i), params)
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        engine.abort(seq.request_id)
+    return 1e3 * min(times)

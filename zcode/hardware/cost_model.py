@@ -1,0 +1,229 @@
+"""Cost model: a plan's decode and prefill time on this machine, from the work it does.
+
+A step's time is predicted as a linear function of what the step reads and computes:
+
+    t_ms = c_step + c_kv * kv_MB + c_attn * attn_GFLOP
+         + sum over kernel kinds k of (a_k * weight_MB_k + o_k * calls_k + f_k * GFLOP_k)
+
+where a kernel kind is how a linear layer runs (`dense-float32`, `dense-bfloat16`, or a weight
+format family `bf16`, `int8`, `w8a8`, `int4`, `w4a8` through its fast kernel), weight_MB_k the
+bytes of weights of that kind read per step (QuantizedLinear.weight_bytes, or the parameter's
+bytes), calls_k the number of linear calls and GFLOP_k their arithmetic. Decode steps (a few
+tokens) and prefill steps (a long prompt) use separate coefficients, since the int kernels
+change algorithm with the row count. The coefficients are fitted once per machine by
+non-negative least squares on relative error against measured engine steps of several plans of
+SmolLM2-135M (`fit_smollm2`), and cached as JSON next to the hardware probe.
+
+Public API:
+
+    CostModel.load_or_fit(info: HardwareInfo | None = None, *, refresh: bool = False,
+                          cache_dir: Path | None = None) -> CostModel
+    cost.predict_decode_ms(model, plan=None, *, batch_size=1, context_len=512) -> float
+        ms of one decode step of `batch_size` sequences at `context_len` tokens of context
+        (= the per-token latency each sequence sees)
+    cost.predict_prefill_ms(model, plan=None, *, prompt_len=256) -> float
+        ms to prefill one prompt of `prompt_len` tokens (divide by prompt_len for ms/token)
+
+`model` is the loaded nn.Module (its current linears: nn.Linear or QuantizedLinear); `plan` is an
+ExecutionPlan or a {module name: format} dict, applied on top of it without touching the model
+(formats as in zcode.quant.FORMATS, "fp32" = as loaded). Predicting for a kind the fit never saw
+raises ValueError naming it.
+"""
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+from torch import nn
+
+from zcode.hardware.probe import HardwareInfo, default_cache_dir, fingerprint, probe
+from zcode.harness.plan import ExecutionPlan
+from zcode.quant.linear import QuantizedLinear, quantize_weight
+
+logger = logging.getLogger(__name__)
+
+_SCHEMA_VERSION = 1  # bump when the features change, so old fits are not read
+DECODE, PREFILL = "decode", "prefill"
+Plan = ExecutionPlan | Mapping[str, str] | None
+
+
+# --- features --------------------------------------------------------------------------------
+
+
+def kernel_kind(module: nn.Module, fmt: str | None = None) -> str:
+    """How a linear runs: `dense-<dtype>` for nn.Linear, the format family for a packed one."""
+    fmt = fmt or (module.format if isinstance(module, QuantizedLinear) else None)
+    if fmt is None or fmt == "fp32":
+        return f"dense-{str(module.weight.dtype).removeprefix('torch.')}"
+    return fmt.split("-g")[0]  # int4-g64 -> int4, w4a8-g128 -> w4a8
+
+
+@functools.lru_cache(maxsize=64)
+def format_weight_bytes(out_features: int, in_features: int, fmt: str) -> int:
+    """Bytes a linear of this shape reads per call in `fmt` (exact: the format's own packing)."""
+    return quantize_weight(torch.zeros(out_features, in_features), fmt).weight_bytes
+
+
+def _plan_formats(plan: Plan) -> tuple[dict[str, str], ExecutionPlan]:
+    if plan is None:
+        return {}, ExecutionPlan()
+    if isinstance(plan, ExecutionPlan):
+        return dict(plan.precision), plan
+    return dict(plan), ExecutionPlan()
+
+
+def step_features(
+    model: nn.Module, plan: Plan, num_tokens: int, context_len: int, num_seqs: int = 1
+) -> dict[str, float]:
+    """The work of one forward step of `num_tokens` new tokens over `num_seqs` sequences of
+    `context_len` tokens of context each, as named features (MB, GFLOP, call counts)."""
+    formats, exec_plan = _plan_formats(plan)
+    skipped = {f"model.layers.{i}." for i in exec_plan.skip_layers}
+    features: dict[str, float] = {"step": 1.0}
+
+    def add(name: str, value: float) -> None:
+        features[name] = features.get(name, 0.0) + value
+
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear | QuantizedLinear) or name.endswith("mlp.gate"):
+            continue  # the MoE router is a Parameter product, not counted among linears
+        if any(name.startswith(prefix) for prefix in skipped):
+            continue
+        fmt = formats.get(name)
+        kind = kernel_kind(module, fmt)
+        n, k = module.out_features, module.in_features
+        if fmt is not None and fmt != "fp32":
+            num_bytes = format_weight_bytes(n, k, fmt)
+        elif isinstance(module, QuantizedLinear):
+            num_bytes = module.weight_bytes
+        else:
+            num_bytes = module.weight.numel() * module.weight.element_size()
+        share = exec_plan.ffn_density if ".mlp." in name else 1.0
+        # Only the last token of each sequence reaches lm_head in a step.
+        rows = num_seqs if name == "lm_head" else num_tokens
+        add(f"{kind}:MB", share * num_bytes / 1e6)
+        add(f"{kind}:calls", 1.0)
+        add(f"{kind}:GFLOP", share * 2 * rows * n * k / 1e9)
+
+    kv_bytes_per_token, attn_flops_per_pair = _attention_sizes(model, exec_plan.skip_layers)
+    add("kv:MB", num_seqs * context_len * kv_bytes_per_token / 1e6)
+    add("attn:GFLOP", num_tokens * context_len * attn_flops_per_pair / 1e9)
+    return features
+
+
+def _attention_sizes(model: nn.Module, skip_layers: tuple[int, ...]) -> tuple[float, float]:
+    """(KV cache bytes per token, attention FLOPs per query-key pair), summed over layers run."""
+    kv_bytes, flops = 0.0, 0.0
+    layers = model.attention_layers()
+    dtype_bytes = next(model.parameters()).element_size()
+    for i, layer in enumerate(layers):
+        if i in skip_layers:
+            continue
+        for shape in layer.cache_spec().values():
+            kv_bytes += float(np.prod(shape)) * dtype_bytes
+        heads = getattr(layer, "num_heads", 1)
+        head_dim = getattr(layer, "head_dim", None) or getattr(layer, "v_dim", 1)
+        flops += 4 * heads * head_dim  # q.k and p.v
+    return kv_bytes, flops
+
+
+# --- fitting ---------------------------------------------------------------------------------
+
+
+def fit_coefficients(rows: list[dict[str, float]], measured_ms: list[float]) -> dict[str, float]:
+    """Non-negative least squares on relative error: each row is divided by its measured time,
+    so a 5 ms step weighs as much as a 50 ms one. Returns {feature: ms per unit}."""
+    if len(rows) != len(measured_ms) or not rows:
+        raise ValueError("need one measured time per feature row, and at least one row")
+    names = sorted({name for row in rows for name in row})
+    x = np.array([[row.get(name, 0.0) for name in names] for row in rows])
+    y = np.asarray(measured_ms, dtype=float)
+    coefficients, _ = nnls(x / y[:, None], np.ones_like(y))
+    return dict(zip(names, coefficients.tolist()))
+
+
+def predict(coefficients: Mapping[str, float], features: Mapping[str, float]) -> float:
+    unknown = sorted(n for n, v in features.items() if v and n not in coefficients)
+    if unknown:
+        raise ValueError(
+            f"the cost model was not fitted for {', '.join(unknown)}; refit with plans using it"
+        )
+    return sum(coefficients[name] * value for name, value in features.items())
+
+
+# --- the model -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    decode: dict[str, float]  # feature -> ms per unit, decode steps
+    prefill: dict[str, float]  # the same for prefill steps
+    fingerprint: str  # the hardware this was fitted on
+    fit_plans: tuple[str, ...] = ()  # names of the plans measured for the fit
+
+    @classmethod
+    def load_or_fit(
+        cls,
+        info: HardwareInfo | None = None,
+        *,
+        refresh: bool = False,
+        cache_dir: Path | None = None,
+    ) -> "CostModel":
+        """This machine's fitted model from the cache, else fitted now (about a minute) and
+        cached. `info` defaults to the (cached) hardware probe."""
+        info = info or probe(cache_dir=cache_dir)
+        key = fingerprint(info)
+        path = cache_path(key, cache_dir)
+        if not refresh and (cached := cls.load(path)) is not None and cached.fingerprint == key:
+            return cached
+        from zcode.hardware.cost_fit import fit_smollm2
+
+        model = fit_smollm2(key)
+        model.save(path)
+        return model
+
+    def predict_decode_ms(
+        self, model: nn.Module, plan: Plan = None, *, batch_size: int = 1, context_len: int = 512
+    ) -> float:
+        features = step_features(model, plan, batch_size, context_len, num_seqs=batch_size)
+        return predict(self.decode, features)
+
+    def predict_prefill_ms(
+        self, model: nn.Module, plan: Plan = None, *, prompt_len: int = 256
+    ) -> float:
+        return predict(self.prefill, step_features(model, plan, prompt_len, prompt_len))
+
+    @classmethod
+    def load(cls, path: Path) -> "CostModel | None":
+        try:
+            data = json.loads(path.read_text())
+            if data.pop("schema") != _SCHEMA_VERSION:
+                return None
+            return cls(**{**data, "fit_plans": tuple(data["fit_plans"])})
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            logger.warning("ignoring unreadable cost model cache %s: %s", path, e)
+            return None
+
+    def save(self, path: Path) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            blob = {"schema": _SCHEMA_VERSION, **dataclasses.asdict(self)}
+            tmp.write_text(json.dumps(blob, indent=2) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("could not write cost model cache %s: %s", path, e)
+
+
+def cache_path(key: str, cache_dir: Path | None = None) -> Path:
+    return (cache_dir or default_cache_dir()) / f"cost-model-{key}.json"
