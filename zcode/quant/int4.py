@@ -111,8 +111,8 @@ class Int4Weight(PackedWeight):
         """Packs precomputed codes (uint8 [N, K or K_pad] in [0, 15]) with their bf16 grid
         (scales and zeros [N, K_pad / group]): how GPTQ's result lands in this very format.
 
-        Missing padding columns get code 8 (they meet zero activations); padding rows get a
-        zero weight, as `quantize` gives them.
+        Missing padding columns repeat the last column's code, as `quantize` pads (they meet
+        zero activations, so any code would do); padding rows get a zero weight.
         """
         check_group_size(group_size)
         num_rows, num_cols = codes.shape
@@ -126,7 +126,8 @@ class Int4Weight(PackedWeight):
         if scales.shape != (num_rows, padded_cols // group_size):
             raise ValueError(f"need one scale per group: {tuple(scales.shape)}")
         padded_rows = round_up(num_rows, N_MULTIPLE) - num_rows
-        q = F.pad(codes.to(torch.uint8), (0, padded_cols - num_cols), value=8)
+        q = codes.to(torch.uint8)
+        q = torch.cat([q, q[:, -1:].expand(-1, padded_cols - num_cols)], dim=1)
         q = F.pad(q, (0, 0, 0, padded_rows), value=8)
         pad_scale = bf16_at_least(torch.full((padded_rows, scales.shape[1]), MIN_SCALE))
         scales = torch.cat([scales.to(torch.bfloat16), pad_scale])
