@@ -94,9 +94,10 @@ def probe(
     return info
 
 
-def fingerprint(info: HardwareInfo) -> str:
-    """The key this machine's caches (probe, cost model, kernel autotune) are filed under."""
-    return _cache_key(dataclasses.asdict(info))
+def fingerprint(info: HardwareInfo | None = None) -> str:
+    """The key this machine's caches (probe, cost model, kernel autotune) are filed under; from
+    the static facts alone (no measurement) when `info` is None."""
+    return _cache_key(dataclasses.asdict(info) if info is not None else _static_facts())
 
 
 def default_cache_dir() -> Path:
