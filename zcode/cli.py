@@ -1,4 +1,4 @@
-"""The `zcode` command line: generate, chat, info and ppl over the offline `LLM` API, and serve.
+"""The `zcode` command line: generate, chat, info, ppl and quantize over the `LLM` API, and serve.
 
 User mistakes (a bad flag value, a missing file, a checkpoint we cannot read) end with one line
 `zcode: error: ...` on stderr and exit status 2; Ctrl-C exits 130 without a traceback.
@@ -130,8 +130,52 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="score only the first N tokens of the file (default: all)",
     )
+    ppl.add_argument(
+        "--plan",
+        metavar="PLAN.json",
+        help="quantize the model's linears by this precision plan ({module: format}, or an "
+        "object whose 'plan' is one) with round-to-nearest before scoring",
+    )
     _add_dtype_option(ppl)
     ppl.set_defaults(run=_ppl)
+
+    quantize = commands.add_parser(
+        "quantize",
+        help="write a quantized checkpoint that zcode loads directly",
+        description="Quantize MODEL's linear layers (one format everywhere, a precision plan, or "
+        "the planner's plan for a bits budget) and write OUT: safetensors with the packed "
+        "weights and the plan as metadata, quantization.json, config.json and the tokenizer. "
+        "GPTQ calibrates on Python standard-library source text (zcode.calibration).",
+    )
+    _add_model_argument(quantize)
+    quantize.add_argument("--out", required=True, metavar="DIR", help="directory to write")
+    precision = quantize.add_mutually_exclusive_group(required=True)
+    precision.add_argument(
+        "--format", metavar="FMT", help="one format for every quantizable linear, e.g. int4-g32"
+    )
+    precision.add_argument("--plan", metavar="PLAN.json", help="module -> format map")
+    precision.add_argument(
+        "--budget", metavar="BITS", help="average bits per weight for the planner, e.g. 4.5bits"
+    )
+    quantize.add_argument(
+        "--method",
+        choices=["rtn", "gptq"],
+        default="rtn",
+        help="round-to-nearest, or GPTQ's error-compensating update (default: %(default)s)",
+    )
+    quantize.add_argument(
+        "--hadamard",
+        action="store_true",
+        help="rotate each quantized linear's inputs by a block Hadamard matrix",
+    )
+    quantize.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="calibration tokens for GPTQ, run in windows of 512 (default: %(default)s)",
+    )
+    quantize.set_defaults(run=_quantize)
 
     serve = commands.add_parser(
         "serve",
@@ -388,7 +432,10 @@ def _ppl(args: argparse.Namespace) -> None:
     if args.max_tokens is not None and args.max_tokens < 2:
         raise ValidationError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     text = _read_text(args.file)
+    plan = _read_plan(args.plan) if args.plan else None
     llm = load_llm(args.model, args.dtype)
+    if plan is not None:
+        _apply_plan(llm, plan)
     token_ids = llm.encode(text)[: args.max_tokens]
     if len(token_ids) < 2:
         raise ValidationError(
@@ -400,6 +447,84 @@ def _ppl(args: argparse.Namespace) -> None:
     print(f"perplexity  {result.perplexity:.4f}")
     print(f"tokens      {result.num_tokens} scored of {len(token_ids)}")
     print(f"seconds     {seconds:.2f}")
+
+
+def _read_plan(path: str) -> dict[str, str]:
+    from zcode.quant.artifact import read_plan
+
+    try:
+        return read_plan(path)
+    except ValueError as e:
+        raise ValidationError(str(e)) from e
+
+
+def _apply_plan(llm: LLM, plan: dict[str, str], **options) -> None:
+    from zcode.quant import apply_precision
+
+    try:
+        apply_precision(llm.model, plan, **options)
+    except ValueError as e:  # an unknown module or format, a protected module
+        raise ValidationError(f"precision plan: {e}") from e
+
+
+def _quantize(args: argparse.Namespace) -> None:
+    from zcode.calibration import corpus_tokens
+    from zcode.quant import quantizable_modules
+    from zcode.quant.activations import collect_hessians
+    from zcode.quant.artifact import save_artifact
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValidationError(f"--out {out}: exists and is not an empty directory")
+    if args.calibration_tokens < 2:
+        raise ValidationError(
+            f"--calibration-tokens must be at least 2, got {args.calibration_tokens}"
+        )
+    plan = _read_plan(args.plan) if args.plan else None
+    budget_bits = _parse_bits(args.budget) if args.budget else None
+    llm = load_llm(args.model, "float32")
+    names = quantizable_modules(llm.model)
+    if args.format:
+        plan = {name: args.format for name in names}
+    elif budget_bits is not None:
+        plan = _plan_for_budget(llm, budget_bits)
+    hessians = None
+    if args.method == "gptq":
+        if llm.tokenizer is None:
+            raise ValidationError("GPTQ calibrates on text: this checkpoint has no tokenizer")
+        tokens = corpus_tokens(llm.tokenizer, "calibration", args.calibration_tokens)
+        hessians = collect_hessians(llm, tokens, [n for n, f in plan.items() if f != "fp32"])
+    _apply_plan(llm, plan, method=args.method, hessians=hessians, hadamard=args.hadamard)
+    save_artifact(llm.model, llm.tokenizer, out, args.method, args.hadamard)
+    formats = sorted(set(plan.values()))
+    print(
+        f"wrote {out}: {len(plan)} modules ({', '.join(formats)}), method {args.method}"
+        + (", hadamard" if args.hadamard else "")
+    )
+
+
+def _parse_bits(text: str) -> float:
+    number = text.removesuffix("bits").removesuffix("bit").strip()
+    try:
+        bits = float(number)
+    except ValueError:
+        raise ValidationError(
+            f"--budget: expected bits per weight like 4.5bits, got {text!r}"
+        ) from None
+    if not 2 <= bits <= 32:
+        raise ValidationError(f"--budget: bits per weight must be in [2, 32], got {bits}")
+    return bits
+
+
+def _plan_for_budget(llm: LLM, bits: float) -> dict[str, str]:
+    try:
+        from zcode.quant.planner import plan_for_budget
+    except ImportError as e:
+        raise ValidationError(
+            f"--budget needs the precision planner (zcode.quant.planner.plan_for_budget), "
+            f"which is not available: {e}; pass --format or --plan"
+        ) from e
+    raise NotImplementedError(f"--budget {bits}: calling {plan_for_budget.__name__}")
 
 
 def _serve(args: argparse.Namespace) -> None:

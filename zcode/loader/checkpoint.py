@@ -68,28 +68,35 @@ def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32):
         net = build_model(hf_config)
     except ValueError as e:  # an unsupported model_type, or a shape the layers refuse
         raise CheckpointError(f"{path}: {e}") from e
+    net.to_empty(device="cpu")
+    prebuilt: set[str] = set()  # tensors of quantized modules, loaded by the artifact reader
     if path.suffix == ".gguf":
         tensors = iter_gguf_tensors(path, net)
         tokenizer = load_gguf_tokenizer(path)
     else:
-        tensors = iter_safetensors(shard_files(path))
+        from zcode.quant.artifact import load_quantized_modules
+
+        files = shard_files(path)
+        prebuilt = load_quantized_modules(net, files)
+        tensors = (t for t in iter_safetensors(files) if t[0] not in prebuilt)
         tokenizer = _hf_tokenizer(path)
-    net.to_empty(device="cpu")
-    _load_weights(net, tensors, dtype, path)
+    _load_weights(net, tensors, dtype, path, prebuilt)
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
     return net.eval(), tokenizer
 
 
-def _load_weights(net: nn.Module, tensors, dtype: torch.dtype, path: Path) -> None:
+def _load_weights(
+    net: nn.Module, tensors, dtype: torch.dtype, path: Path, prebuilt: set[str] = frozenset()
+) -> None:
     params = dict(net.named_parameters())
     params.update(dict(net.named_buffers()))
     tied = "lm_head.weight" not in params or getattr(net.config, "tie_word_embeddings", False)
     num_layers = net.config.num_hidden_layers
     # Layers past num_hidden_layers are the MTP (next-token prediction) layer(s).
     mtp_weights = net.mtp_weights
-    loaded: set[str] = set()
+    loaded: set[str] = set(prebuilt)
     ignored: list[str] = []
     for name, tensor, file in tensors:
         if name not in params:
@@ -118,7 +125,7 @@ def _load_weights(net: nn.Module, tensors, dtype: torch.dtype, path: Path) -> No
             len(ignored),
             _first_few(ignored),
         )
-    if getattr(net.config, "tie_word_embeddings", False):
+    if getattr(net.config, "tie_word_embeddings", False) and type(net.lm_head) is nn.Linear:
         net.lm_head.weight = net.model.embed_tokens.weight
         loaded.add("lm_head.weight")
     missing = sorted(set(dict(net.named_parameters(remove_duplicate=False))) - loaded)
