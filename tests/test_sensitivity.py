@@ -111,3 +111,20 @@ def test_heatmap_png(tiny_checkpoint, tmp_path):
     report = profile_sensitivity(net, TOKENS[:8], formats=FORMATS, units=units, progress=False)
     draw_heatmap(report, tmp_path / "heat.png")
     assert (tmp_path / "heat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--formats", "int3"], "--formats: unknown int3"),
+        (["--tokens", "1"], "--tokens must be at least 2"),
+        (["--out", "/nonexistent-dir/report.json"], "does not exist"),
+    ],
+)
+def test_cli_profile_rejects_bad_input(tmp_path, capsys, flags, message):
+    from zcode import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["profile", "--out", str(tmp_path / "r.json"), *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
