@@ -35,6 +35,8 @@ def quantize_weight(weight: torch.Tensor, fmt: str) -> PackedWeight:
 class QuantizedLinear(nn.Module):
     """y = x @ W.T + b with W in a packed format; `kernel` picks the reference or the fast path.
 
+    The fast path is the kernel registry's autotuned choice for op `linear` (zcode.kernels), per
+    row count bucket and dtype, remembered per module so a step pays one dict lookup per call.
     Input and output keep the caller's dtype (fp32 or bf16); the bias stays as it was.
     """
 
@@ -46,6 +48,7 @@ class QuantizedLinear(nn.Module):
         self.register_parameter("bias", bias)
         self.format = fmt
         self.kernel = kernel
+        self._fast: dict[tuple[int, torch.dtype], Callable] = {}  # (rows, dtype) -> kernel
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: str, kernel: Kernel = "fast") -> "QuantizedLinear":
@@ -84,13 +87,21 @@ class QuantizedLinear(nn.Module):
         if rows.shape[0] == 0:
             out = rows.new_zeros(0, self.out_features)
         elif self.kernel == "fast":
-            out = self.packed.linear_fast(rows)
+            out = self.fast_kernel(rows)(self.packed, rows)
         else:
             out = self.packed.linear_reference(rows)
         out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def fast_kernel(self, rows: torch.Tensor) -> Callable:
+        key = (rows.shape[0], rows.dtype)
+        if (fn := self._fast.get(key)) is None:
+            from zcode.kernels import get  # zcode.kernels' linear op imports this module
+
+            fn = self._fast[key] = get("linear", self.packed, rows)
+        return fn
 
     def extra_repr(self) -> str:
         return (

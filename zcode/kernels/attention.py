@@ -1,0 +1,178 @@
+"""Ops `attention` (GQA over the paged KV cache, prefill and decode) and `mla` (multi-head latent
+attention over the paged latent cache).
+
+References: the layers' own path, zcode.layers.attention.gather_cache + padded_attention (SDPA
+over the gathered, padded context), and for MLA the expansion of the latent through kv_b_proj
+as zcode.layers.mla.MLAttention does it. CPU variants:
+- attention `decode-grouped`: one query per sequence, the query heads of a KV head multiplied as
+  one group against that head's keys, no padding or KV-head repetition;
+- mla `absorbed`: kv_b_proj folded into the query and the output (the DeepSeek decode trick):
+  attention runs in the latent space, so the context is never expanded to H heads.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from zcode.forward_batch import ForwardBatch
+from zcode.kernels.paged import BLOCK_SIZE, random_batch
+from zcode.kernels.registry import define_op, register
+from zcode.layers.attention import gather_cache, padded_attention
+
+# (query lens, context lens): uniform decode (no mask), ragged decode, prefill + chunked prefill
+BATCH_SHAPES = (([1, 1], [7, 7]), ([1, 1, 1], [5, 13, 2]), ([3, 6], [3, 10]))
+
+
+def _shape_name(query_lens: list[int], context_lens: list[int]) -> str:
+    return f"q{'-'.join(map(str, query_lens))}-ctx{'-'.join(map(str, context_lens))}"
+
+
+def _rows(batch: ForwardBatch) -> str:
+    return "decode" if batch.query_index.shape[1] == 1 else "prefill"
+
+
+# --- attention -------------------------------------------------------------------------------
+
+
+def attention_reference(
+    q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    # q: [T, H, D]; kv_cache: [num_blocks, block_size, 2, KVH, D] -> [T, H, D]
+    kv = gather_cache(kv_cache, batch.context_slots)  # [B, L, 2, KVH, D]
+    return padded_attention(q, kv[:, :, 0], kv[:, :, 1], batch, scale)
+
+
+def attention_shape_class(q: torch.Tensor, kv_cache: torch.Tensor, batch, scale) -> str:
+    context = "short" if batch.context_slots.shape[1] <= 256 else "long"
+    return f"H{q.shape[1]}xKV{kv_cache.shape[3]}xD{q.shape[2]}|{_rows(batch)}|{context}|{q.dtype}"
+
+
+def _tolerance(q: torch.Tensor, *args) -> tuple[float, float]:
+    return (1e-4, 1e-5) if q.dtype == torch.float32 else (2e-2, 2e-2)
+
+
+def attention_cases() -> list:
+    def case(query_lens, context_lens, heads, kv_heads, dim, dtype):
+        def make(generator: torch.Generator):
+            batch, num_blocks = random_batch(query_lens, context_lens, generator)
+            q = torch.randn(sum(query_lens), heads, dim, generator=generator).to(dtype)
+            cache = torch.randn(num_blocks, BLOCK_SIZE, 2, kv_heads, dim, generator=generator)
+            return q, cache.to(dtype), batch, dim**-0.5
+
+        name = f"{_shape_name(query_lens, context_lens)}-H{heads}-KV{kv_heads}-D{dim}-{dtype}"
+        return name, make
+
+    cases = [case(q, c, 6, 2, 16, torch.float32) for q, c in BATCH_SHAPES]
+    return cases + [
+        case([1, 1], [9, 9], 9, 3, 64, torch.bfloat16),
+        case([1], [5], 3, 3, 7, torch.float32),
+    ]
+
+
+define_op("attention", attention_reference, attention_shape_class, attention_cases, _tolerance)
+
+
+@register("attention", "decode-grouped", supports=lambda q, c, batch, s: _rows(batch) == "decode")
+def decode_grouped(
+    q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float
+) -> torch.Tensor:
+    kv = gather_cache(kv_cache, batch.context_slots)  # [B, L, 2, KVH, D]
+    keys, values = kv[:, :, 0], kv[:, :, 1]
+    num_seqs, _, num_kv_heads, head_dim = keys.shape
+    qg = q[batch.query_index[:, 0]].view(num_seqs, num_kv_heads, -1, head_dim)  # [B, KVH, G, D]
+    scores = torch.einsum("bkgd,blkd->bkgl", qg.float(), keys.float()) * scale
+    if batch.attn_mask is not None:  # [B, 1, 1, L]
+        scores = scores.masked_fill(~batch.attn_mask[:, :, :1], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values.float()).to(q.dtype)
+    return out.reshape(num_seqs, -1, head_dim)[batch.token_index]
+
+
+# --- MLA -------------------------------------------------------------------------------------
+
+
+def mla_reference(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    batch: ForwardBatch,
+    v_dim: int,
+    scale: float,
+    keep: torch.Tensor | None,
+) -> torch.Tensor:
+    """q: [T, H, nope + rope]; latent_cache: [num_blocks, block_size, R + rope];
+    kv_b_weight: [H * (nope + v), R]; keep: [B, 1, S, L] bool (DSA) or None -> [T, H, v]."""
+    num_heads = q.shape[1]
+    kv_lora_rank = kv_b_weight.shape[1]
+    nope_dim = kv_b_weight.shape[0] // num_heads - v_dim
+    latent = gather_cache(latent_cache, batch.context_slots)  # [B, L, R + rope]
+    num_seqs, context_len = latent.shape[:2]
+    k_pass, k_rot = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
+    kv = F.linear(k_pass, kv_b_weight).view(num_seqs, context_len, num_heads, -1)
+    k_nope, values = kv.split([nope_dim, v_dim], dim=-1)
+    k_rot = k_rot[:, :, None, :].expand(-1, -1, num_heads, -1)
+    keys = torch.cat([k_nope, k_rot], dim=-1)  # [B, L, H, nope + rope]
+    mask = batch.attn_mask if keep is None else keep
+    if keep is not None and batch.attn_mask is not None:
+        mask = keep & batch.attn_mask
+    return padded_attention(q, keys, values, batch, scale, mask)
+
+
+def mla_shape_class(q, latent_cache, kv_b_weight, batch, v_dim, scale, keep) -> str:
+    context = "short" if batch.context_slots.shape[1] <= 256 else "long"
+    return f"H{q.shape[1]}xR{kv_b_weight.shape[1]}|{_rows(batch)}|{context}|{q.dtype}"
+
+
+def mla_cases() -> list:
+    heads, nope, rope, v_dim, rank = 4, 16, 8, 16, 32
+
+    def case(query_lens, context_lens, with_keep: bool):
+        def make(generator: torch.Generator):
+            batch, num_blocks = random_batch(query_lens, context_lens, generator)
+            q = torch.randn(sum(query_lens), heads, nope + rope, generator=generator)
+            cache = torch.randn(num_blocks, BLOCK_SIZE, rank + rope, generator=generator)
+            weight = torch.randn(heads * (nope + v_dim), rank, generator=generator) * rank**-0.5
+            keep = None
+            if with_keep:
+                shape = (len(query_lens), 1, batch.query_index.shape[1], max(context_lens))
+                keep = torch.rand(shape, generator=generator) < 0.6
+                keep[..., 0] = True  # every query keeps its first token: no empty row
+            return q, cache, weight, batch, v_dim, (nope + rope) ** -0.5, keep
+
+        keep_name = "-dsa" if with_keep else ""
+        return f"{_shape_name(query_lens, context_lens)}{keep_name}", make
+
+    return [case(q, c, keep) for q, c in BATCH_SHAPES for keep in (False, True)]
+
+
+define_op("mla", mla_reference, mla_shape_class, mla_cases, _tolerance)
+
+
+@register("mla", "absorbed")
+def mla_absorbed(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    batch: ForwardBatch,
+    v_dim: int,
+    scale: float,
+    keep: torch.Tensor | None,
+) -> torch.Tensor:
+    num_heads, kv_lora_rank = q.shape[1], kv_b_weight.shape[1]
+    w = kv_b_weight.view(num_heads, -1, kv_lora_rank)  # [H, nope + v, R]
+    nope_dim = w.shape[1] - v_dim
+    w_uk, w_uv = w[:, :nope_dim].float(), w[:, nope_dim:].float()
+    q_nope, q_rot = q.float().split([nope_dim, q.shape[-1] - nope_dim], dim=-1)
+    # q_nope . (W_uk c) = (W_uk^T q_nope) . c: queries move into the latent space.
+    q_latent = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot], dim=-1)
+    latent = gather_cache(latent_cache, batch.context_slots).float()  # [B, L, R + rope]
+    qp = q_latent[batch.query_index]  # [B, S, H, R + rope]
+    scores = torch.einsum("bshc,blc->bhsl", qp, latent) * scale
+    mask = batch.attn_mask if keep is None else keep
+    if keep is not None and batch.attn_mask is not None:
+        mask = keep & batch.attn_mask
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out_latent = torch.einsum("bhsl,blr->bshr", probs, latent[..., :kv_lora_rank])
+    out = torch.einsum("bshr,hvr->bshv", out_latent, w_uv)  # [B, S, H, v]
+    return out.reshape(-1, num_heads, v_dim)[batch.token_index].to(q.dtype)

@@ -1,0 +1,85 @@
+"""Op `linear`: x [M, K] @ W.T for a weight in any packed format (zcode.quant).
+
+Reference: the format's own `linear_reference` (dequantize, fp32 F.linear; float64 for A8).
+CPU variants: the format's `linear_fast` (its hand-set row threshold between kernels), and for
+the weight-only int formats each of the two kernels alone, so the autotuner finds the crossover
+on this machine per shape instead of the thresholds measured once on another.
+"""
+
+import torch
+
+from zcode.kernels.registry import define_op, register
+from zcode.quant.formats import PackedWeight
+from zcode.quant.int4 import Int4Weight
+from zcode.quant.int8 import Int8Weight
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+TOL = 2**-5  # elementwise, in units of ||x_m|| ||w_n|| / sqrt(K): see tests/test_quant_kernels.py
+EXACT_FORMATS = ("W8A8Weight",)
+
+
+def reference(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    # x: [M, K] -> [M, N] fp32
+    return packed.linear_reference(x)
+
+
+def shape_class(packed: PackedWeight, x: torch.Tensor) -> str:
+    rows = next((b for b in ROW_BUCKETS if x.shape[0] <= b), "many")
+    group = getattr(packed, "group_size", "")
+    return (
+        f"{type(packed).__name__}{group}|N{packed.out_features}xK{packed.in_features}"
+        f"|rows<={rows}|{str(x.dtype).removeprefix('torch.')}"
+    )
+
+
+def tolerance(packed: PackedWeight, x: torch.Tensor) -> tuple[float, float]:
+    """(rtol, atol): the bf16 rounding bound of the worst row pair; W8A8 is exact up to fp32."""
+    if type(packed).__name__ in EXACT_FORMATS:
+        return 1e-5, 1e-5 * float(x.abs().max()) * packed.in_features**0.5
+    w_norm = packed.dequantize().norm(dim=1).max()
+    return 0.0, TOL * float(x.float().norm(dim=1).max() * w_norm) / packed.in_features**0.5
+
+
+def cases() -> list:
+    from zcode.quant.linear import FORMATS, quantize_weight  # zcode.quant.linear imports this
+
+    def case(fmt: str, num_rows: int, num_in: int, num_out: int, dtype: torch.dtype):
+        def make(generator: torch.Generator):
+            w = torch.randn(num_out, num_in, generator=generator) * num_in**-0.5
+            x = torch.randn(num_rows, num_in, generator=generator).to(dtype)
+            return quantize_weight(w, fmt), x
+
+        name = f"{fmt}-M{num_rows}-K{num_in}-N{num_out}-{str(dtype).removeprefix('torch.')}"
+        return name, make
+
+    return [
+        case(fmt, rows, k, n, dtype)
+        for fmt in FORMATS
+        for rows, k, n, dtype in (
+            (1, 64, 48, torch.float32),
+            (3, 101, 33, torch.float32),  # K and N odd: the padding paths
+            (70, 576, 40, torch.bfloat16),  # past both packed kernels' row limits
+        )
+    ]
+
+
+define_op("linear", reference, shape_class, cases, tolerance)
+
+
+@register("linear", "format-fast")
+def format_fast(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    return packed.linear_fast(x)
+
+
+def _weight_only_int(packed: PackedWeight, x: torch.Tensor) -> bool:
+    return type(packed) in (Int8Weight, Int4Weight)
+
+
+@register("linear", "packed", supports=_weight_only_int)
+def packed_kernel(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    return packed.mm_packed(x)
+
+
+@register("linear", "dequantized", supports=_weight_only_int)
+def dequantized_kernel(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    return packed.mm_dequantized(x)

@@ -1,0 +1,1 @@
+"""Triton kernels (registered for backend `cuda`)."""
