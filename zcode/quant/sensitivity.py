@@ -144,7 +144,7 @@ def profile_sensitivity(
     model: nn.Module,
     token_ids: list[int],
     formats: Iterable[str] = DEFAULT_FORMATS,
-    kernel: Kernel = "fast",
+    kernel: Kernel = "reference",
     shortcut: bool = True,
     units: Iterable[str] | None = None,
     progress: bool = True,
@@ -154,7 +154,9 @@ def profile_sensitivity(
     Returns {"num_tokens", "formats", "dense": {"nll", "ppl"}, "modules": {unit: {"members",
     "num_weights", "layer", "kind", "formats": {format: {"kl", "ppl_delta", "bytes"}}}}};
     `units` restricts the units measured (all by default); `shortcut=False` reruns every layer
-    (the check of the shortcut).
+    (the check of the shortcut). The reference kernel is the default: it measures the format's
+    own rounding, not a fast kernel's (which may round activations to bf16, and is picked per
+    machine), and gives the same numbers everywhere.
     """
     if len(token_ids) < 2:
         raise ValueError("profiling needs at least 2 calibration tokens")
