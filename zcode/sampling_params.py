@@ -6,6 +6,26 @@ MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one constraint: `json` (a JSON schema, dict or string), `json_object` (any JSON
+    object), `regex`, or `choice` (one of these strings)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [self.json is not None, self.json_object, self.regex is not None, bool(self.choice)]
+        if sum(given) != 1:
+            raise ValidationError(
+                "structured output needs exactly one of json, json_object, regex, choice"
+            )
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop; vLLM's names and meanings.
 
@@ -28,6 +48,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

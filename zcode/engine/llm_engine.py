@@ -16,6 +16,7 @@ from zcode.engine.request_output import RequestOutput
 from zcode.engine.sampler import Sampler, top_logprobs
 from zcode.engine.scheduler import ScheduledSeq, Scheduler
 from zcode.engine.sequence import Sequence
+from zcode.engine.structured_output import GrammarCompiler
 from zcode.errors import ValidationError
 from zcode.sampling_params import SamplingParams
 
@@ -33,7 +34,14 @@ class LLMEngine:
             config.kv_cache_bytes, layers, config.block_size, config.torch_dtype
         )
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype)
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            config.torch_dtype,
+            compile=config.compile,
+            max_num_seqs=config.max_num_seqs,
+        )
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -41,6 +49,7 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
         )
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(tokenizer)
         self.eos_token_ids = _eos_ids(hf, tokenizer)
         self.sequences: dict[str, Sequence] = {}
 
@@ -48,12 +57,16 @@ class LLMEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> Sequence:
         self._validate(prompt_token_ids, params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.matcher(params.structured_outputs)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
             )
         seq = Sequence(prompt_token_ids, params, detokenizer, request_id)
+        seq.grammar = grammar
         if seq.request_id in self.sequences:
             raise ValidationError(f"request id {seq.request_id!r} is already in use")
         self.sequences[seq.request_id] = seq
@@ -92,6 +105,7 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_cached_free_blocks": bm.num_evictable_blocks,
             "num_blocks": bm.num_blocks,
+            "num_graph_compiles": self.runner.num_graph_compiles,
         }
 
     def abort(self, request_id: str) -> None:
@@ -136,7 +150,11 @@ class LLMEngine:
         self, items: list[tuple[Sequence, torch.Tensor]]
     ) -> list[tuple[int, dict[int, float] | None]]:
         seqs = [seq for seq, _ in items]
-        tokens, logprobs = self.sampler(torch.stack([logits for _, logits in items]), seqs)
+        logits = torch.stack([logits for _, logits in items])  # [B, V]
+        for row, seq in zip(logits, seqs):
+            if seq.grammar is not None:
+                seq.grammar.mask_(row)
+        tokens, logprobs = self.sampler(logits, seqs)
         return list(zip(tokens, logprobs))
 
     def _fail(self, seq: Sequence) -> RequestOutput:
@@ -168,6 +186,8 @@ class LLMEngine:
             seq.first_token_time = time.perf_counter()
         if seq.detokenizer is not None:
             seq.detokenizer.add(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         reason, stop_reason = self._stop_check(seq, token)
         if reason is not None:
             seq.stop_reason = stop_reason
@@ -182,6 +202,8 @@ class LLMEngine:
             return "stop", None
         if token in p.stop_token_ids:
             return "stop", token
+        if seq.grammar is not None and seq.grammar.is_finished:
+            return "stop", None
         if p.stop and seq.detokenizer is not None:
             text = seq.detokenizer.output_text
             for stop in p.stop:

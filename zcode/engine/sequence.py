@@ -43,6 +43,7 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] = [None]
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
+        self.grammar = None  # a GrammarMatcher when the request constrains its output
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from zcode.sampling_params import MAX_LOGPROBS, SamplingParams
+from zcode.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 16
 SEED_RANGE = 1 << 63
@@ -100,7 +100,12 @@ class _GenerateRequest(_Body):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs(),
         )
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The grammar the output must follow, if the request sets one."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -196,18 +201,24 @@ class ChatCompletionRequest(_GenerateRequest):
                     "`tools`",
                     param="tool_choice",
                 )
-        if self.response_format is not None and self.response_format.type != "text":
-            # Accepting it without constrained decoding would promise JSON we cannot guarantee.
-            raise ApiError(
-                f"response_format {self.response_format.type!r} is not implemented yet: ZCode has "
-                "no constrained decoding, so it cannot guarantee JSON output",
-                param="response_format",
-            )
         if self.continue_final_message and self.add_generation_prompt:
             raise ApiError(
                 "continue_final_message and add_generation_prompt cannot both be true",
                 param="continue_final_message",
             )
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = fmt.json_schema.get("schema")
+        if not isinstance(schema, dict):
+            raise ApiError(
+                "response_format json_schema needs a 'schema' object", param="response_format"
+            )
+        return StructuredOutputsParams(json=schema)
 
     @property
     def requested_max_tokens(self) -> int | None:
