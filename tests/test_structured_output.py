@@ -28,14 +28,16 @@ def _generate(llm, constraint, **params):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.2])
 def test_json_schema_output_parses_and_follows_the_schema(default_llm, temperature):
-    out = _generate(default_llm, StructuredOutputsParams(json=PERSON), temperature=temperature, seed=0)
+    constraint = StructuredOutputsParams(json=PERSON)
+    out = _generate(default_llm, constraint, temperature=temperature, seed=0)
     assert out.finish_reason == "stop", out.text
     value = json.loads(out.text)
     assert set(value) == {"name", "tags"} and set(value["tags"]) <= {1, 2}
 
 
 def test_regex_and_choice(default_llm):
-    out = _generate(default_llm, StructuredOutputsParams(regex=r"[0-9]{3}-[a-c]{2}"), temperature=1.0)
+    constraint = StructuredOutputsParams(regex=r"[0-9]{3}-[a-c]{2}")
+    out = _generate(default_llm, constraint, temperature=1.0)
     assert re.fullmatch(r"[0-9]{3}-[a-c]{2}", out.text) and out.finish_reason == "stop"
     out = _generate(default_llm, StructuredOutputsParams(choice=["alpha", "beta"]), temperature=1.0)
     assert out.text in {"alpha", "beta"}

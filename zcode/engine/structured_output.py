@@ -15,7 +15,6 @@ import torch
 from zcode.errors import ValidationError
 from zcode.sampling_params import StructuredOutputsParams
 
-
 # Whitespace allowed between JSON tokens: one line break and an indent at most, so pretty-printed
 # JSON is possible but sampling cannot wander into endless blank space.
 JSON_WHITESPACE = r"\n?[ \t]{0,32}"
