@@ -160,7 +160,9 @@ def test_plan_naming_a_missing_module_is_refused(tiny_checkpoint, tmp_path):
     "extra, message",
     [
         (["--format", "int3"], "unknown format 'int3'"),
-        (["--budget", "four"], "expected bits per weight like 4.5bits"),
+        (["--budget", "4.5bits"], "pass --profile PROFILE.json"),
+        (["--budget", "four", "--profile", "PROFILE"], "four"),
+        (["--format", "int8", "--profile", "PROFILE"], "add --budget"),
         (["--format", "int8", "--method", "gptq"], "has no tokenizer"),
         (["--plan", "PLAN"], "no such module"),
         (["--plan", "MISSING"], "No such file"),
@@ -169,15 +171,49 @@ def test_plan_naming_a_missing_module_is_refused(tiny_checkpoint, tmp_path):
 def test_quantize_user_mistakes(tiny_checkpoint, tmp_path, capsys, extra, message):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps({"model.layers.5.mlp.up_proj": "int8"}))
-    extra = [str(plan) if a == "PLAN" else str(tmp_path / "nope") if a == "MISSING" else a
-             for a in extra]  # fmt: skip
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(_profile(tiny_checkpoint)))
+    paths = {"PLAN": str(plan), "MISSING": str(tmp_path / "nope"), "PROFILE": str(profile)}
+    extra = [paths.get(a, a) for a in extra]
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["quantize", str(tiny_checkpoint("llama").path), "--out", str(out), *extra])
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the fixture's progress bars
     assert err.startswith("zcode: error:") and message in err
     assert not (out / WEIGHTS_FILE).exists()
+
+
+def _profile(tiny_checkpoint) -> dict:
+    """A sensitivity profile of the tiny llama in the planner's schema: int8 costs little KL,
+    int4-g32 ten times more, and lm_head is the most sensitive module."""
+    net, _ = load_model(tiny_checkpoint("llama").path)
+    modules = {}
+    for name in quantizable_modules(net):
+        n = net.get_submodule(name).weight.numel()
+        scale = 10.0 if name == "lm_head" else 1.0
+        formats = {
+            "int8": {"kl": 1e-4 * scale, "bytes": n + 2 * n // 64},
+            "int4-g32": {"kl": 1e-3 * scale, "bytes": n // 2 + n // 8},
+        }
+        modules[name] = {"members": [name], "num_weights": n, "formats": formats}
+    return {"modules": modules}
+
+
+def test_quantize_by_budget_follows_the_planner(tiny_checkpoint, tmp_path):
+    profile_path = tmp_path / "profile.json"
+    profile = _profile(tiny_checkpoint)
+    profile_path.write_text(json.dumps(profile))
+    out = tmp_path / "out"
+    cli.main(["quantize", str(tiny_checkpoint("llama").path), "--budget", "6bits", "--profile",
+              str(profile_path), "--out", str(out)])  # fmt: skip
+    from zcode.quant.planner import plan_for_budget
+
+    want = {n: f for n, f in plan_for_budget(profile, "6bits").items() if f != "fp32"}
+    assert json.loads((out / PLAN_FILE).read_text())["plan"] == want
+    assert {"int8", "int4-g32"} <= set(want.values())  # the budget forces a real mix
+    loaded, _ = load_model(out)
+    assert {loaded.get_submodule(n).format for n in want} == set(want.values())
 
 
 def test_quantize_refuses_a_non_empty_out_dir(tiny_checkpoint, tmp_path, capsys):

@@ -155,7 +155,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     precision.add_argument("--plan", metavar="PLAN.json", help="module -> format map")
     precision.add_argument(
-        "--budget", metavar="BITS", help="average bits per weight for the planner, e.g. 4.5bits"
+        "--budget",
+        metavar="BUDGET",
+        help="the precision planner's plan for this budget (needs --profile): average bits per "
+        "weight (4.5bits), bytes of weights (60MB) or a decode-step latency (12ms)",
+    )
+    quantize.add_argument(
+        "--profile",
+        metavar="PROFILE.json",
+        help="the sensitivity profile --budget plans from (written by 'zcode profile')",
     )
     quantize.add_argument(
         "--method",
@@ -508,14 +516,14 @@ def _quantize(args: argparse.Namespace) -> None:
         raise ValidationError(
             f"--calibration-tokens must be at least 2, got {args.calibration_tokens}"
         )
+    if args.profile and not args.budget:
+        raise ValidationError("--profile is what --budget plans from: add --budget")
     plan = _read_plan(args.plan) if args.plan else None
-    budget_bits = _parse_bits(args.budget) if args.budget else None
+    if args.budget:
+        plan = _plan_for_budget(args.budget, args.profile)
     llm = load_llm(args.model, "float32")
-    names = quantizable_modules(llm.model)
     if args.format:
-        plan = {name: args.format for name in names}
-    elif budget_bits is not None:
-        plan = _plan_for_budget(llm, budget_bits)
+        plan = {name: args.format for name in quantizable_modules(llm.model)}
     hessians = None
     if args.method == "gptq":
         if llm.tokenizer is None:
@@ -531,28 +539,22 @@ def _quantize(args: argparse.Namespace) -> None:
     )
 
 
-def _parse_bits(text: str) -> float:
-    number = text.removesuffix("bits").removesuffix("bit").strip()
-    try:
-        bits = float(number)
-    except ValueError:
-        raise ValidationError(
-            f"--budget: expected bits per weight like 4.5bits, got {text!r}"
-        ) from None
-    if not 2 <= bits <= 32:
-        raise ValidationError(f"--budget: bits per weight must be in [2, 32], got {bits}")
-    return bits
+def _plan_for_budget(budget: str, profile_path: str | None) -> dict[str, str]:
+    from zcode.quant.planner import plan_for_budget
 
-
-def _plan_for_budget(llm: LLM, bits: float) -> dict[str, str]:
-    try:
-        from zcode.quant.planner import plan_for_budget
-    except ImportError as e:
+    if profile_path is None:
         raise ValidationError(
-            f"--budget needs the precision planner (zcode.quant.planner.plan_for_budget), "
-            f"which is not available: {e}; pass --format or --plan"
-        ) from e
-    raise NotImplementedError(f"--budget {bits}: calling {plan_for_budget.__name__}")
+            "--budget plans from a sensitivity profile: pass --profile PROFILE.json "
+            "(written by 'zcode profile MODEL')"
+        )
+    text = _read_text(profile_path)
+    try:
+        profile = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValidationError(f"{profile_path}: not JSON: {e}") from e
+    if not isinstance(profile, dict) or not isinstance(profile.get("modules"), dict):
+        raise ValidationError(f"{profile_path}: not a sensitivity profile (no 'modules')")
+    return plan_for_budget(profile, budget)  # PlanError, a ValidationError, for a bad budget
 
 
 def _profile(args: argparse.Namespace) -> None:
