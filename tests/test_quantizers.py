@@ -221,3 +221,25 @@ def test_gptq_on_a_model_falls_back_to_rtn_without_calibration(tiny_checkpoint, 
     assert torch.equal(replaced[names[1]].packed.qweight, rtn.qweight)
     gptq = replaced[calibrated].packed
     assert not torch.equal(gptq.qweight, quantize_weight(calibrated_weight, "int4-g32").qweight)
+
+
+def test_collect_hessians_sees_every_position_of_every_window(tiny_checkpoint):
+    """Through the engine, lm_head included (the engine computes logits only where asked):
+    the same X^T X as hooks on the model driven directly over the same windows."""
+    from paged_runner import PagedRunner
+
+    from zcode.llm import LLM
+    from zcode.quant.activations import collect_hessians
+
+    llm = LLM(tiny_checkpoint("llama").path, kv_cache_bytes=1 << 22, enable_prefix_caching=False)
+    ids = torch.randint(3, 256, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    names = ["lm_head", "model.layers.1.mlp.down_proj"]
+    got = collect_hessians(llm, ids, names, window=32)
+    collector = HessianCollector(llm.model, names)
+    for start in range(0, len(ids), 32):
+        PagedRunner(llm.model).step({"w": ids[start : start + 32]})
+    collector.remove()
+    for name in names:
+        assert collector.num_rows[name] == len(ids)
+        want = collector.hessians[name]
+        assert (got[name] - want).norm() <= 1e-5 * want.norm(), name

@@ -70,7 +70,9 @@ def collect_hessians(
     if len(token_ids) < 2:
         raise ValueError("calibration needs at least 2 tokens")
     collector = HessianCollector(llm.model, names)
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    # prompt_logprobs: the engine then runs lm_head on every position, not only the last one
+    # (without it lm_head's Hessian had one row per window, and GPTQ overfit it).
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
     chunks = [list(token_ids[i : i + window]) for i in range(0, len(token_ids), window)]
     try:
         for chunk in tqdm(chunks, desc="calibration windows", unit="window"):
