@@ -64,6 +64,7 @@ def tune(op: str, args: Args, candidates: list[Variant]) -> tuple[Variant, dict[
     """The fastest of the reference and the candidates that match it on `args`, with the
     best-of timings in ms of everything timed."""
     spec = OPS[op]
+    shape_class = spec.shape_class(*args)
     rtol, atol = spec.tolerance(*args)
     expected = spec.reference(*args)
     timings_ms = {"any:reference": time_ms(lambda: spec.reference(*args))}
@@ -71,10 +72,15 @@ def tune(op: str, args: Args, candidates: list[Variant]) -> tuple[Variant, dict[
         try:
             correct = outputs_match(variant.fn(*args), expected, rtol, atol)
         except (RuntimeError, NotImplementedError, ValueError) as e:
-            logger.info("autotune %s: %s failed: %s", op, variant.key, e)
+            logger.info("autotune %s %s: %s failed: %s", op, shape_class, variant.key, e)
             continue
         if not correct:
-            logger.warning("autotune %s: %s disagrees with the reference; skipped", op, variant.key)
+            logger.warning(
+                "autotune %s %s: %s disagrees with the reference; skipped",
+                op,
+                shape_class,
+                variant.key,
+            )
             continue
         timings_ms[variant.key] = time_ms(lambda v=variant: v.fn(*args))
     best = min(timings_ms, key=timings_ms.__getitem__)

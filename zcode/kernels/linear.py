@@ -15,6 +15,7 @@ from zcode.quant.int8 import Int8Weight
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOL = 2**-5  # elementwise, in units of ||x_m|| ||w_n|| / sqrt(K): see tests/test_quant_kernels.py
+OUTPUT_RTOL = 2**-7
 EXACT_FORMATS = ("W8A8Weight",)
 
 
@@ -33,11 +34,14 @@ def shape_class(packed: PackedWeight, x: torch.Tensor) -> str:
 
 
 def tolerance(packed: PackedWeight, x: torch.Tensor) -> tuple[float, float]:
-    """(rtol, atol): the bf16 rounding bound of the worst row pair; W8A8 is exact up to fp32."""
+    """(rtol, atol): W8A8 is exact up to fp32. The bf16-activation kernels round inputs (the
+    atol: the typical size of a sum of K rounding errors, for the worst row pair) and may round
+    the output to bf16 (the rtol: 2^-9 relative, with margin; large outputs of real models'
+    correlated activations exceed the atol alone)."""
     if type(packed).__name__ in EXACT_FORMATS:
         return 1e-5, 1e-5 * float(x.abs().max()) * packed.in_features**0.5
     w_norm = packed.dequantize().norm(dim=1).max()
-    return 0.0, TOL * float(x.float().norm(dim=1).max() * w_norm) / packed.in_features**0.5
+    return OUTPUT_RTOL, TOL * float(x.float().norm(dim=1).max() * w_norm) / packed.in_features**0.5
 
 
 def cases() -> list:
