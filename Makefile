@@ -21,7 +21,11 @@ test: install
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
+# The Triton kernels' logic on CPU under TRITON_INTERPRET=1: slow to interpret, so its own target.
+test-triton: install
+	$(PY) -m pytest -q -m triton
+
 bench: install
 	$(PY) bench/bench_core.py
 
-.PHONY: install demo test test-slow bench
+.PHONY: install demo test test-slow test-triton bench
