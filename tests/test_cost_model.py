@@ -119,3 +119,12 @@ def test_held_out_decode_error_on_smollm2(tmp_path):
         if m.mode == "decode" and m.plan.category in ("dense", "int8", "int4")
     ]
     assert statistics.median(errors) < 0.15
+
+
+def test_format_cost_reports_rates_per_kind():
+    from zcode.hardware.cost_model import format_cost
+
+    assert "not fitted" in format_cost(None)
+    cost = CostModel({"step": 1.5, "int8:MB": 0.1, "int8:calls": 0.015}, {}, "k", ("a", "b"))
+    line = format_cost(cost)
+    assert "1.50 ms/step" in line and "int8 10.0 GB/s + 15 us/call" in line

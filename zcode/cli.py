@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hw.add_argument("--refresh", action="store_true", help="measure again instead of the cache")
     hw.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    hw.add_argument(
+        "--fit-cost",
+        action="store_true",
+        help="fit the cost model if this machine has none cached (about a minute)",
+    )
     hw.set_defaults(run=_hw)
 
     ppl = commands.add_parser(
@@ -453,9 +458,19 @@ def _info(args: argparse.Namespace) -> None:
 
 def _hw(args: argparse.Namespace) -> None:
     from zcode.hardware import format_report, probe
+    from zcode.hardware.cost_model import CostModel, cache_path, format_cost
+    from zcode.hardware.probe import fingerprint
 
     info = probe(refresh=args.refresh)
-    print(json.dumps(dataclasses.asdict(info), indent=2) if args.json else format_report(info))
+    if args.fit_cost:
+        cost = CostModel.load_or_fit(info)
+    else:
+        cost = CostModel.load(cache_path(fingerprint(info)))
+    if args.json:
+        report = dataclasses.asdict(info) | {"cost_model": cost and dataclasses.asdict(cost)}
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(info) + "\n" + format_cost(cost))
 
 
 def _ppl(args: argparse.Namespace) -> None:

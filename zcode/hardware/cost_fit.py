@@ -88,8 +88,9 @@ class Measurement:
     measured_ms: float
 
 
-def fit_smollm2(fingerprint: str) -> CostModel:
-    """Measures FIT_PLANS at FIT_SETTINGS on this machine and fits a CostModel to them."""
+def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
+    """Measures FIT_PLANS at FIT_SETTINGS on this machine and fits a CostModel to them; returns
+    it with the measurements it was fitted to."""
     measurements = measure_plans(FIT_PLANS, FIT_SETTINGS)
     coefficients = {
         mode: fit_coefficients(
@@ -98,12 +99,10 @@ def fit_smollm2(fingerprint: str) -> CostModel:
         )
         for mode in (DECODE, PREFILL)
     }
-    return CostModel(
-        coefficients[DECODE],
-        coefficients[PREFILL],
-        fingerprint,
-        tuple(p.name for p in FIT_PLANS),
+    cost = CostModel(
+        coefficients[DECODE], coefficients[PREFILL], fingerprint, tuple(p.name for p in FIT_PLANS)
     )
+    return cost, measurements
 
 
 def check_smollm2(

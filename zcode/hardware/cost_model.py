@@ -186,7 +186,7 @@ class CostModel:
             return cached
         from zcode.hardware.cost_fit import fit_smollm2
 
-        model = fit_smollm2(key)
+        model, _ = fit_smollm2(key)
         model.save(path)
         return model
 
@@ -223,6 +223,21 @@ class CostModel:
             os.replace(tmp, path)
         except OSError as e:
             logger.warning("could not write cost model cache %s: %s", path, e)
+
+
+def format_cost(cost: CostModel | None) -> str:
+    """One report line: the fitted decode cost as fixed ms per step, and per kernel kind the
+    effective GB/s of its weight bytes and the us each call adds."""
+    if cost is None:
+        return "cost       not fitted (zcode hw --fit-cost, or bench/bench_cost_model.py)"
+    c = cost.decode
+    kinds = sorted({name.split(":")[0] for name in c if name.endswith(":MB")})
+    parts = [f"{c.get('step', 0.0):.2f} ms/step"]
+    for kind in kinds:
+        ms_per_mb = c.get(f"{kind}:MB", 0.0)
+        rate = f"{1 / ms_per_mb:.1f} GB/s" if ms_per_mb > 0 else "bytes free"
+        parts.append(f"{kind} {rate} + {1e3 * c.get(f'{kind}:calls', 0.0):.0f} us/call")
+    return f"cost       decode {'; '.join(parts)} (fit on {len(cost.fit_plans)} SmolLM2 plans)"
 
 
 def cache_path(key: str, cache_dir: Path | None = None) -> Path:
