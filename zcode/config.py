@@ -16,6 +16,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared by earlier requests
+    # Compile decode steps (torch.compile, inductor) per plan and batch-size bucket; the first
+    # step of each bucket pays the compile time.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

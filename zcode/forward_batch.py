@@ -6,6 +6,10 @@ each sequence's queries and cached context into padded [B, S_max] and [B, L_max]
     packed tokens   t = 0 .. T-1          (query_index maps [B, S_max] -> t)
     padded queries  b * S_max + s         (token_index maps t -> b * S_max + s)
     context slots   context_slots[b, j]   (cache slot of position j of sequence b)
+
+`build_decode` makes the fixed-shape batch of a compiled decode step: one token per sequence,
+padded to a batch-size bucket, context rounded up to whole blocks, and always an explicit mask,
+so a compiled graph sees the same shapes (up to the context length) and structure every step.
 """
 
 from dataclasses import dataclass
@@ -67,6 +71,46 @@ class ForwardBatch:
             context_slots=context_slots,
             attn_mask=mask,
             logits_index=torch.tensor(logits_index, dtype=torch.int64),
+        )
+
+
+    @classmethod
+    def build_decode(
+        cls,
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        num_padded: int,
+        pad_block: int,
+    ) -> "ForwardBatch":
+        """One new token (the last of its context) per sequence, rows padded to `num_padded`.
+
+        Padding rows and padding context read and write block `pad_block`, which no sequence
+        owns; their outputs are dropped. The context axis is rounded up to whole blocks.
+        """
+        num_seqs = len(context_lens)
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.full((num_padded, max_blocks), pad_block, dtype=torch.int64)
+        for b, table in enumerate(block_tables):
+            tables[b, : len(table)] = torch.tensor(table, dtype=torch.int64)
+        offsets = torch.arange(block_size, dtype=torch.int64)
+        # tables: [B, blocks] -> context_slots: [B, blocks * block_size]
+        context_slots = (tables[:, :, None] * block_size + offsets).reshape(num_padded, -1)
+        lens = torch.ones(num_padded, dtype=torch.int64)
+        lens[:num_seqs] = torch.tensor(context_lens, dtype=torch.int64)
+        positions = lens - 1
+        rows = torch.arange(num_padded)
+        slot_mapping = context_slots[rows, positions]
+        slot_mapping[num_seqs:] = pad_block * block_size
+        mask = torch.arange(context_slots.shape[1])[None, :] < lens[:, None]
+        return cls(
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_index=rows[:, None].clone(),
+            token_index=rows,
+            context_slots=context_slots,
+            attn_mask=mask[:, None, None, :],  # [B, 1, 1, L]
+            logits_index=rows.clone(),
         )
 
 

@@ -3,16 +3,41 @@
 import torch
 from torch import nn
 
+from zcode.engine.graph_cache import GraphCache
 from zcode.engine.kv_cache import KVCache
 from zcode.engine.scheduler import ScheduledSeq
 from zcode.forward_batch import ForwardBatch
+from zcode.harness.plan import ExecutionPlan
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: nn.Module,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        compile: bool = False,
+        max_num_seqs: int = 64,
+    ):
         self.model = model
         self.block_size = block_size
-        self.kv_cache = KVCache(model.attention_layers(), num_blocks, block_size, dtype)
+        # One block past those the block manager hands out: padding rows of a compiled decode
+        # step write their KV there.
+        self.pad_block = num_blocks
+        self.kv_cache = KVCache(model.attention_layers(), num_blocks + 1, block_size, dtype)
+        self.graphs = GraphCache(model, max_num_seqs) if compile else None
+        self.set_plan(ExecutionPlan())
+
+    def set_plan(self, plan: ExecutionPlan) -> None:
+        """Declares the plan the model now runs (after its modules were changed to follow it);
+        compiled decode steps are looked up by its signature."""
+        self.plan, self.plan_signature = plan, plan.signature()
+
+    @property
+    def num_graph_compiles(self) -> int:
+        """Decode graphs compiled so far (0 when compilation is off)."""
+        return 0 if self.graphs is None else self.graphs.num_compiles
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[torch.Tensor]:
@@ -21,6 +46,8 @@ class ModelRunner:
         A sequence asks for its last token's logits when this step completes its known tokens,
         and for every new token's logits while its prompt log-probabilities are wanted.
         """
+        if self.graphs is not None and all(_is_last_token(s) for s in scheduled):
+            return list(self._execute_compiled(scheduled)[:, None])
         input_ids, query_lens, context_lens, tables, num_logits = [], [], [], [], []
         for s in scheduled:
             start = s.seq.num_computed_tokens
@@ -35,3 +62,23 @@ class ModelRunner:
         batch = ForwardBatch.build(query_lens, context_lens, tables, self.block_size, num_logits)
         logits = self.model(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
         return list(logits.split(num_logits))
+
+    def _execute_compiled(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Every sequence computes its last known token: one compiled decode step; [B, V]."""
+        num_seqs = len(scheduled)
+        num_padded = self.graphs.bucket(num_seqs)
+        batch = ForwardBatch.build_decode(
+            [s.seq.num_tokens for s in scheduled],
+            [s.seq.block_table for s in scheduled],
+            self.block_size,
+            num_padded,
+            self.pad_block,
+        )
+        input_ids = torch.zeros(num_padded, dtype=torch.int64)
+        input_ids[:num_seqs] = torch.tensor([s.seq.token_ids[-1] for s in scheduled])
+        logits = self.graphs.run(self.plan_signature, input_ids, batch)  # [B_padded, V]
+        return logits[:num_seqs]
+
+
+def _is_last_token(s: ScheduledSeq) -> bool:
+    return s.num_new_tokens == 1 and s.completes_prompt
