@@ -73,7 +73,6 @@ class ForwardBatch:
             logits_index=torch.tensor(logits_index, dtype=torch.int64),
         )
 
-
     @classmethod
     def build_decode(
         cls,
