@@ -81,8 +81,10 @@ def test_dense_features_count_parameter_bytes_and_flops(llama):
     linears = [llama.get_submodule(n) for n in names]
     features = step_features(llama, None, 1, 10)
     assert features["dense-float32:MB"] * 1e6 == sum(m.weight.nbytes for m in linears)
-    assert features["dense-float32:GFLOP"] * 1e9 == pytest.approx(
-        sum(2 * m.weight.numel() for m in linears)
+    assert features["dense-float32:GFLOP"] == 0  # one row: the bytes term carries it
+    batched = step_features(llama, None, 4, 10, num_seqs=4)
+    assert batched["dense-float32:GFLOP"] * 1e9 == pytest.approx(
+        sum(2 * 3 * m.weight.numel() for m in linears)
     )
     skipped = step_features(llama, ExecutionPlan(skip_layers=(0,)), 1, 10)
     assert skipped["dense-float32:calls"] == features["dense-float32:calls"] - 7

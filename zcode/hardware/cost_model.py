@@ -8,9 +8,9 @@ A step's time is predicted as a linear function of what the step reads and compu
 where a kernel kind is how a linear layer runs (`dense-float32`, `dense-bfloat16`, or a weight
 format family `bf16`, `int8`, `w8a8`, `int4`, `w4a8` through its fast kernel), weight_MB_k the
 bytes of weights of that kind read per step (QuantizedLinear.weight_bytes, or the parameter's
-bytes), calls_k the number of linear calls and GFLOP_k their arithmetic. Decode steps (a few
-tokens) and prefill steps (a long prompt) use separate coefficients, since the int kernels
-change algorithm with the row count. The coefficients are fitted once per machine by
+bytes), calls_k the number of linear calls and GFLOP_k their arithmetic past the first row.
+Decode steps (a few tokens) and prefill steps (a long prompt) use separate coefficients, since
+the int kernels change algorithm with the row count. The coefficients are fitted once per machine by
 non-negative least squares on relative error against measured engine steps of several plans of
 SmolLM2-135M (`fit_smollm2`), and cached as JSON next to the hardware probe.
 
@@ -111,7 +111,9 @@ def step_features(
         rows = num_seqs if name == "lm_head" else num_tokens
         add(f"{kind}:MB", share * num_bytes / 1e6)
         add(f"{kind}:calls", 1.0)
-        add(f"{kind}:GFLOP", share * 2 * rows * n * k / 1e9)
+        # Arithmetic past the first row: one row's cost is in the bytes term (decode at batch 1
+        # streams the weight once), so the two terms are not collinear at batch 1.
+        add(f"{kind}:GFLOP", share * 2 * (rows - 1) * n * k / 1e9)
 
     kv_bytes_per_token, attn_flops_per_pair = _attention_sizes(model, exec_plan.skip_layers)
     add("kv:MB", num_seqs * context_len * kv_bytes_per_token / 1e6)
