@@ -24,9 +24,18 @@ class LLM:
     (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to `dtype`).
     """
 
-    def __init__(self, model: str | Path | None = None, **engine_args) -> None:
+    def __init__(
+        self, model: str | Path | None = None, sparsity: str | Path | None = None, **engine_args
+    ) -> None:
+        """`sparsity`: a calibration artifact (`zcode calibrate`) whose default plan is applied
+        before the KV cache is sized, and which `max_latency_ms` plans from."""
         self.config = EngineConfig(**engine_args)
         net, self.tokenizer = load_model(model, self.config.torch_dtype)
+        self.sparsity = None
+        if sparsity is not None:
+            from zcode.sparsity.apply import apply_default_plan
+
+            self.sparsity = apply_default_plan(net, sparsity)
         self.engine = LLMEngine(net, self.tokenizer, self.config)
 
     @property
@@ -38,13 +47,21 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | None = None,
         enable_thinking: bool | None = None,
+        max_latency_ms: float | None = None,
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; a prompt is text, token ids or chat messages.
 
-        Always returns a list, one output per prompt, in order.
+        Always returns a list, one output per prompt, in order. `max_latency_ms` (needs a
+        `sparsity` artifact) runs the FFN sparsity level whose predicted ms per decode step meets
+        the target at the least calibrated quality loss; each output's `plan` reports the plan,
+        predicted and measured ms per step.
         """
         params = sampling_params or SamplingParams()
         token_lists = [self.encode(p, enable_thinking) for p in _as_batch(prompts)]
+        if max_latency_ms is not None:
+            from zcode.sparsity.planner import generate_within
+
+            return generate_within(self, token_lists, params, max_latency_ms)
         seqs = [self.engine.add_request(ids, params) for ids in token_lists]
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():

@@ -17,3 +17,4 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per output token
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token
     ttft_s: float | None = None
+    plan: dict | None = None  # max_latency_ms: the sparsity plan run, predicted/measured ms/step

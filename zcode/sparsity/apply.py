@@ -1,0 +1,114 @@
+"""Turning a calibration artifact and an ExecutionPlan into swapped modules: SparseMLP for the
+FFNs, SkippedLayer for skipped layers, narrower Attention for pruned KV groups.
+
+The plan carries the FFN levels and pruned heads in `extras` (ffn_sparsity_in, ffn_sparsity_mid,
+drop_heads as "layer:group,..."). A plan that changes what the KV cache holds (skipped layers,
+pruned heads) is applied before the engine sizes its cache: `apply_to_llm` rebuilds the engine.
+"""
+
+from torch import nn
+
+from zcode.harness.plan import ExecutionPlan
+from zcode.layers.mlp import GatedMLP
+from zcode.llm import LLM
+from zcode.sparsity.artifact import SparsityArtifact
+from zcode.sparsity.head_skip import prune_heads, prune_order
+from zcode.sparsity.layer_skip import SkippedLayer, restore_layers, skip_layers, skip_order
+from zcode.sparsity.sparse_mlp import SparseMLP
+
+
+def make_plan(
+    artifact: SparsityArtifact,
+    sparsity_in: float = 0.0,
+    sparsity_mid: float = 0.0,
+    num_skip_layers: int = 0,
+    num_drop_heads: int = 0,
+) -> ExecutionPlan:
+    """A plan from the artifact's rankings: the least influential layers and KV groups go."""
+    level = artifact.level(sparsity_in, sparsity_mid)
+    skipped = tuple(sorted(skip_order(artifact.layer_scores)[:num_skip_layers]))
+    drop = [p for p in prune_order(artifact.head_scores) if p[0] not in skipped][:num_drop_heads]
+    extras = [("ffn_sparsity_in", str(sparsity_in)), ("ffn_sparsity_mid", str(sparsity_mid))]
+    if drop:
+        extras.append(("drop_heads", ",".join(f"{i}:{g}" for i, g in sorted(drop))))
+    name = f"ffn{sparsity_in:g}/{sparsity_mid:g}-skip{num_skip_layers}-heads{num_drop_heads}"
+    return ExecutionPlan(
+        name=name,
+        ffn_density=max(1.0 - level.flops_skipped, 1e-3),
+        skip_layers=skipped,
+        extras=tuple(sorted(extras)),
+    )
+
+
+def _extras(plan: ExecutionPlan) -> dict[str, str]:
+    return dict(plan.extras)
+
+
+def drop_heads_of(plan: ExecutionPlan) -> list[tuple[int, int]]:
+    text = _extras(plan).get("drop_heads", "")
+    return [tuple(int(v) for v in pair.split(":")) for pair in text.split(",") if pair]
+
+
+def apply_plan(model: nn.Module, artifact: SparsityArtifact, plan: ExecutionPlan) -> None:
+    """Swaps the model's modules to run `plan` (in place; dense modules it names are replaced)."""
+    artifact.check_model(model)
+    extras = _extras(plan)
+    s_in = float(extras.get("ffn_sparsity_in", 0.0))
+    s_mid = float(extras.get("ffn_sparsity_mid", 0.0))
+    set_ffn_level(model, artifact, s_in, s_mid)
+    prune_heads(model, drop_heads_of(plan))
+    skip_layers(model, list(plan.skip_layers))
+
+
+def set_ffn_level(
+    model: nn.Module, artifact: SparsityArtifact, sparsity_in: float, sparsity_mid: float
+) -> None:
+    """Moves every dense FFN to the level (swapping GatedMLP for SparseMLP on first use)."""
+    dense = sparsity_in == 0 and sparsity_mid == 0
+    for i, layer in enumerate(_all_layers(model)):
+        mlp = getattr(layer, "mlp", None)
+        if dense:
+            thresh_in = thresh_mid = -1.0
+        else:
+            thresh_in, thresh_mid = artifact.table.at(i, sparsity_in, sparsity_mid)
+        if isinstance(mlp, SparseMLP):
+            mlp.set_thresholds(thresh_in, thresh_mid)
+        elif type(mlp) is GatedMLP and not dense:
+            layer.mlp = SparseMLP(mlp, thresh_in, thresh_mid, artifact.table.score)
+
+
+def remove_sparsity(model: nn.Module) -> None:
+    """Back to the dense FFNs and all layers (pruned heads stay pruned: their weights are gone)."""
+    restore_layers(model)
+    for layer in model.model.layers:
+        if isinstance(getattr(layer, "mlp", None), SparseMLP):
+            layer.mlp = layer.mlp.to_dense()
+
+
+def _all_layers(model: nn.Module) -> list[nn.Module]:
+    """Decoder layers, looking through SkippedLayer (a skipped layer's FFN keeps its level)."""
+    return [
+        layer.skipped if isinstance(layer, SkippedLayer) else layer for layer in model.model.layers
+    ]
+
+
+def apply_to_llm(llm: LLM, artifact: SparsityArtifact, plan: ExecutionPlan) -> None:
+    """Applies `plan` to a loaded LLM; rebuilds its engine (and KV cache) when the plan skips
+    layers or heads, so skipped work gets no KV blocks."""
+    apply_plan(llm.model, artifact, plan)
+    if plan.skip_layers or drop_heads_of(plan):
+        from zcode.engine.llm_engine import LLMEngine
+
+        llm.engine = LLMEngine(llm.model, llm.tokenizer, llm.config)
+
+
+DEFAULT_MAX_PPL_RATIO = 1.01  # the default plan's quality budget on calibration text
+
+
+def apply_default_plan(model: nn.Module, path) -> SparsityArtifact:
+    """Loads an artifact and applies its default plan: the FFN level that skips the most FLOPs
+    within 1% calibration perplexity. Returns the artifact."""
+    artifact = SparsityArtifact.load(path)
+    level = artifact.best_level(DEFAULT_MAX_PPL_RATIO)
+    apply_plan(model, artifact, make_plan(artifact, level.sparsity_in, level.sparsity_mid))
+    return artifact

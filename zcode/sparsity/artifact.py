@@ -1,0 +1,136 @@
+"""The calibration artifact `zcode calibrate` writes and generate/ppl/serve load: thresholds,
+layer and head importance, the candidate plans' measured quality, the fitted latency model and
+the FFN block predictors, for one model.
+
+Stored with torch.save as plain tensors and builtins, read back with weights_only=True.
+"""
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from zcode.errors import ValidationError
+from zcode.hardware.probe import default_cache_dir
+from zcode.sparsity.thresholds import ThresholdTable
+
+FORMAT = "zcode-sparsity/1"
+
+
+@dataclass(frozen=True)
+class FFNLevel:
+    """One candidate FFN sparsity level and what calibration measured for it."""
+
+    sparsity_in: float  # fraction of gate/up inputs dropped
+    sparsity_mid: float  # fraction of down inputs dropped
+    flops_skipped: float  # measured fraction of FFN multiply-adds skipped per token
+    ppl_ratio: float  # perplexity / dense perplexity on calibration text
+
+
+@dataclass(frozen=True)
+class LatencyFit:
+    """ms/token = overhead_ms + ms_per_mb * MB of weights read per token (batch 1 decode)."""
+
+    overhead_ms: float
+    ms_per_mb: float
+
+    def predict_ms(self, mb_per_token: float) -> float:
+        return self.overhead_ms + self.ms_per_mb * mb_per_token
+
+
+@dataclass
+class SparsityArtifact:
+    fingerprint: str
+    table: ThresholdTable
+    levels: list[FFNLevel]
+    layer_scores: torch.Tensor  # [L] block influence
+    head_scores: torch.Tensor  # [L, KVH] group output norms
+    latency: LatencyFit | None = None
+    predictor: dict | None = None  # FFNPredictor.state() and its held-out metrics
+    notes: dict = field(default_factory=dict)
+
+    def level(self, sparsity_in: float, sparsity_mid: float) -> FFNLevel:
+        for lv in self.levels:
+            if (lv.sparsity_in, lv.sparsity_mid) == (sparsity_in, sparsity_mid):
+                return lv
+        raise ValidationError(
+            f"FFN level ({sparsity_in}, {sparsity_mid}) was not calibrated; known: "
+            + ", ".join(f"({lv.sparsity_in}, {lv.sparsity_mid})" for lv in self.levels)
+        )
+
+    def best_level(self, max_ppl_ratio: float) -> FFNLevel:
+        """The level skipping most FLOPs within a calibration perplexity budget."""
+        ok = [lv for lv in self.levels if lv.ppl_ratio <= max_ppl_ratio]
+        return max(ok, key=lambda lv: lv.flops_skipped)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        blob = {
+            "format": FORMAT,
+            "fingerprint": self.fingerprint,
+            "table": {
+                "score": self.table.score,
+                "levels": list(self.table.levels),
+                "thresh_in": self.table.thresh_in,
+                "thresh_mid": self.table.thresh_mid,
+            },
+            "levels": [asdict(lv) for lv in self.levels],
+            "layer_scores": self.layer_scores,
+            "head_scores": self.head_scores,
+            "latency": asdict(self.latency) if self.latency else None,
+            "predictor": self.predictor,
+            "notes": self.notes,
+        }
+        torch.save(blob, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "SparsityArtifact":
+        path = Path(path)
+        if not path.is_file():
+            raise ValidationError(f"{path}: no such sparsity artifact (write one: zcode calibrate)")
+        try:
+            blob = torch.load(path, weights_only=True)
+        except Exception as e:
+            raise ValidationError(f"{path}: not a sparsity artifact ({e})") from e
+        if not isinstance(blob, dict) or blob.get("format") != FORMAT:
+            raise ValidationError(f"{path}: not a {FORMAT} artifact")
+        t = blob["table"]
+        return cls(
+            fingerprint=blob["fingerprint"],
+            table=ThresholdTable(t["score"], tuple(t["levels"]), t["thresh_in"], t["thresh_mid"]),
+            levels=[FFNLevel(**lv) for lv in blob["levels"]],
+            layer_scores=blob["layer_scores"],
+            head_scores=blob["head_scores"],
+            latency=LatencyFit(**blob["latency"]) if blob["latency"] else None,
+            predictor=blob["predictor"],
+            notes=blob["notes"],
+        )
+
+    def check_model(self, model: nn.Module) -> None:
+        if fingerprint(model) != self.fingerprint:
+            raise ValidationError(
+                "this sparsity artifact was calibrated for another model (fingerprint "
+                f"{self.fingerprint}, this model {fingerprint(model)}): run zcode calibrate"
+            )
+
+
+def fingerprint(model: nn.Module) -> str:
+    """Identifies a model's weights: config shape plus a checksum of two weight tensors."""
+    c = model.config
+    layer = model.model.layers[0]
+    probe = [
+        c.model_type,
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.vocab_size,
+        float(model.model.embed_tokens.weight.float()[:64].sum()),
+        float(layer.self_attn.q_proj.weight.float()[:64].sum()),
+    ]
+    return hashlib.sha256(repr(probe).encode()).hexdigest()[:16]
+
+
+def default_path(model: nn.Module) -> Path:
+    """<user cache>/sparsity-<fingerprint>.pt (the cache dir of the hardware probe)."""
+    return default_cache_dir() / f"sparsity-{fingerprint(model)}.pt"

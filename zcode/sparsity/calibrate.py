@@ -1,0 +1,95 @@
+"""`zcode calibrate`: one pass over calibration text records activation thresholds and layer /
+head importance, then every candidate FFN level is scored on a separate calibration slice and
+batch-1 decode latency is fitted; the result is a SparsityArtifact.
+
+Held-out text is never touched here: quality claims are made on it by the bench.
+"""
+
+from tqdm import tqdm
+
+from zcode.calibration import corpus_tokens
+from zcode.llm import LLM
+from zcode.ppl import perplexity
+from zcode.sampling_params import SamplingParams
+from zcode.sparsity.apply import remove_sparsity, set_ffn_level
+from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
+from zcode.sparsity.head_skip import HeadInfluence
+from zcode.sparsity.latency import decode_ms_per_token, fit_latency, weight_mb_per_token
+from zcode.sparsity.layer_skip import BlockInfluence
+from zcode.sparsity.thresholds import ActivationRecorder
+
+# (gate/up input sparsity, down input sparsity): down inputs tolerate more (see the bench).
+CANDIDATE_LEVELS = (
+    (0.0, 0.0),
+    (0.0, 0.1),
+    (0.0, 0.2),
+    (0.0, 0.3),
+    (0.0, 0.4),
+    (0.0, 0.5),
+    (0.1, 0.3),
+    (0.2, 0.4),
+    (0.3, 0.5),
+    (0.4, 0.6),
+    (0.5, 0.7),
+    (0.6, 0.8),
+)
+WINDOW = 512
+
+
+def flops_skipped(sparsity_in: float, sparsity_mid: float) -> float:
+    """Nominal fraction of SwiGLU FFN multiply-adds skipped: gate and up read the kept rows of
+    their input, down the kept rows of its input; the three matrices are the same size."""
+    return (2 * sparsity_in + sparsity_mid) / 3
+
+
+def calibrate(
+    llm: LLM,
+    num_tokens: int = 4096,
+    num_eval_tokens: int = 1024,
+    levels: tuple[tuple[float, float], ...] = CANDIDATE_LEVELS,
+    score: str = "teal",
+    progress: bool = True,
+) -> SparsityArtifact:
+    if llm.tokenizer is None:
+        raise ValueError("calibration needs the model's tokenizer to read calibration text")
+    model = llm.model
+    remove_sparsity(model)
+    tokens = corpus_tokens(llm.tokenizer, "calibration", num_tokens + num_eval_tokens)
+    if len(tokens) < num_tokens + num_eval_tokens:
+        raise ValueError(f"the calibration split has only {len(tokens)} tokens")
+    record, evaluate = tokens[:num_tokens], tokens[num_tokens:]
+    windows = [record[i : i + WINDOW] for i in range(0, len(record) - 1, WINDOW)]
+    bar = tqdm(total=len(windows) + len(levels) + 3, desc="calibrate", disable=not progress)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    with ActivationRecorder(model, score) as acts, BlockInfluence(model) as bi:
+        with HeadInfluence(model) as heads:
+            for window in windows:
+                llm.generate(window, params)
+                bar.update()
+    table = acts.table()
+    artifact = SparsityArtifact(
+        fingerprint=fingerprint(model),
+        table=table,
+        levels=[],
+        layer_scores=bi.scores(),
+        head_scores=heads.scores(),
+        notes={"calibration_tokens": num_tokens, "eval_tokens": num_eval_tokens},
+    )
+    dense_ppl = None
+    for s_in, s_mid in levels:
+        set_ffn_level(model, artifact, s_in, s_mid)
+        ppl = perplexity(llm, evaluate, WINDOW, WINDOW).perplexity
+        dense_ppl = dense_ppl or ppl  # the first level is dense
+        artifact.levels.append(FFNLevel(s_in, s_mid, flops_skipped(s_in, s_mid), ppl / dense_ppl))
+        bar.update()
+    points = []
+    for level in (artifact.levels[0], artifact.levels[len(levels) // 2], artifact.levels[-1]):
+        set_ffn_level(model, artifact, level.sparsity_in, level.sparsity_mid)
+        ms = decode_ms_per_token(llm, evaluate[:64])
+        points.append((weight_mb_per_token(model, 1 - level.flops_skipped), ms))
+        bar.update()
+    artifact.latency = fit_latency(points)
+    artifact.notes["latency_points"] = points
+    set_ffn_level(model, artifact, 0.0, 0.0)
+    bar.close()
+    return artifact

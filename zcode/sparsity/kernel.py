@@ -1,0 +1,141 @@
+"""The row-skipping CPU kernel behind SparseMLP: y = (x * [|x| > t]) @ W_t, reading only the rows
+of W_t whose input is kept by some token of the batch (the union of the tokens' masks).
+
+W_t is the transposed weight, [K, N] row-major, so one input channel is one contiguous row: a
+skipped channel is a row never loaded. Past `dense_fraction` of rows kept, the kernel falls back to
+one dense GEMM of the masked input (same result, MKL speed). `sparse_ffn` fuses a whole SwiGLU FFN
+(gate/up concatenated) into one call so decode pays one dispatch per layer, not five.
+
+Built once with torch.utils.cpp_extension.load_inline (gcc, cached by torch under
+$TORCH_EXTENSIONS_DIR); `available()` says whether the build works here, and SparseMLP falls back
+to index_select + matmul when it does not.
+"""
+
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_CPP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <vector>
+
+// y[t, :] = sum over kept rows k of a[t, k] * w[k, :], a = x masked by |x| > thresh.
+// A row is kept by token t when |x[t, k]| * scale[k] > thresh (scale: the row's weight norm for
+// WINA-style scores, ones for plain TEAL).
+static torch::Tensor sparse_rows(const torch::Tensor& x, const torch::Tensor& scale, double thresh,
+                                 const torch::Tensor& w, double dense_fraction) {
+  // x: [T, K] fp32, scale: [K], w: [K, N] fp32 contiguous -> y: [T, N]
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(1);
+  auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const float* sp = scale.data_ptr<float>();
+  const float th = static_cast<float>(thresh);
+  std::vector<int64_t> rows;
+  rows.reserve(K);
+  std::vector<float> a(static_cast<size_t>(K) * T, 0.f);  // [K, T]: kept inputs, row-major by k
+  for (int64_t k = 0; k < K; ++k) {
+    bool any = false;
+    const float sk = sp[k];
+    for (int64_t t = 0; t < T; ++t) {
+      float v = xp[t * K + k];
+      if (std::abs(v) * sk > th) { a[k * T + t] = v; any = true; }
+    }
+    if (any) rows.push_back(k);
+  }
+  auto y = torch::zeros({T, N}, x.options());
+  if (rows.empty()) return y;
+  if (static_cast<double>(rows.size()) > dense_fraction * static_cast<double>(K)) {
+    auto masked = torch::from_blob(a.data(), {K, T}, x.options()).t();  // [T, K]
+    return torch::mm(masked, w);
+  }
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t R = static_cast<int64_t>(rows.size());
+  // Columns split across threads: each thread streams its slice of every kept row.
+  at::parallel_for(0, N, 256, [&](int64_t c0, int64_t c1) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t k = rows[r];
+      const float* wr = wp + k * N;
+      const float* ak = a.data() + k * T;
+      for (int64_t t = 0; t < T; ++t) {
+        const float s = ak[t];
+        if (s == 0.f) continue;
+        float* yr = yp + t * N;
+        #pragma omp simd
+        for (int64_t c = c0; c < c1; ++c) yr[c] += s * wr[c];
+      }
+    }
+  });
+  return y;
+}
+
+// SwiGLU FFN with both inputs sparsified: down(silu(gate) * up), gate|up from one [K, 2I] weight.
+static torch::Tensor sparse_ffn(const torch::Tensor& x, const torch::Tensor& scale_in,
+                                double thresh_in, const torch::Tensor& w_gu,
+                                const torch::Tensor& scale_mid, double thresh_mid,
+                                const torch::Tensor& w_down, double dense_fraction) {
+  // x: [T, D]; w_gu: [D, 2I]; w_down: [I, D] -> [T, D]
+  auto gu = sparse_rows(x, scale_in, thresh_in, w_gu, dense_fraction);  // [T, 2I]
+  const int64_t I = w_down.size(0);
+  auto h = torch::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);  // [T, I]
+  return sparse_rows(h, scale_mid, thresh_mid, w_down, dense_fraction);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("sparse_rows", &sparse_rows);
+  m.def("sparse_ffn", &sparse_ffn);
+}
+"""
+
+
+@functools.cache
+def _module():
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(
+        name="zcode_sparse_rows_v2",
+        cpp_sources=_CPP,
+        extra_cflags=["-O3", "-march=native", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        with_cuda=False,
+    )
+
+
+@functools.cache
+def available() -> bool:
+    """True when the C++ kernel builds and loads on this machine (built on first call)."""
+    try:
+        _module()
+    except Exception as e:  # a missing compiler is an expected state, not a bug
+        logger.warning("sparse C++ kernel unavailable, using the torch path: %s", e)
+        return False
+    return True
+
+
+def sparse_rows(
+    x: torch.Tensor, scale: torch.Tensor, thresh: float, w_t: torch.Tensor, dense_fraction: float
+) -> torch.Tensor:
+    """x: [T, K] fp32, scale: [K], w_t: [K, N] fp32 contiguous -> [T, N]."""
+    return _module().sparse_rows(x, scale, thresh, w_t, dense_fraction)
+
+
+def sparse_ffn(
+    x: torch.Tensor,
+    scale_in: torch.Tensor,
+    thresh_in: float,
+    w_gate_up_t: torch.Tensor,
+    scale_mid: torch.Tensor,
+    thresh_mid: float,
+    w_down_t: torch.Tensor,
+    dense_fraction: float,
+) -> torch.Tensor:
+    """x: [T, D]; scale_in: [D]; w_gate_up_t: [D, 2I]; scale_mid: [I]; w_down_t: [I, D] -> [T, D]
+    (all fp32)."""
+    return _module().sparse_ffn(
+        x, scale_in, thresh_in, w_gate_up_t, scale_mid, thresh_mid, w_down_t, dense_fraction
+    )

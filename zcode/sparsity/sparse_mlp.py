@@ -1,0 +1,106 @@
+"""SparseMLP: a SwiGLU FFN that drops small inputs of its linears (TEAL) and really skips the
+weight rows they would have multiplied.
+
+Semantics, whatever the kernel: with a = x * [|x| * s_in > t_in] and
+h = silu(a @ Wg^T) * (a @ Wu^T), out = (h * [|h| * s_mid > t_mid]) @ Wd^T, each token with its own
+masks (s: per-channel score scales, see thresholds.py). A batch reads the union of its
+tokens' kept rows; when the union passes `dense_fraction` of the rows the kernel multiplies the
+masked inputs densely instead (same numbers, no skipping, MKL speed).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zcode.layers.mlp import GatedMLP
+from zcode.sparsity import kernel
+from zcode.sparsity.thresholds import channel_scales
+
+DEFAULT_DENSE_FRACTION = 0.85  # past this union density the row loop loses to one dense GEMM
+
+
+class SparseMLP(nn.Module):
+    def __init__(
+        self,
+        mlp: GatedMLP,
+        thresh_in: float,
+        thresh_mid: float,
+        score: str = "teal",
+        dense_fraction: float = DEFAULT_DENSE_FRACTION,
+        use_kernel: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if mlp.gate_proj.bias is not None:
+            raise NotImplementedError("SparseMLP: FFNs with biases (mlp_bias=True)")
+        if not all(type(m) is nn.Linear for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            raise NotImplementedError("SparseMLP: sparsity on top of quantized FFN weights")
+        self.intermediate_size = mlp.gate_proj.out_features
+        self.thresh_in, self.thresh_mid = float(thresh_in), float(thresh_mid)
+        self.dense_fraction = dense_fraction
+        scale_in, scale_mid = channel_scales(mlp, score)
+        self.register_buffer("scale_in", scale_in, persistent=False)  # [D]
+        self.register_buffer("scale_mid", scale_mid, persistent=False)  # [I]
+        w_gate, w_up, w_down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        # Transposed so one input channel is one contiguous row: [D, 2I] and [I, D].
+        self.w_gate_up_t = nn.Parameter(
+            torch.cat([w_gate, w_up]).t().contiguous(), requires_grad=False
+        )
+        self.w_down_t = nn.Parameter(w_down.t().contiguous(), requires_grad=False)
+        if use_kernel is None:
+            use_kernel = w_gate.dtype == torch.float32 and kernel.available()
+        self.use_kernel = use_kernel
+
+    @property
+    def is_dense(self) -> bool:
+        return self.thresh_in < 0 and self.thresh_mid < 0
+
+    def to_dense(self) -> GatedMLP:
+        """The dense FFN this module was made from (weights shared, not copied)."""
+        hidden = self.w_down_t.shape[1]
+        mlp = GatedMLP(hidden, self.intermediate_size).to(self.w_down_t.dtype)
+        gate_t, up_t = self.w_gate_up_t.split(self.intermediate_size, dim=1)
+        mlp.gate_proj.weight = nn.Parameter(gate_t.t(), requires_grad=False)
+        mlp.up_proj.weight = nn.Parameter(up_t.t(), requires_grad=False)
+        mlp.down_proj.weight = nn.Parameter(self.w_down_t.t(), requires_grad=False)
+        return mlp
+
+    def set_thresholds(self, thresh_in: float, thresh_mid: float) -> None:
+        """Moves this FFN to another sparsity level (negative thresholds: dense)."""
+        self.thresh_in, self.thresh_mid = float(thresh_in), float(thresh_mid)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, D] -> [T, D]
+        if self.is_dense:
+            gate, up = (x @ self.w_gate_up_t).split(self.intermediate_size, dim=-1)
+            return (F.silu(gate) * up) @ self.w_down_t
+        if self.use_kernel:
+            return kernel.sparse_ffn(
+                x,
+                self.scale_in,
+                self.thresh_in,
+                self.w_gate_up_t,
+                self.scale_mid,
+                self.thresh_mid,
+                self.w_down_t,
+                self.dense_fraction,
+            )
+        gate_up = _sparse_rows_torch(
+            x, self.scale_in, self.thresh_in, self.w_gate_up_t, self.dense_fraction
+        )
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        h = F.silu(gate) * up  # [T, I]
+        return _sparse_rows_torch(
+            h, self.scale_mid, self.thresh_mid, self.w_down_t, self.dense_fraction
+        )
+
+
+def _sparse_rows_torch(
+    x: torch.Tensor, scale: torch.Tensor, thresh: float, w_t: torch.Tensor, dense_fraction: float
+) -> torch.Tensor:
+    """The kernel's contract in torch ops: index_select copies only the union's rows."""
+    # x: [T, K], scale: [K], w_t: [K, N] -> [T, N]
+    masked = x * (x.abs() * scale.to(x.dtype) > thresh)
+    rows = masked.ne(0).any(dim=0).nonzero().squeeze(1)  # [R]
+    if rows.numel() > dense_fraction * x.shape[1]:
+        return masked @ w_t
+    return masked.index_select(1, rows) @ w_t.index_select(0, rows)
