@@ -38,10 +38,16 @@ from zcode.quant.activations import collect_hessians  # noqa: E402
 
 WINDOW, STRIDE = 512, 256
 INT4 = ("int4-g32", "int4-g64", "int4-g128")
+# Most informative first (the JSON is rewritten after every row, so a cut-short run still
+# reports): the acceptance rows, then the rotation where it should matter (8-bit activations),
+# then the rest.
 FULL = (
     [("int8", m, False) for m in ("rtn", "gptq")]
-    + [(f, m, h) for f in INT4 for h in (False, True) for m in ("rtn", "gptq")]
-    + [(f, m, h) for f in ("w8a8", "w4a8") for h in (False, True) for m in ("rtn", "gptq")]
+    + [(f, m, False) for f in INT4 for m in ("rtn", "gptq")]
+    + [(f, "rtn", h) for f in ("w8a8", "w4a8") for h in (False, True)]
+    + [("int4-g128", m, True) for m in ("rtn", "gptq")]
+    + [(f, "gptq", h) for f in ("w8a8", "w4a8") for h in (False, True)]
+    + [(f, m, True) for f in ("int4-g32", "int4-g64") for m in ("rtn", "gptq")]
 )
 QUICK = [(f, m, False) for f in ("int8", "int4-g128") for m in ("rtn", "gptq")]
 
@@ -118,7 +124,7 @@ def main() -> None:
     calibration = corpus_tokens(llm.tokenizer, "calibration", args.calibration)
     configs = QUICK if args.quick else FULL
     if args.configs:
-        wanted = [label.strip() for label in args.configs.split(",")]
+        wanted = [name.strip() for name in args.configs.split(",")]
         known = {label(*config): config for config in FULL + QUICK}
         unknown = [w for w in wanted if w not in known]
         if unknown:
@@ -134,6 +140,8 @@ def main() -> None:
         rows.append(measure(llm, heldout, fmt, method, hadamard, hessians, base_row.perplexity))
         row = rows[-1]
         print(f"{row.label}: ppl {row.perplexity:.4f} ({row.delta_vs_fp32:+.2%})", flush=True)
+        write_json(args.out, rows, len(heldout), len(calibration), complete=False)
+    write_json(args.out, rows, len(heldout), len(calibration), complete=True)
 
     print(
         f"\nSmolLM2-135M held-out perplexity: {len(heldout)} tokens, window {WINDOW}, "
@@ -152,20 +160,24 @@ def main() -> None:
             for r in rows
         ],
     )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    print(f"\nwrote {args.out}")
+
+
+def write_json(path: str, rows: list[Row], num_heldout: int, num_calibration: int, complete: bool):
     report = {
         "model": "SmolLM2-135M-Instruct (embedded Q4_1 GGUF, dequantized to fp32)",
-        "heldout_tokens": len(heldout),
-        "calibration_tokens": len(calibration),
+        "heldout_tokens": num_heldout,
+        "calibration_tokens": num_calibration,
         "window": WINDOW,
         "stride": STRIDE,
         "modules": "every quantizable linear, lm_head included",
         "torch_threads": torch.get_num_threads(),
-        "rows": [asdict(r) | {"label": "fp32" if r is base_row else r.label} for r in rows],
+        "complete": complete,  # False while the run is still going (or was cut short)
+        "rows": [asdict(r) | {"label": "fp32" if i == 0 else r.label} for i, r in enumerate(rows)],
     }
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
