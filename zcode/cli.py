@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--stream", action="store_true", help="print the text token by token as it is generated"
     )
+    generate.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step (torch.compile): faster tokens after a compile of tens "
+        "of seconds at the first one, so it pays off for long generations only",
+    )
     generate.set_defaults(run=_generate)
 
     chat = commands.add_parser(
@@ -380,9 +386,9 @@ def _add_dtype_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_llm(model: str | None, dtype: str) -> LLM:
+def load_llm(model: str | None, dtype: str, **engine_args) -> LLM:
     """The one place a command loads a model."""
-    return LLM(model, dtype=dtype)
+    return LLM(model, dtype=dtype, **engine_args)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -403,7 +409,7 @@ def _generate(args: argparse.Namespace) -> None:
     if args.thinking is not None and not args.chat:
         raise ValidationError("--thinking/--no-thinking apply to the chat template: add --chat")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = load_llm(args.model, args.dtype)
+    llm = load_llm(args.model, args.dtype, compile=args.compile)
     prompt = [{"role": "user", "content": text}] if args.chat else text
     if args.stream:
         for out in llm.stream(prompt, params, args.thinking):
