@@ -409,7 +409,8 @@ def _generate(args: argparse.Namespace) -> None:
     if args.thinking is not None and not args.chat:
         raise ValidationError("--thinking/--no-thinking apply to the chat template: add --chat")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
-    llm = load_llm(args.model, args.dtype, compile=args.compile)
+    # Only a non-default option is passed on, so the default call matches the other commands'.
+    llm = load_llm(args.model, args.dtype, **({"compile": True} if args.compile else {}))
     prompt = [{"role": "user", "content": text}] if args.chat else text
     if args.stream:
         for out in llm.stream(prompt, params, args.thinking):
