@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_thinking_option(generate)
     _add_dtype_option(generate)
+    _add_sparsity_option(generate)
     generate.add_argument(
         "--stream", action="store_true", help="print the text token by token as it is generated"
     )
@@ -148,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
         "object whose 'plan' is one) with round-to-nearest before scoring",
     )
     _add_dtype_option(ppl)
+    _add_sparsity_option(ppl)
     ppl.set_defaults(run=_ppl)
 
     quantize = commands.add_parser(
@@ -294,7 +296,32 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     _add_dtype_option(serve)
+    _add_sparsity_option(serve)
     serve.set_defaults(run=_serve)
+
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="calibrate dynamic sparsity: FFN thresholds, layer and head importance, latency",
+        description="Run MODEL over calibration text (Python standard-library sources) and write "
+        "a sparsity artifact that generate/ppl/serve load with --sparsity: per-layer FFN "
+        "activation thresholds (TEAL), each candidate level's perplexity on a separate "
+        "calibration slice, layer and KV-head importance, and a decode latency fit.",
+    )
+    _add_model_argument(calibrate)
+    calibrate.add_argument(
+        "--out",
+        metavar="PATH",
+        help="where to write the artifact (default: the user cache directory, "
+        "$ZCODE_CACHE_DIR or ~/.cache/zcode)",
+    )
+    calibrate.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="calibration tokens whose activations set the thresholds (default: %(default)s)",
+    )
+    calibrate.set_defaults(run=_calibrate)
     return parser
 
 
@@ -386,6 +413,19 @@ def _add_dtype_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_sparsity_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sparsity",
+        metavar="ARTIFACT",
+        help="run with dynamic FFN sparsity from a 'zcode calibrate' artifact: the level that "
+        "skips the most FFN work within 1%% calibration perplexity (default: dense)",
+    )
+
+
+def _sparsity_args(args: argparse.Namespace) -> dict:
+    return {"sparsity": args.sparsity} if args.sparsity else {}
+
+
 def load_llm(model: str | None, dtype: str, **engine_args) -> LLM:
     """The one place a command loads a model."""
     return LLM(model, dtype=dtype, **engine_args)
@@ -410,7 +450,12 @@ def _generate(args: argparse.Namespace) -> None:
         raise ValidationError("--thinking/--no-thinking apply to the chat template: add --chat")
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     # Only a non-default option is passed on, so the default call matches the other commands'.
-    llm = load_llm(args.model, args.dtype, **({"compile": True} if args.compile else {}))
+    llm = load_llm(
+        args.model,
+        args.dtype,
+        **({"compile": True} if args.compile else {}),
+        **_sparsity_args(args),
+    )
     prompt = [{"role": "user", "content": text}] if args.chat else text
     if args.stream:
         for out in llm.stream(prompt, params, args.thinking):
@@ -491,7 +536,7 @@ def _ppl(args: argparse.Namespace) -> None:
         raise ValidationError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     text = _read_text(args.file)
     plan = _read_plan(args.plan) if args.plan else None
-    llm = load_llm(args.model, args.dtype)
+    llm = load_llm(args.model, args.dtype, **_sparsity_args(args))
     if plan is not None:
         _apply_plan(llm, plan)
     token_ids = llm.encode(text)[: args.max_tokens]
@@ -632,6 +677,7 @@ def _serve(args: argparse.Namespace) -> None:
     )
     if args.no_prefix_caching:
         engine_args["enable_prefix_caching"] = False
+    engine_args.update(_sparsity_args(args))
     run_server(
         args.model,
         host=args.host,
@@ -642,6 +688,29 @@ def _serve(args: argparse.Namespace) -> None:
         shutdown_timeout_s=args.shutdown_timeout,
         engine_args=engine_args,
     )
+
+
+def _calibrate(args: argparse.Namespace) -> None:
+    from zcode.sparsity.artifact import default_path
+    from zcode.sparsity.calibrate import calibrate
+
+    if args.tokens < 512:
+        raise ValidationError(f"--tokens must be at least 512, got {args.tokens}")
+    llm = load_llm(args.model, "float32", enable_prefix_caching=False)
+    if llm.tokenizer is None:
+        raise ValidationError("calibration reads text: this checkpoint has no tokenizer")
+    try:
+        artifact = calibrate(llm, num_tokens=args.tokens)
+    except ValueError as e:
+        raise ValidationError(str(e)) from e
+    out = Path(args.out) if args.out else default_path(llm.model)
+    artifact.save(out)
+    for level in artifact.levels:
+        print(
+            f"ffn in {level.sparsity_in:.2f} mid {level.sparsity_mid:.2f}  "
+            f"flops skipped {level.flops_skipped:.1%}  calibration ppl x{level.ppl_ratio:.4f}"
+        )
+    print(f"wrote {out}")
 
 
 def _read_text(path: str) -> str:
