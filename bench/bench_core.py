@@ -31,7 +31,14 @@ from table_format import print_rows
 
 NUM_THREADS = 2
 RESULTS_PATH = Path(__file__).parent / "results" / "core.json"
-ENGINES = ("zcode-fp32", "zcode-bf16", "hf-fp32", "llama.cpp")
+ENGINES = (
+    "zcode-fp32",
+    "zcode-bf16",
+    "zcode-fp32-compiled",
+    "zcode-bf16-compiled",
+    "hf-fp32",
+    "llama.cpp",
+)
 SHORT_PROMPTS = (
     "The capital of France is",
     "Write a short poem about the sea.",
@@ -59,12 +66,12 @@ class Timing:
 class ZCodeRunner:
     batch_mode = "batched"
 
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: str, compile: bool = False) -> None:
         from zcode import LLM
 
         # Repeats reuse the same prompts: without this the prefix cache would skip their prefill.
-        self.llm = LLM(None, dtype=dtype, enable_prefix_caching=False)
-        self.format = dtype
+        self.llm = LLM(None, dtype=dtype, enable_prefix_caching=False, compile=compile)
+        self.format = dtype + (" compiled decode" if compile else "")
         self.bytes_per_token = _param_bytes(self.llm.model)
 
     def run(self, prompts: list[list[int]], num_new: int) -> Timing:
@@ -86,16 +93,16 @@ class ZCodeRunner:
 
 class HFRunner:
     batch_mode = "batched (left padding)"
-    format = "fp32"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32
+            str(path.parent), gguf_file=path.name, dtype=dtype
         ).eval()
+        self.format = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         self.pad_id = tokenizer.pad_token_id
         if self.pad_id is None:
@@ -241,6 +248,10 @@ def load_engine(name: str, path: Path):
         return ZCodeRunner("float32")
     if name == "zcode-bf16":
         return ZCodeRunner("bfloat16")
+    if name == "zcode-fp32-compiled":
+        return ZCodeRunner("float32", compile=True)
+    if name == "zcode-bf16-compiled":
+        return ZCodeRunner("bfloat16", compile=True)
     if name == "hf-fp32":
         return HFRunner(path)
     return LlamaCppRunner(path)

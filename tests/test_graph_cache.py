@@ -1,7 +1,8 @@
 """Compiled decode steps (the plan cache) against the eager model and transformers.
 
-The oracle is transformers' own greedy generation on the same random llama, plus the eager path's
-logits; compile counts come from GraphCache's backend, which inductor calls once per graph built.
+The oracle is transformers' own greedy generation on the same random llama (and on SmolLM2, the
+eager path's logits); compile counts come from GraphCache's backend, which inductor calls once
+per graph built. Every test that compiles is slow: inductor takes tens of seconds per graph.
 """
 
 import pytest
@@ -92,6 +93,7 @@ def test_decode_batch_pads_rows_and_context():
     assert (batch.context_slots[2:] // 4 == 9).all()
 
 
+@pytest.mark.slow
 def test_compiled_decode_matches_eager_and_transformers(tiny, compiled):
     net, oracle = tiny
     eager = LLMEngine(net, None, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4))
@@ -106,6 +108,7 @@ def test_compiled_decode_matches_eager_and_transformers(tiny, compiled):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_second_request_with_same_plan_does_not_recompile(compiled):
     prompts = _prompts()
     _generate(compiled, prompts)  # compiles whatever this batch shape needs
@@ -116,6 +119,7 @@ def test_second_request_with_same_plan_does_not_recompile(compiled):
     assert all(len(t) == NUM_NEW for t in tokens)
 
 
+@pytest.mark.slow
 def test_new_plan_signature_compiles_its_own_graph(compiled):
     runner = compiled.runner
     _generate(compiled, _prompts()[:1])
@@ -127,3 +131,26 @@ def test_new_plan_signature_compiles_its_own_graph(compiled):
         assert compiled.stats()["num_graph_compiles"] == before + 1
     finally:
         runner.set_plan(ExecutionPlan())
+
+
+@pytest.mark.slow
+def test_smollm2_compiled_decode_matches_eager():
+    from zcode import LLM
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    llms = {
+        compile: LLM(None, kv_cache_bytes=16 << 20, compile=compile) for compile in (False, True)
+    }
+    tokens, logits = {}, {}
+    for compile, llm in llms.items():
+        ids = [llm.encode(p) for p in prompts]
+        tokens[compile], logits[compile] = _generate(llm.engine, ids)
+    assert tokens[True] == tokens[False]
+    for step_eager, step_compiled in zip(logits[False], logits[True], strict=True):
+        for a, b in zip(step_eager, step_compiled, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+    engine = llms[True].engine
+    before = engine.stats()["num_graph_compiles"]
+    assert before >= 1
+    _generate(engine, [llms[True].encode("Once upon a time"), llms[True].encode("Q: 2+2?")])
+    assert engine.stats()["num_graph_compiles"] == before
