@@ -54,11 +54,12 @@ def main() -> None:
     for category in ("dense", "int8", "int4"):
         errors = _errors(results, (category,))
         print(f"decode median |error| {category}: {100 * statistics.median(errors):.1f}%")
-    median = statistics.median(_errors(results, ("dense", "int8", "int4")))
-    verdict = "meets" if median < TARGET_ERROR else "misses"
+    medians = [statistics.median(_errors(results, (c,))) for c in ("dense", "int8", "int4")]
+    pooled = statistics.median(_errors(results, ("dense", "int8", "int4")))
+    verdict = "meets" if max(medians) < TARGET_ERROR else "misses"
     print(
-        f"decode median |error| dense+int8+int4: {100 * median:.1f}% "
-        f"({verdict} the {100 * TARGET_ERROR:.0f}% target)"
+        f"decode median |error| dense+int8+int4 pooled: {100 * pooled:.1f}%; each kind "
+        f"{verdict} the {100 * TARGET_ERROR:.0f}% target"
     )
 
 
