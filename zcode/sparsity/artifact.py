@@ -125,8 +125,8 @@ def fingerprint(model: nn.Module) -> str:
         c.num_hidden_layers,
         c.hidden_size,
         c.vocab_size,
-        float(model.model.embed_tokens.weight.float()[:64].sum()),
-        float(layer.self_attn.q_proj.weight.float()[:64].sum()),
+        float(model.model.embed_tokens.weight.detach().float()[:64].sum()),
+        float(layer.self_attn.q_proj.weight.detach().float()[:64].sum()),
     ]
     return hashlib.sha256(repr(probe).encode()).hexdigest()[:16]
 

@@ -12,6 +12,7 @@ import time
 import torch
 from torch import nn
 
+from zcode.layers.mlp import GatedMLP
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
 from zcode.sparsity.artifact import LatencyFit
@@ -20,26 +21,24 @@ from zcode.sparsity.sparse_mlp import SparseMLP
 
 
 def weight_mb_per_token(model: nn.Module, ffn_density: float = 1.0) -> float:
-    """MB of weights a batch-1 decode step reads: every linear of every layer that runs, FFNs
-    scaled by `ffn_density` (fraction of their rows read), the LM head, one embedding row."""
-    total = 0
+    """MB of weights a batch-1 decode step reads under a plan with this FFN density (fraction of
+    FFN weight rows read), whatever level the modules are at now: every linear of every layer
+    that runs, the FFNs scaled, the LM head, one embedding row."""
+    total = 0.0
     for layer in model.model.layers:
         if isinstance(layer, SkippedLayer):
             continue
+        mlp = getattr(layer, "mlp", None)
+        ffn_ids = set()
+        if isinstance(mlp, (SparseMLP, GatedMLP)):
+            ffn_ids = {id(p) for p in mlp.parameters()}
+            total += ffn_density * sum(p.nbytes for p in mlp.parameters())
         for module in layer.modules():
-            if isinstance(module, SparseMLP):
-                ffn = module.w_gate_up_t.nbytes + module.w_down_t.nbytes
-                total += ffn * (1.0 if module.is_dense else ffn_density)
-            elif isinstance(module, nn.Linear) and not _inside_sparse_mlp(layer, module):
+            if isinstance(module, nn.Linear) and id(module.weight) not in ffn_ids:
                 total += module.weight.nbytes
     total += model.lm_head.weight.nbytes
     total += model.model.embed_tokens.weight[0].nbytes
     return total / 1e6
-
-
-def _inside_sparse_mlp(layer: nn.Module, module: nn.Module) -> bool:
-    mlp = getattr(layer, "mlp", None)
-    return isinstance(mlp, SparseMLP) and any(m is module for m in mlp.modules())
 
 
 def decode_ms_per_token(llm: LLM, prompt_ids: list[int], num_tokens: int = 16) -> float:

@@ -1,0 +1,219 @@
+"""Sparsity modules against plain oracles: the masked dense SwiGLU for SparseMLP, a model with a
+layer's output zeroed for skipping, o_proj columns zeroed for head pruning."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zcode.layers.mlp import GatedMLP
+from zcode.sparsity import kernel
+from zcode.sparsity.sparse_mlp import SparseMLP
+from zcode.sparsity.thresholds import channel_scales
+
+
+def _mlp(seed: int = 0, hidden: int = 48, inter: int = 96) -> GatedMLP:
+    torch.manual_seed(seed)
+    mlp = GatedMLP(hidden, inter)
+    for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        lin.weight.data.normal_(0, 0.2)
+    return mlp.requires_grad_(False)
+
+
+def _oracle(mlp: GatedMLP, x, t_in, t_mid, score="teal"):
+    """The masked dense formula, from the GatedMLP's own weights."""
+    s_in, s_mid = channel_scales(mlp, score)
+    a = x * (x.abs() * s_in > t_in)
+    h = F.silu(F.linear(a, mlp.gate_proj.weight)) * F.linear(a, mlp.up_proj.weight)
+    return F.linear(h * (h.abs() * s_mid > t_mid), mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
+@pytest.mark.parametrize("score", ["teal", "wina"])
+def test_sparse_mlp_matches_masked_dense(use_kernel, num_tokens, score):
+    if use_kernel and not kernel.available():
+        pytest.skip("no C++ compiler for the sparse kernel")
+    mlp = _mlp()
+    x = torch.randn(num_tokens, 48)
+    scale_in, scale_mid = channel_scales(mlp, score)
+    t_in = float((x.abs() * scale_in).quantile(0.5))
+    t_mid = 0.05 * float(scale_mid.mean())
+    sparse = SparseMLP(mlp, t_in, t_mid, score, use_kernel=use_kernel)
+    torch.testing.assert_close(sparse(x), _oracle(mlp, x, t_in, t_mid, score))
+
+
+def test_dense_level_is_the_dense_mlp():
+    mlp = _mlp(1)
+    x = torch.randn(5, 48)
+    torch.testing.assert_close(SparseMLP(mlp, -1, -1)(x), mlp(x))
+    torch.testing.assert_close(SparseMLP(mlp, 0.3, 0.1).to_dense()(x), mlp(x))
+
+
+def test_kernel_never_reads_skipped_rows():
+    """Rows of dropped inputs are poisoned with NaN: had the kernel loaded them (even to
+    multiply by zero), the output would be NaN."""
+    if not kernel.available():
+        pytest.skip("no C++ compiler for the sparse kernel")
+    torch.manual_seed(2)
+    x = torch.randn(3, 64)
+    w_t = torch.randn(64, 40)
+    ones = torch.ones(64)
+    thresh = 0.8
+    kept = (x.abs() > thresh).any(dim=0)
+    poisoned = w_t.clone()
+    poisoned[~kept] = float("nan")
+    out = kernel.sparse_rows(x, ones, thresh, poisoned, 1.0)
+    expected = (x * (x.abs() > thresh)) @ torch.where(kept[:, None], w_t, 0.0)
+    assert kept.float().mean() < 0.8  # the test skips rows at all
+    torch.testing.assert_close(out, expected)
+
+
+def test_dense_fallback_past_the_union_density():
+    if not kernel.available():
+        pytest.skip("no C++ compiler for the sparse kernel")
+    torch.manual_seed(3)
+    x = torch.randn(32, 64)  # the union of 32 tokens' masks keeps nearly every row
+    w_t = torch.randn(64, 40)
+    ones = torch.ones(64)
+    poisoned = w_t.clone()
+    poisoned[(x.abs() <= 0.5).all(dim=0)] = float("nan")  # rows no token keeps, if any
+    sparse = kernel.sparse_rows(x, ones, 0.5, w_t, 1.0)
+    fallback = kernel.sparse_rows(x, ones, 0.5, w_t, 0.5)
+    torch.testing.assert_close(fallback, sparse)
+    torch.testing.assert_close(fallback, (x * (x.abs() > 0.5)) @ w_t)
+
+
+def _copy_oracle(ckpt):
+    import copy
+
+    return copy.deepcopy(ckpt.oracle).eval()
+
+
+def test_skipped_layers_match_transformers_without_them(tiny_checkpoint):
+    """Oracle: transformers' model with the layer removed from its ModuleList."""
+    from paged_runner import PagedRunner
+    from test_parity import PREFILL_LEN, oracle_logits, prompt_ids
+
+    from zcode.engine.kv_cache import kv_bytes_per_token
+    from zcode.loader import load_model
+    from zcode.sparsity.layer_skip import skip_layers
+
+    ckpt = tiny_checkpoint("llama")
+    oracle = _copy_oracle(ckpt)
+    skip = [1]
+    oracle.model.layers = torch.nn.ModuleList(
+        [layer for i, layer in enumerate(oracle.model.layers) if i not in skip]
+    )
+    oracle.config.num_hidden_layers = len(oracle.model.layers)
+    ids = prompt_ids()
+    want, _ = oracle_logits(oracle, ids)
+    net, _ = load_model(ckpt.path)
+    dense_kv = kv_bytes_per_token(net.attention_layers(), torch.float32)
+    skip_layers(net, skip)
+    got = PagedRunner(net).prefill_then_decode("seq", ids, PREFILL_LEN)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    num_layers = len(net.model.layers)
+    kv = kv_bytes_per_token(net.attention_layers(), torch.float32)
+    assert kv == dense_kv * (num_layers - len(skip)) // num_layers
+
+
+def test_pruned_heads_match_transformers_with_their_outputs_zeroed(tiny_checkpoint):
+    """Oracle: transformers' model with the o_proj columns of the dropped heads zeroed, which
+    removes exactly their contribution."""
+    from paged_runner import PagedRunner
+    from test_parity import PREFILL_LEN, oracle_logits, prompt_ids
+
+    from zcode.engine.kv_cache import kv_bytes_per_token
+    from zcode.loader import load_model
+    from zcode.sparsity.head_skip import prune_heads
+
+    ckpt = tiny_checkpoint("llama")
+    net, _ = load_model(ckpt.path)
+    attn = net.model.layers[0].self_attn
+    if attn.num_kv_heads < 2:
+        pytest.skip("the tiny llama has one KV head")
+    group = attn.num_heads // attn.num_kv_heads
+    oracle = _copy_oracle(ckpt)
+    width = group * attn.head_dim
+    with torch.no_grad():
+        oracle.model.layers[0].self_attn.o_proj.weight[:, 0:width] = 0
+    ids = prompt_ids()
+    want, _ = oracle_logits(oracle, ids)
+    dense_kv = kv_bytes_per_token(net.attention_layers(), torch.float32)
+    prune_heads(net, [(0, 0)])
+    got = PagedRunner(net).prefill_then_decode("seq", ids, PREFILL_LEN)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    per_kv_head = 2 * attn.head_dim * 4  # K and V, fp32
+    assert kv_bytes_per_token(net.attention_layers(), torch.float32) == dense_kv - per_kv_head
+
+
+def test_artifact_round_trip_and_wrong_model(tmp_path, tiny_checkpoint):
+    from zcode.errors import ValidationError
+    from zcode.loader import load_model
+    from zcode.sparsity.artifact import FFNLevel, LatencyFit, SparsityArtifact, fingerprint
+    from zcode.sparsity.thresholds import ThresholdTable
+
+    net, _ = load_model(tiny_checkpoint("llama").path)
+    num_layers = len(net.model.layers)
+    table = ThresholdTable("teal", (0.0, 0.5), torch.rand(num_layers, 2), torch.rand(num_layers, 2))
+    artifact = SparsityArtifact(
+        fingerprint=fingerprint(net),
+        table=table,
+        levels=[FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.02)],
+        layer_scores=torch.rand(num_layers),
+        head_scores=torch.rand(num_layers, 2),
+        latency=LatencyFit(3.0, 0.05),
+    )
+    path = tmp_path / "a.pt"
+    artifact.save(path)
+    loaded = SparsityArtifact.load(path)
+    assert loaded.levels == artifact.levels and loaded.latency == artifact.latency
+    torch.testing.assert_close(loaded.table.thresh_mid, table.thresh_mid)
+    loaded.check_model(net)
+    assert loaded.best_level(1.01) == artifact.levels[0]
+    with torch.no_grad():
+        net.model.embed_tokens.weight[0] += 1
+    with pytest.raises(ValidationError, match="another model"):
+        loaded.check_model(net)
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValidationError, match="not a sparsity artifact"):
+        SparsityArtifact.load(tmp_path / "junk.pt")
+
+
+def test_planner_picks_least_loss_level_meeting_the_target(tiny_checkpoint):
+    from zcode.loader import load_model
+    from zcode.sparsity.artifact import FFNLevel, LatencyFit, SparsityArtifact, fingerprint
+    from zcode.sparsity.latency import weight_mb_per_token
+    from zcode.sparsity.planner import choose_level, predicted_ms
+    from zcode.sparsity.sparse_mlp import SparseMLP
+    from zcode.sparsity.thresholds import ThresholdTable
+
+    net, _ = load_model(tiny_checkpoint("llama").path)
+    for layer in net.model.layers:
+        layer.mlp = SparseMLP(layer.mlp, -1, -1)
+    levels = [
+        FFNLevel(0.0, 0.0, 0.0, 1.0),
+        FFNLevel(0.0, 0.5, 1 / 6, 1.02),
+        FFNLevel(0.5, 0.5, 0.5, 1.30),
+    ]
+    n = len(net.model.layers)
+    artifact = SparsityArtifact(
+        fingerprint(net),
+        ThresholdTable("teal", (0.0, 0.5), torch.zeros(n, 2), torch.zeros(n, 2)),
+        levels,
+        torch.zeros(n),
+        torch.zeros(n, 2),
+        LatencyFit(1.0, 10.0),
+    )
+    dense_mb = weight_mb_per_token(net, 1.0)
+    ffn_mb = sum(p.nbytes for p in net.model.layers.parameters() if p.dim() == 2) / 1e6
+    ffn_mb -= sum(
+        m.weight.nbytes for n, m in net.named_modules() if "self_attn" in n and hasattr(m, "weight")
+    ) / 1e6
+    # the density applies to the FFN weights whatever level the modules are at now
+    assert weight_mb_per_token(net, 0.5) == pytest.approx(dense_mb - ffn_mb / 2)
+    ms = [predicted_ms(net, artifact, lv) for lv in levels]
+    assert ms[0] > ms[1] > ms[2]
+    assert choose_level(net, artifact, ms[0] + 1) == (levels[0], True)
+    assert choose_level(net, artifact, (ms[0] + ms[1]) / 2) == (levels[1], True)
+    assert choose_level(net, artifact, ms[2] - 1) == (levels[2], False)
