@@ -206,10 +206,7 @@ def test_planner_picks_least_loss_level_meeting_the_target(tiny_checkpoint):
         LatencyFit(1.0, 10.0),
     )
     dense_mb = weight_mb_per_token(net, 1.0)
-    ffn_mb = sum(p.nbytes for p in net.model.layers.parameters() if p.dim() == 2) / 1e6
-    ffn_mb -= sum(
-        m.weight.nbytes for n, m in net.named_modules() if "self_attn" in n and hasattr(m, "weight")
-    ) / 1e6
+    ffn_mb = sum(p.nbytes for layer in net.model.layers for p in layer.mlp.parameters()) / 1e6
     # the density applies to the FFN weights whatever level the modules are at now
     assert weight_mb_per_token(net, 0.5) == pytest.approx(dense_mb - ffn_mb / 2)
     ms = [predicted_ms(net, artifact, lv) for lv in levels]

@@ -1,9 +1,11 @@
 """Turning a calibration artifact and an ExecutionPlan into swapped modules: SparseMLP for the
-FFNs, SkippedLayer for skipped layers, narrower Attention for pruned KV groups.
+FFNs, SkippedLayer for skipped layers, narrower Attention for pruned KV groups, AdaptiveMoE for
+MoE layers.
 
-The plan carries the FFN levels and pruned heads in `extras` (ffn_sparsity_in, ffn_sparsity_mid,
-drop_heads as "layer:group,..."). A plan that changes what the KV cache holds (skipped layers,
-pruned heads) is applied before the engine sizes its cache: `apply_to_llm` rebuilds the engine.
+The plan carries the FFN levels, pruned heads and expert mass in `extras` (ffn_sparsity_in,
+ffn_sparsity_mid, drop_heads as "layer:group,...", moe_mass). A plan that changes what the KV
+cache holds (skipped layers, pruned heads) is applied before the engine sizes its cache:
+`apply_to_llm` rebuilds the engine.
 """
 
 from torch import nn
@@ -12,6 +14,7 @@ from zcode.harness.plan import ExecutionPlan
 from zcode.layers.mlp import GatedMLP
 from zcode.llm import LLM
 from zcode.sparsity.artifact import SparsityArtifact
+from zcode.sparsity.expert_skip import set_expert_mass
 from zcode.sparsity.head_skip import prune_heads, prune_order
 from zcode.sparsity.layer_skip import SkippedLayer, restore_layers, skip_layers, skip_order
 from zcode.sparsity.sparse_mlp import SparseMLP
@@ -23,14 +26,18 @@ def make_plan(
     sparsity_mid: float = 0.0,
     num_skip_layers: int = 0,
     num_drop_heads: int = 0,
+    moe_mass: float | None = None,
 ) -> ExecutionPlan:
-    """A plan from the artifact's rankings: the least influential layers and KV groups go."""
+    """A plan from the artifact's rankings: the least influential layers and KV groups go;
+    `moe_mass` runs each token's routed experts only up to that share of its routing weight."""
     level = artifact.level(sparsity_in, sparsity_mid)
     skipped = tuple(sorted(skip_order(artifact.layer_scores)[:num_skip_layers]))
     drop = [p for p in prune_order(artifact.head_scores) if p[0] not in skipped][:num_drop_heads]
     extras = [("ffn_sparsity_in", str(sparsity_in)), ("ffn_sparsity_mid", str(sparsity_mid))]
     if drop:
         extras.append(("drop_heads", ",".join(f"{i}:{g}" for i, g in sorted(drop))))
+    if moe_mass is not None:
+        extras.append(("moe_mass", str(moe_mass)))
     name = f"ffn{sparsity_in:g}/{sparsity_mid:g}-skip{num_skip_layers}-heads{num_drop_heads}"
     return ExecutionPlan(
         name=name,
@@ -57,6 +64,8 @@ def apply_plan(model: nn.Module, artifact: SparsityArtifact, plan: ExecutionPlan
     s_mid = float(extras.get("ffn_sparsity_mid", 0.0))
     set_ffn_level(model, artifact, s_in, s_mid)
     prune_heads(model, drop_heads_of(plan))
+    if "moe_mass" in extras:
+        set_expert_mass(model, float(extras["moe_mass"]))
     skip_layers(model, list(plan.skip_layers))
 
 
@@ -80,6 +89,7 @@ def set_ffn_level(
 def remove_sparsity(model: nn.Module) -> None:
     """Back to the dense FFNs and all layers (pruned heads stay pruned: their weights are gone)."""
     restore_layers(model)
+    set_expert_mass(model, None)
     for layer in model.model.layers:
         if isinstance(getattr(layer, "mlp", None), SparseMLP):
             layer.mlp = layer.mlp.to_dense()
