@@ -18,7 +18,8 @@ from zcode.kernels.paged import BLOCK_SIZE, random_batch
 from zcode.kernels.registry import define_op, register
 from zcode.layers.attention import gather_cache, padded_attention
 
-BATCH_SHAPES = (([1, 1], [7, 7]), ([1, 1, 1], [5, 13, 2]), ([3, 6], [3, 10]))
+# uniform decode (no mask), ragged decode, prefill + chunked prefill, a context of several blocks
+BATCH_SHAPES = (([1, 1], [7, 7]), ([1, 1, 1], [5, 13, 2]), ([3, 6], [3, 10]), ([2], [70]))
 
 
 def _shape_name(query_lens, context_lens) -> str:

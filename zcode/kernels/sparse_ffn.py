@@ -47,7 +47,7 @@ def cases() -> list:
 
         return f"T{rows}-D{hidden}-I{inter}-n{num_kept}", make
 
-    return [case(1, 64, 256, 32), case(5, 72, 300, 77), case(2, 33, 17, 17)]
+    return [case(1, 64, 256, 32), case(5, 72, 300, 77), case(2, 33, 17, 17), case(20, 40, 90, 50)]
 
 
 define_op("sparse_ffn", reference, shape_class, cases)
