@@ -37,6 +37,12 @@ from zcode.sparsity.apply import apply_plan, make_plan, remove_sparsity  # noqa:
 from zcode.sparsity.artifact import SparsityArtifact  # noqa: E402
 from zcode.sparsity.calibrate import calibrate  # noqa: E402
 from zcode.sparsity.latency import fit_latency, weight_mb_per_token  # noqa: E402
+from zcode.sparsity.predictor import (  # noqa: E402
+    FFNInputRecorder,
+    load_predictors,
+    num_parameters,
+    recall_precision,
+)
 from zcode.sparsity.sparse_mlp import SparseMLP  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -172,6 +178,9 @@ def main() -> None:
     plans = [("teal", make_plan(artifact, s_in, s_mid)) for s_in, s_mid in teal]
     plans += [("layer_skip", make_plan(artifact, num_skip_layers=k)) for k in (1, 2, 4, 6)]
     plans += [("head_prune", make_plan(artifact, num_drop_heads=k)) for k in (3, 10, 20)]
+    keeps = [float(k) for k in artifact.predictor or {}]
+    plans += [("predictor", make_plan(artifact, predictor_keep=k)) for k in keeps]
+    predictor_metrics = predictor_report(llm, artifact, windows, keeps)
 
     rows = []
     dense_logits = None
@@ -182,16 +191,17 @@ def main() -> None:
         if dense_logits is None:
             dense_logits = logits
         kv = kv_bytes_per_token(llm.model.attention_layers(), torch.float32)
+        skipped = realized.value(num_layers)
+        if family == "predictor":  # each token keeps exactly that fraction of neuron blocks
+            skipped = 1 - plan.ffn_density
         rows.append(
             {
                 "family": family,
                 "plan": plan.name,
                 "skip_layers": list(plan.skip_layers),
                 "extras": dict(plan.extras),
-                "ffn_flops_skipped": realized.value(num_layers),
-                "weight_mb_per_token": weight_mb_per_token(
-                    llm.model, 1 - artifact.level(*_levels(plan)).flops_skipped
-                ),
+                "ffn_flops_skipped": skipped,
+                "weight_mb_per_token": weight_mb_per_token(llm.model, plan.ffn_density),
                 "kv_bytes_per_token": kv,
                 "ms": [],
                 **q,
@@ -315,15 +325,37 @@ def main() -> None:
 
     RESULTS.mkdir(exist_ok=True)
     meta = {"threads": torch.get_num_threads(), "quick": quick, "heldout_tokens": len(held)}
-    blob = {"meta": meta, "plans": rows, "batch": batch_rows, "latency_targets": sla_rows}
+    blob = {
+        "meta": meta,
+        "plans": rows,
+        "batch": batch_rows,
+        "latency_targets": sla_rows,
+        "predictor": predictor_metrics,
+    }
     (RESULTS / "sparsity.json").write_text(json.dumps(blob, indent=2))
     _plot(rows, RESULTS / "sparsity_pareto.png")
     print(f"\nwrote {RESULTS / 'sparsity.json'} and {RESULTS / 'sparsity_pareto.png'}")
 
 
-def _levels(plan) -> tuple[float, float]:
-    extras = dict(plan.extras)
-    return float(extras["ffn_sparsity_in"]), float(extras["ffn_sparsity_mid"])
+def predictor_report(llm: LLM, artifact, windows, keeps) -> list[dict]:
+    """Recall and precision of the trained block predictors on held-out FFN inputs."""
+    remove_sparsity(llm.model)
+    with FFNInputRecorder(llm.model) as rec:
+        for ids in windows:
+            teacher_forced_logits(llm, ids)
+    inputs = rec.stacked()
+    model_params = sum(p.numel() for p in llm.model.parameters())
+    out = []
+    for keep in keeps:
+        state = artifact.predictor[str(keep)]
+        predictors = load_predictors(state, llm.model.config.hidden_size)
+        metrics = recall_precision(llm.model, predictors, inputs, keep)
+        params = num_parameters(predictors)
+        out.append(
+            {"keep": keep, "params": params, "share_of_model": params / model_params, **metrics}
+        )
+        print(f"predictor keep {keep}: {out[-1]}", flush=True)
+    return out
 
 
 def _level_name(report: dict) -> str:
@@ -369,7 +401,8 @@ def _plot(rows, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for family, marker in (("teal", "o"), ("layer_skip", "s"), ("head_prune", "^")):
+    families = (("teal", "o"), ("predictor", "D"), ("layer_skip", "s"), ("head_prune", "^"))
+    for family, marker in families:
         pts = sorted((r["tok_s"], r["ppl"]) for r in rows if r["family"] == family)
         if pts:
             ax.plot(*zip(*pts), marker=marker, label=family.replace("_", " "))

@@ -10,6 +10,7 @@ cache holds (skipped layers, pruned heads) is applied before the engine sizes it
 
 from torch import nn
 
+from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.layers.mlp import GatedMLP
 from zcode.llm import LLM
@@ -17,6 +18,7 @@ from zcode.sparsity.artifact import SparsityArtifact
 from zcode.sparsity.expert_skip import set_expert_mass
 from zcode.sparsity.head_skip import prune_heads, prune_order
 from zcode.sparsity.layer_skip import SkippedLayer, restore_layers, skip_layers, skip_order
+from zcode.sparsity.predictor import PredictedMLP, load_predictors
 from zcode.sparsity.sparse_mlp import SparseMLP
 
 
@@ -27,9 +29,12 @@ def make_plan(
     num_skip_layers: int = 0,
     num_drop_heads: int = 0,
     moe_mass: float | None = None,
+    predictor_keep: float | None = None,
 ) -> ExecutionPlan:
     """A plan from the artifact's rankings: the least influential layers and KV groups go;
-    `moe_mass` runs each token's routed experts only up to that share of its routing weight."""
+    `moe_mass` runs each token's routed experts only up to that share of its routing weight;
+    `predictor_keep` runs the FFNs on the neuron blocks the trained predictors pick (that
+    fraction of them) instead of thresholds."""
     level = artifact.level(sparsity_in, sparsity_mid)
     skipped = tuple(sorted(skip_order(artifact.layer_scores)[:num_skip_layers]))
     drop = [p for p in prune_order(artifact.head_scores) if p[0] not in skipped][:num_drop_heads]
@@ -38,10 +43,19 @@ def make_plan(
         extras.append(("drop_heads", ",".join(f"{i}:{g}" for i, g in sorted(drop))))
     if moe_mass is not None:
         extras.append(("moe_mass", str(moe_mass)))
+    density = max(1.0 - level.flops_skipped, 1e-3)
     name = f"ffn{sparsity_in:g}/{sparsity_mid:g}-skip{num_skip_layers}-heads{num_drop_heads}"
+    if predictor_keep is not None:
+        if level.flops_skipped:
+            raise ValueError("a plan uses FFN thresholds or the predictor, not both")
+        if str(predictor_keep) not in (artifact.predictor or {}):
+            raise ValidationError(f"the artifact has no predictor trained for {predictor_keep}")
+        extras.append(("ffn_predictor_keep", str(predictor_keep)))
+        density = predictor_keep
+        name = f"predictor{predictor_keep:g}-skip{num_skip_layers}-heads{num_drop_heads}"
     return ExecutionPlan(
         name=name,
-        ffn_density=max(1.0 - level.flops_skipped, 1e-3),
+        ffn_density=density,
         skip_layers=skipped,
         extras=tuple(sorted(extras)),
     )
@@ -63,6 +77,13 @@ def apply_plan(model: nn.Module, artifact: SparsityArtifact, plan: ExecutionPlan
     s_in = float(extras.get("ffn_sparsity_in", 0.0))
     s_mid = float(extras.get("ffn_sparsity_mid", 0.0))
     set_ffn_level(model, artifact, s_in, s_mid)
+    if "ffn_predictor_keep" in extras:
+        keep = extras["ffn_predictor_keep"]
+        state = artifact.predictor[keep]
+        predictors = load_predictors(state, model.config.hidden_size)
+        for i, layer in enumerate(model.model.layers):
+            if i in predictors and type(layer.mlp) is GatedMLP:
+                layer.mlp = PredictedMLP(layer.mlp, predictors[i], float(keep))
     prune_heads(model, drop_heads_of(plan))
     if "moe_mass" in extras:
         set_expert_mass(model, float(extras["moe_mass"]))
@@ -93,6 +114,8 @@ def remove_sparsity(model: nn.Module) -> None:
     for layer in model.model.layers:
         if isinstance(getattr(layer, "mlp", None), SparseMLP):
             layer.mlp = layer.mlp.to_dense()
+        elif isinstance(getattr(layer, "mlp", None), PredictedMLP):
+            layer.mlp = layer.mlp.dense
 
 
 def _all_layers(model: nn.Module) -> list[nn.Module]:

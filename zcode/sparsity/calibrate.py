@@ -16,6 +16,7 @@ from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
 from zcode.sparsity.head_skip import HeadInfluence
 from zcode.sparsity.latency import decode_ms_per_token, fit_latency, weight_mb_per_token
 from zcode.sparsity.layer_skip import BlockInfluence
+from zcode.sparsity.predictor import FFNInputRecorder, predictor_state, train_predictors
 from zcode.sparsity.thresholds import ActivationRecorder
 
 # (gate/up input sparsity, down input sparsity): down inputs tolerate more (see the bench).
@@ -34,6 +35,8 @@ CANDIDATE_LEVELS = (
     (0.6, 0.8),
 )
 WINDOW = 512
+PREDICTOR_KEEPS = (0.75, 0.5)  # fractions of FFN neuron blocks the trained predictors keep
+PREDICTOR_RANK = 4  # 30 layers x (576 x 4 + 4 x 25) = 72,720 parameters for SmolLM2-135M
 
 
 def flops_skipped(sparsity_in: float, sparsity_mid: float) -> float:
@@ -59,14 +62,19 @@ def calibrate(
         raise ValueError(f"the calibration split has only {len(tokens)} tokens")
     record, evaluate = tokens[:num_tokens], tokens[num_tokens:]
     windows = [record[i : i + WINDOW] for i in range(0, len(record) - 1, WINDOW)]
-    bar = tqdm(total=len(windows) + len(levels) + 3, desc="calibrate", disable=not progress)
+    bar = tqdm(
+        total=len(windows) + len(levels) + 3 + len(PREDICTOR_KEEPS),
+        desc="calibrate",
+        disable=not progress,
+    )
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     with ActivationRecorder(model, score) as acts, BlockInfluence(model) as bi:
-        with HeadInfluence(model) as heads:
+        with HeadInfluence(model) as heads, FFNInputRecorder(model) as ffn_inputs:
             for window in windows:
                 llm.generate(window, params)
                 bar.update()
     table = acts.table()
+    inputs = ffn_inputs.stacked()
     artifact = SparsityArtifact(
         fingerprint=fingerprint(model),
         table=table,
@@ -89,6 +97,11 @@ def calibrate(
         points.append((weight_mb_per_token(model, 1 - level.flops_skipped), ms))
         bar.update()
     artifact.latency = fit_latency(points)
+    artifact.predictor = {}
+    for keep in PREDICTOR_KEEPS:
+        predictors = train_predictors(model, inputs, keep, PREDICTOR_RANK, progress=False)
+        artifact.predictor[str(keep)] = predictor_state(predictors, keep, PREDICTOR_RANK)
+        bar.update()
     artifact.notes["latency_points"] = points
     set_ffn_level(model, artifact, 0.0, 0.0)
     bar.close()

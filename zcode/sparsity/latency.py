@@ -17,6 +17,7 @@ from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
 from zcode.sparsity.artifact import LatencyFit
 from zcode.sparsity.layer_skip import SkippedLayer
+from zcode.sparsity.predictor import PredictedMLP
 from zcode.sparsity.sparse_mlp import SparseMLP
 
 
@@ -30,15 +31,24 @@ def weight_mb_per_token(model: nn.Module, ffn_density: float = 1.0) -> float:
             continue
         mlp = getattr(layer, "mlp", None)
         ffn_ids = set()
-        if isinstance(mlp, (SparseMLP, GatedMLP)):
+        if isinstance(mlp, (SparseMLP, GatedMLP, PredictedMLP)):
             ffn_ids = {id(p) for p in mlp.parameters()}
-            total += ffn_density * sum(p.nbytes for p in mlp.parameters())
+            total += ffn_density * _ffn_bytes(mlp)
         for module in layer.modules():
             if isinstance(module, nn.Linear) and id(module.weight) not in ffn_ids:
                 total += module.weight.nbytes
     total += model.lm_head.weight.nbytes
     total += model.model.embed_tokens.weight[0].nbytes
     return total / 1e6
+
+
+def _ffn_bytes(mlp: nn.Module) -> int:
+    """Bytes of the three FFN matrices, whatever layout the module keeps them in."""
+    if isinstance(mlp, SparseMLP):
+        return mlp.w_gate_up_t.nbytes + mlp.w_down_t.nbytes
+    if isinstance(mlp, PredictedMLP):
+        mlp = mlp.dense
+    return sum(lin.weight.nbytes for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
 
 
 def decode_ms_per_token(llm: LLM, prompt_ids: list[int], num_tokens: int = 16) -> float:
