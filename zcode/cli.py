@@ -423,7 +423,11 @@ def _add_sparsity_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _sparsity_args(args: argparse.Namespace) -> dict:
-    return {"sparsity": args.sparsity} if args.sparsity else {}
+    if not args.sparsity:
+        return {}
+    if not Path(args.sparsity).is_file():  # before the model loads
+        raise ValidationError(f"{args.sparsity}: no such sparsity artifact (see zcode calibrate)")
+    return {"sparsity": args.sparsity}
 
 
 def load_llm(model: str | None, dtype: str, **engine_args) -> LLM:

@@ -1,0 +1,50 @@
+"""zcode calibrate and --sparsity: bad input fails before a model loads; end to end (slow)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from zcode import cli
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["ppl", "f.txt", "--sparsity", "none.pt"], "none.pt: no such sparsity artifact"),
+        (["generate", "hi", "--sparsity", "none.pt"], "none.pt: no such sparsity artifact"),
+        (["calibrate", "--tokens", "100"], "--tokens must be at least 512"),
+    ],
+)
+def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f.txt").write_text("some text")
+    monkeypatch.setattr(cli, "load_llm", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zcode: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_calibrate_then_ppl_with_the_artifact(tmp_path):
+    artifact = tmp_path / "s.pt"
+    zcode = [sys.executable, "-m", "zcode.cli"]
+    cal = subprocess.run(
+        [*zcode, "calibrate", "--out", str(artifact), "--tokens", "512"],
+        capture_output=True,
+        text=True,
+        env={"ZCODE_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    assert cal.returncode == 0, cal.stderr
+    assert artifact.is_file() and f"wrote {artifact}" in cal.stdout
+    text = tmp_path / "t.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 20)
+    runs = {}
+    for flags in ([], ["--sparsity", str(artifact)]):
+        out = subprocess.run(
+            [*zcode, "ppl", str(text), *flags], capture_output=True, text=True, check=True
+        )
+        runs[bool(flags)] = float(out.stdout.split()[1])
+    assert runs[True] == pytest.approx(runs[False], rel=0.05)
