@@ -80,7 +80,7 @@ def test_coarse_grid_respects_budget_and_stays_near_optimal(seed):
     ]
     lo = sum(min(c for _, c in g) for g in opts)
     capacity = lo + rng.randint(50, 400)
-    chosen = solve_knapsack(opts, capacity, max_cells=37)
+    chosen = solve_knapsack(opts, capacity, max_cells=37)  # slack >= 50: no exact grid fits
     cost = sum(opts[g][i][1] for g, i in enumerate(chosen))
     assert cost <= capacity
     loss = sum(opts[g][i][0] for g, i in enumerate(chosen))
@@ -137,3 +137,18 @@ def test_infeasible_budget_raises():
     profile = random_profile(random.Random(1), 3, 2)
     with pytest.raises(PlanError, match="infeasible"):
         plan_for_budget(profile, "1bits")
+
+
+def test_gcd_grid_is_exact_when_the_slack_is_large():
+    """Costs in multiples of 384 (like SmolLM2's formats): exact with few cells."""
+    rng = random.Random(7)
+    opts = [[(rng.random(), 384 * rng.randint(1, 5000)) for _ in range(3)] for _ in range(4)]
+    lo = sum(min(c for _, c in g) for g in opts)
+    capacity = lo + 384 * 3000
+    chosen = solve_knapsack(opts, capacity, max_cells=4000)
+    best = min(
+        sum(loss for loss, _ in combo)
+        for combo in itertools.product(*opts)
+        if sum(c for _, c in combo) <= capacity
+    )
+    assert sum(opts[g][i][0] for g, i in enumerate(chosen)) == pytest.approx(best, abs=1e-12)

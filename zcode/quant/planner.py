@@ -14,10 +14,11 @@ A budget is one string:
   zcode.hardware.probe (the weights are what a batch-1 decode step reads; KV and activations are
   left out, which makes this budget an upper bound on the weights that fit).
 
-DP over cost: each unit's cost is its bytes above its cheapest option, rounded *up* to a grid of
-at most MAX_CELLS cells over the slack (the budget minus every unit's cheapest option), so the
-plan always respects the budget; with integer costs and a slack of at most MAX_CELLS bytes the
-grid is one byte and the solution is the exact optimum.
+DP over cost: each unit's cost is its bytes above its cheapest option; the slack is the budget
+minus every unit's cheapest option. When the costs are integers the grid cell is their greatest
+common divisor (384 bytes for SmolLM2's formats), and if the slack fits in MAX_CELLS such cells
+the solution is the exact optimum. Otherwise costs are rounded *up* to a grid of MAX_CELLS cells
+over the slack: the plan still respects the budget, and is optimal up to that rounding.
 """
 
 import math
@@ -30,7 +31,7 @@ from zcode.errors import ValidationError
 
 DENSE = "fp32"  # apply_precision's name for "leave the module as loaded"
 DENSE_BYTES_PER_WEIGHT = 4
-MAX_CELLS = 1 << 17  # cost grid of the DP: ~0.8 KB per cell for SmolLM2's ~110 MB of slack
+MAX_CELLS = 1 << 18  # cells of the DP's cost grid: choices take units x MAX_CELLS bytes
 
 BYTE_UNITS = {
     "B": 1,
@@ -100,6 +101,8 @@ def solve_knapsack(
 
     Raises PlanError when even the cheapest options exceed the capacity.
     """
+    if max(map(len, options)) > np.iinfo(np.int8).max:
+        raise ValueError("at most 127 options per group")
     min_costs = [min(cost for _, cost in group) for group in options]
     slack = capacity - sum(min_costs)
     if slack < 0:
@@ -108,12 +111,15 @@ def solve_knapsack(
             f"the budget allows {capacity:,.0f}"
         )
     extra = [[cost - low for _, cost in group] for group, low in zip(options, min_costs)]
-    integral = all(float(c).is_integer() for group in extra for c in group)
-    cell = 1.0 if integral and slack <= max_cells else max(slack / max_cells, 1e-12)
+    cell = max(slack / max_cells, 1e-12)
+    if all(float(c).is_integer() for group in extra for c in group):
+        divisor = math.gcd(*(int(c) for group in extra for c in group)) or 1
+        if slack / divisor <= max_cells:
+            cell = float(divisor)
     num_cells = int(math.floor(slack / cell + 1e-9)) + 1
     # best[c]: minimal loss of the groups so far with total extra cost <= c cells.
     best = np.zeros(num_cells)
-    choices = np.zeros((len(options), num_cells), dtype=np.int16)
+    choices = np.zeros((len(options), num_cells), dtype=np.int8)
     for g, group in enumerate(options):
         candidates = np.full((len(group), num_cells), np.inf)
         for i, ((loss, _), cost) in enumerate(zip(group, extra[g])):
