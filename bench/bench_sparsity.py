@@ -34,7 +34,7 @@ from zcode.engine.llm_engine import LLMEngine  # noqa: E402
 from zcode.forward_batch import ForwardBatch  # noqa: E402
 from zcode.sampling_params import SamplingParams  # noqa: E402
 from zcode.sparsity.apply import apply_plan, make_plan, remove_sparsity  # noqa: E402
-from zcode.sparsity.artifact import SparsityArtifact  # noqa: E402
+from zcode.sparsity.artifact import SparsityArtifact, default_path  # noqa: E402
 from zcode.sparsity.calibrate import calibrate  # noqa: E402
 from zcode.sparsity.latency import fit_latency, weight_mb_per_token  # noqa: E402
 from zcode.sparsity.predictor import (  # noqa: E402
@@ -167,6 +167,8 @@ def main() -> None:
     else:
         print("calibrating ...", flush=True)
         artifact = calibrate(llm, num_tokens=2048 if quick else 4096, num_eval_tokens=1024)
+        artifact.save(default_path(llm.model))  # --artifact of the next run; --sparsity's file
+        print(f"saved the artifact to {default_path(llm.model)}")
     held = corpus_tokens(llm.tokenizer, "heldout", heldout_tokens)
     windows = [held[i : i + WINDOW] for i in range(0, len(held) - 1, WINDOW)]
     num_layers = len(llm.model.model.layers)

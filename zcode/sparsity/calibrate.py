@@ -83,6 +83,12 @@ def calibrate(
         head_scores=heads.scores(),
         notes={"calibration_tokens": num_tokens, "eval_tokens": num_eval_tokens},
     )
+    artifact.predictor = {}
+    for keep in PREDICTOR_KEEPS:  # on the dense FFNs, before any level swaps them
+        predictors = train_predictors(model, inputs, keep, PREDICTOR_RANK, progress=False)
+        artifact.predictor[str(keep)] = predictor_state(predictors, keep, PREDICTOR_RANK)
+        bar.update()
+    del inputs
     dense_ppl = None
     for s_in, s_mid in levels:
         set_ffn_level(model, artifact, s_in, s_mid)
@@ -97,11 +103,6 @@ def calibrate(
         points.append((weight_mb_per_token(model, 1 - level.flops_skipped), ms))
         bar.update()
     artifact.latency = fit_latency(points)
-    artifact.predictor = {}
-    for keep in PREDICTOR_KEEPS:
-        predictors = train_predictors(model, inputs, keep, PREDICTOR_RANK, progress=False)
-        artifact.predictor[str(keep)] = predictor_state(predictors, keep, PREDICTOR_RANK)
-        bar.update()
     artifact.notes["latency_points"] = points
     set_ffn_level(model, artifact, 0.0, 0.0)
     bar.close()

@@ -33,10 +33,12 @@ class BlockPredictor(nn.Module):
 
 def block_contributions(mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
     """[T, num_blocks]: the norm of what each neuron block adds to the FFN output."""
-    h = F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)  # [T, I]
+    x = x.float()
+    gate = F.linear(x, mlp.gate_proj.weight.float())
+    h = F.silu(gate) * F.linear(x, mlp.up_proj.weight.float())  # [T, I]
     num_tokens, inter = h.shape
     hb = h.view(num_tokens, inter // BLOCK, BLOCK)
-    wd = mlp.down_proj.weight.view(-1, inter // BLOCK, BLOCK)  # [D, NB, BLOCK]
+    wd = mlp.down_proj.weight.float().view(-1, inter // BLOCK, BLOCK)  # [D, NB, BLOCK]
     return torch.einsum("tbk,dbk->tbd", hb, wd).norm(dim=-1)
 
 
@@ -87,7 +89,7 @@ def train_predictors(
     for i in tqdm(sorted(inputs), desc="predictors", disable=not progress):
         mlp, x = mlps[i], inputs[i]
         with torch.no_grad():
-            y = labels(block_contributions(mlp.float(), x), keep).float()
+            y = labels(block_contributions(mlp, x), keep).float()
         net = BlockPredictor(x.shape[1], y.shape[1], rank)
         opt = torch.optim.Adam(net.parameters(), lr=3e-3)
         for _ in range(epochs):
@@ -112,7 +114,7 @@ def recall_precision(
     mass_kept = mass_total = 0.0
     for i, net in predictors.items():
         with torch.no_grad():
-            contrib = block_contributions(mlps[i].float(), inputs[i])
+            contrib = block_contributions(mlps[i], inputs[i])
             truth = labels(contrib, keep)
             pred = labels(net(inputs[i]), keep)
         hits += (truth & pred).sum().item()
