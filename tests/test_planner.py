@@ -152,3 +152,48 @@ def test_gcd_grid_is_exact_when_the_slack_is_large():
         if sum(c for _, c in combo) <= capacity
     )
     assert sum(opts[g][i][0] for g, i in enumerate(chosen)) == pytest.approx(best, abs=1e-12)
+
+
+class LinearCostModel:
+    """A stand-in for zcode.hardware.cost_model.CostModel: 10 ms plus a fixed delta per module
+    and format, linear like the real one."""
+
+    def __init__(self, deltas: dict[str, dict[str, float]]) -> None:
+        self.deltas = deltas
+
+    def predict_decode_ms(self, model, plan=None):
+        return 10.0 + sum(self.deltas[m][f] for m, f in (plan or {}).items())
+
+
+def test_latency_budget_through_a_cost_model():
+    rng = random.Random(3)
+    profile = random_profile(rng, num_units=4, num_formats=3)
+    deltas = {
+        member: {"fp32": 0.0, **{f: -rng.random() for f in entry["formats"]}}
+        for entry in profile["modules"].values()
+        for member in entry["members"]
+    }
+    cost = LinearCostModel(deltas)
+    per_unit = [
+        [
+            (
+                entry["formats"][f]["kl"] if f != DENSE else 0.0,
+                sum(deltas[m][f] for m in entry["members"]),
+            )
+            for f in [*entry["formats"], DENSE]
+        ]
+        for entry in profile["modules"].values()
+    ]
+    fastest = 10.0 + sum(min(ms for _, ms in g) for g in per_unit)
+    for target_ms in (fastest + 0.5, fastest + 1.5, 9.999):
+        result = plan(profile, f"{target_ms}ms", model=object(), cost_model=cost)
+        assert result.predicted_ms <= target_ms + 1e-9
+        best = min(
+            sum(kl for kl, _ in combo)
+            for combo in itertools.product(*per_unit)
+            if 10.0 + sum(ms for _, ms in combo) <= target_ms
+        )
+        # Float costs go on a grid of MAX_CELLS cells, rounded up: optimal up to that rounding.
+        assert result.predicted_kl == pytest.approx(best, abs=1e-9)
+    with pytest.raises(PlanError, match="fastest plan"):
+        plan(profile, f"{fastest - 0.1}ms", model=object(), cost_model=cost)

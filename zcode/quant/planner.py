@@ -10,9 +10,12 @@ A budget is one string:
 
 - average bits per weight over the planned modules: "4.5bits";
 - bytes of planned weights: "60MB", "57.2MiB", "900kB", "1GB", "123456B";
-- a decode-step latency: "12ms" -> bytes read per token = latency x memory bandwidth measured by
-  zcode.hardware.probe (the weights are what a batch-1 decode step reads; KV and activations are
-  left out, which makes this budget an upper bound on the weights that fit).
+- a batch-1 decode-step latency: "12ms". Given the loaded model, through the fitted cost model
+  (zcode.hardware.cost_model): a step's predicted ms is linear in each linear's bytes and calls
+  per kernel kind, so each unit's format adds a fixed number of ms to the step with every unit
+  as loaded, and the knapsack's costs are those ms. Without the model: bytes read per token =
+  latency x memory bandwidth measured by zcode.hardware.probe (KV, activations and per-call
+  overheads left out, which makes it an upper bound on the weights that fit).
 
 DP over cost: each unit's cost is its bytes above its cheapest option; the slack is the budget
 minus every unit's cheapest option. When the costs are integers the grid cell is their greatest
@@ -26,6 +29,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
+from torch import nn
 
 from zcode.errors import ValidationError
 
@@ -56,6 +60,7 @@ class Plan:
     predicted_kl: float  # sum of the chosen options' KL
     weight_bytes: int  # bytes of the planned weights
     num_weights: int  # weights of the planned modules
+    predicted_ms: float | None = None  # cost model's decode step ms, for latency budgets
 
     @property
     def bits_per_weight(self) -> float:
@@ -72,15 +77,20 @@ def unit_options(profile: dict) -> dict[str, dict[str, tuple[float, int]]]:
     return options
 
 
-def budget_bytes(profile: dict, budget: str, bandwidth_gbps: float | None = None) -> float:
-    """The bytes of weights a budget string allows (see the module docstring for the forms)."""
+def parse_budget(budget: str) -> tuple[float, str]:
+    """ "4.5bits" -> (4.5, "bits"); the unit is "bits", "ms" or a BYTE_UNITS key."""
     match = BUDGET_PATTERN.match(budget)
     if match is None:
         raise PlanError(
             f"budget {budget!r} not understood: use average bits ('4.5bits'), "
             "bytes ('60MB', '57MiB') or a decode-step latency ('12ms')"
         )
-    value, unit = float(match[1]), match[2]
+    return float(match[1]), match[2]
+
+
+def budget_bytes(profile: dict, budget: str, bandwidth_gbps: float | None = None) -> float:
+    """The bytes of weights a budget string allows (see the module docstring for the forms)."""
+    value, unit = parse_budget(budget)
     if unit == "bits":
         num_weights = sum(entry["num_weights"] for entry in profile["modules"].values())
         return value / 8 * num_weights
@@ -136,20 +146,61 @@ def solve_knapsack(
     return chosen[::-1]
 
 
-def plan(profile: dict, budget: str, bandwidth_gbps: float | None = None) -> Plan:
-    """The unit -> format plan of least predicted KL within the budget."""
+def latency_costs(profile: dict, model: nn.Module, cost_model) -> tuple[float, dict]:
+    """(predicted batch-1 decode step ms with every unit as loaded, unit -> format -> the ms
+    that format adds to it, negative when faster). Exact for the cost model, which is linear."""
+    base_ms = cost_model.predict_decode_ms(model)
+    deltas = {}
+    for unit, per_format in unit_options(profile).items():
+        members = profile["modules"][unit]["members"]
+        deltas[unit] = {
+            fmt: cost_model.predict_decode_ms(model, {m: fmt for m in members}) - base_ms
+            for fmt in per_format
+        }
+    return base_ms, deltas
+
+
+def plan(
+    profile: dict,
+    budget: str,
+    bandwidth_gbps: float | None = None,
+    model: nn.Module | None = None,
+    cost_model=None,
+) -> Plan:
+    """The unit -> format plan of least predicted KL within the budget. A latency budget uses
+    the cost model when `model` (the loaded, unquantized model) is given: `cost_model`, or this
+    machine's fitted one (zcode.hardware.cost_model.CostModel.load_or_fit)."""
     options = unit_options(profile)
     units = list(options)
     names = [list(options[u]) for u in units]
-    chosen = solve_knapsack(
-        [list(options[u].values()) for u in units], budget_bytes(profile, budget, bandwidth_gbps)
-    )
+    value, unit = parse_budget(budget)
+    if unit == "ms" and model is not None:
+        if cost_model is None:
+            from zcode.hardware.cost_model import CostModel
+
+            cost_model = CostModel.load_or_fit()
+        base_ms, deltas = latency_costs(profile, model, cost_model)
+        groups = [[(options[u][f][0], deltas[u][f]) for f in names[g]] for g, u in enumerate(units)]
+        fastest_ms = base_ms + sum(min(cost for _, cost in group) for group in groups)
+        if fastest_ms > value:
+            raise PlanError(
+                f"latency budget {budget} infeasible: the fastest plan's decode step is "
+                f"predicted at {fastest_ms:.2f} ms on this machine (zcode.hardware.cost_model)"
+            )
+        chosen = solve_knapsack(groups, value - base_ms)
+    else:
+        groups = [list(options[u].values()) for u in units]
+        chosen = solve_knapsack(groups, budget_bytes(profile, budget, bandwidth_gbps))
     formats = {u: names[g][i] for g, (u, i) in enumerate(zip(units, chosen))}
+    predicted_ms = None
+    if unit == "ms" and model is not None:
+        predicted_ms = base_ms + sum(deltas[u][f] for u, f in formats.items())
     return Plan(
         formats=formats,
         predicted_kl=sum(options[u][f][0] for u, f in formats.items()),
         weight_bytes=sum(options[u][f][1] for u, f in formats.items()),
         num_weights=sum(entry["num_weights"] for entry in profile["modules"].values()),
+        predicted_ms=predicted_ms,
     )
 
 
@@ -162,8 +213,9 @@ def module_formats(profile: dict, unit_formats: dict[str, str]) -> dict[str, str
     }
 
 
-def plan_for_budget(profile: dict, budget: str) -> dict[str, str]:
+def plan_for_budget(profile: dict, budget: str, model: nn.Module | None = None) -> dict[str, str]:
     """Module name -> format (a format of zcode.quant.FORMATS, or "fp32" for unchanged) of least
-    predicted KL within `budget` ("4.5bits", "60MB", "12ms"). Raises PlanError (a
-    ValidationError) for a budget that cannot be parsed or met."""
-    return module_formats(profile, plan(profile, budget).formats)
+    predicted KL within `budget` ("4.5bits", "60MB", "12ms"; a latency goes through the cost
+    model when the loaded `model` is given). Raises PlanError (a ValidationError) for a budget
+    that cannot be parsed or met."""
+    return module_formats(profile, plan(profile, budget, model=model).formats)
