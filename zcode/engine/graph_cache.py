@@ -67,6 +67,25 @@ class GraphCache:
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.decomposition import select_decomp_table
 
+        decompositions = select_decomp_table() | {torch.ops.aten.mm.default: _gemv_as_reduction}
+        compiled = compile_fx(gm, example_inputs, decompositions=decompositions)
         self.num_compiles += 1
-        return compile_fx(gm, example_inputs)
+        return compiled
+
+
+GEMV_MAX_ROWS = 2
+GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _gemv_as_reduction(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """x @ w_t for a few rows of 16-bit floats as multiply + sum, which inductor turns into one
+    vectorised loop that widens the weights in registers; aten's bf16 matrix-vector product
+    streams the weights at about half the rate of its fp32 one (bench/bench_decode_overhead.py).
+    """
+    # x: [M, K]; w_t: [K, N] (a transposed [N, K] weight) -> [M, N]
+    if x.shape[0] > GEMV_MAX_ROWS or x.dtype not in GEMV_DTYPES:
+        return NotImplemented
+    products = x[:, None, :].float() * w_t.t()[None].float()  # [M, N, K]
+    return products.sum(-1).to(x.dtype)
