@@ -74,7 +74,10 @@ FIT_SETTINGS = ((DECODE, 1, 64), (DECODE, 1, 512), (DECODE, 4, 256), (PREFILL, 1
                 (PREFILL, 1, 256))
 CHECK_SETTINGS = ((DECODE, 1, 1000), (DECODE, 2, 128), (PREFILL, 1, 160))
 # fmt: on
-NUM_ROUNDS = 3
+NUM_ROUNDS = 2
+# Room for the longest setting (4 x 264 or 1 x 1008 tokens of SmolLM2, 46 KB each in fp32), not the
+# engine's default 1 GiB: one engine per dtype and every plan's quantized copy stay resident.
+KV_CACHE_BYTES = 128 << 20
 NUM_DECODE_STEPS = 6
 NUM_PREFILL_REPEATS = 2
 
@@ -128,7 +131,7 @@ def measure_plans(
     from zcode.quant import apply_precision, quantizable_modules
 
     llms = {
-        dtype: LLM(None, dtype=dtype, enable_prefix_caching=False)
+        dtype: LLM(None, dtype=dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES)
         for dtype in dict.fromkeys(p.dtype for p in plans)
     }
     prepared = []  # (spec, llm, {name: quantized module}, {setting: features})
