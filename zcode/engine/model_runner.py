@@ -8,6 +8,7 @@ from zcode.engine.kv_cache import KVCache
 from zcode.engine.scheduler import ScheduledSeq
 from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
+from zcode.layers.moe import MoE
 
 
 class ModelRunner:
@@ -26,6 +27,11 @@ class ModelRunner:
         # step write their KV there.
         self.pad_block = num_blocks
         self.kv_cache = KVCache(model.attention_layers(), num_blocks + 1, block_size, dtype)
+        if compile and any(isinstance(m, MoE) for m in model.modules()):
+            raise NotImplementedError(
+                "compiled decode of MoE models: expert dispatch has data-dependent shapes, "
+                "which a single static-shape graph cannot hold yet"
+            )
         self.graphs = GraphCache(model, max_num_seqs) if compile else None
         self.set_plan(ExecutionPlan())
 
