@@ -142,7 +142,7 @@ def main() -> None:
             rows.append(
                 (
                     dtype,
-                    b,
+                    str(b),
                     "n/a" if hf is None else f"{hf['best_tok_s']:.1f}/{hf['median_tok_s']:.1f}",
                     f"{r['eager']['best_tok_s']:.1f}/{r['eager']['median_tok_s']:.1f}",
                     f"{r['compiled']['best_tok_s']:.1f}/{r['compiled']['median_tok_s']:.1f}",
