@@ -289,6 +289,10 @@ def main() -> None:
     # Latency targets: refit on this run's batch-1 TEAL points, then run generate within them.
     fit = fit_latency([(r["weight_mb_per_token"], r["ms_min"]) for r in teal_rows])
     artifact.latency = fit
+    measured_levels = {_levels(_plan_named(plans, r["plan"])) for r in teal_rows}
+    artifact.levels = [  # the planner chooses among the levels measured here
+        lv for lv in artifact.levels if (lv.sparsity_in, lv.sparsity_mid) in measured_levels
+    ]
     use_plan(llm, artifact, plans[0][1])
     llm.sparsity = artifact
     fastest = min(r["ms_min"] for r in teal_rows)
@@ -358,6 +362,11 @@ def predictor_report(llm: LLM, artifact, windows, keeps) -> list[dict]:
         )
         print(f"predictor keep {keep}: {out[-1]}", flush=True)
     return out
+
+
+def _levels(plan) -> tuple[float, float]:
+    extras = dict(plan.extras)
+    return float(extras["ffn_sparsity_in"]), float(extras["ffn_sparsity_mid"])
 
 
 def _level_name(report: dict) -> str:
