@@ -46,14 +46,18 @@ class GraphCache:
         """input_ids: [B] for a batch from ForwardBatch.build_decode -> logits [B, V] fp32."""
         key = (signature, batch.num_seqs)
         graph = self.graphs.get(key)
-        if graph is not None:
-            return graph(self.model, input_ids, batch)
-        graph = self.graphs[key] = self._new_graph()
-        # Only the context axis varies between steps of one key.
-        torch._dynamo.mark_dynamic(batch.context_slots, 1)
-        torch._dynamo.mark_dynamic(batch.attn_mask, 3)
-        start = time.perf_counter()
-        logits = graph(self.model, input_ids, batch)
+        # Without automatic dynamic shapes, a dimension is symbolic only if marked below: dynamo
+        # would otherwise make dims dynamic from shapes other graphs (other buckets, models, even
+        # earlier processes through its on-disk profile) saw under the same function name.
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            if graph is not None:
+                return graph(self.model, input_ids, batch)
+            graph = self.graphs[key] = self._new_graph()
+            # Only the context axis varies between steps of one key.
+            torch._dynamo.mark_dynamic(batch.context_slots, 1)
+            torch._dynamo.mark_dynamic(batch.attn_mask, 3)
+            start = time.perf_counter()
+            logits = graph(self.model, input_ids, batch)
         self.compile_s += time.perf_counter() - start
         return logits
 
