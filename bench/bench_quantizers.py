@@ -12,6 +12,12 @@ or without a Hadamard rotation of the inputs (+had). GPTQ's Hessians come from
 saw. The "fp32" baseline is the embedded model as ZCode loads it (its Q4_1 GGUF dequantized to
 fp32). bits/weight counts packed weights plus scales over the quantized linears.
 
+Read the int4 rows with that in mind: the baseline's weights already sit on a Q4_1 grid (groups
+of 32, asymmetric, 16 levels), which int4-g32 and w4a8 (g32) nearly reproduce by rounding to
+nearest, so those rows flatter RTN; g64 and g128 groups straddle the original groups and show
+the real 4-bit loss. A Hadamard rotation moves the weights off that grid, which is why it can
+hurt the g32 rows here while it helps g128 and the 8-bit-activation rows.
+
 Prints a table with the relative perplexity delta to fp32 and writes all rows as JSON (read by
 the precision planner's bench). --quick runs only int8 and int4-g128 (rtn and gptq) on 1024
 held-out tokens. Quality numbers are deterministic; only the seconds depend on the machine.
