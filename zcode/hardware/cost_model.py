@@ -233,12 +233,17 @@ def format_cost(cost: CostModel | None) -> str:
     if cost is None:
         return "cost       not fitted (zcode hw --fit-cost, or bench/bench_cost_model.py)"
     c = cost.decode
-    kinds = sorted({name.split(":")[0] for name in c if name.endswith(":MB")})
-    parts = [f"{c.get('step', 0.0):.2f} ms/step"]
+    kinds = sorted({name.split(":")[0] for name in c if name.endswith(":MB")} - {"kv"})
+
+    def rate(name: str) -> str:
+        ms_per_mb = c.get(name, 0.0)
+        return f"{1 / ms_per_mb:.1f} GB/s" if ms_per_mb > 0 else "bytes free"
+
+    parts = [f"{c.get('step', 0.0):.2f} ms/step", f"KV {rate('kv:MB')}"]
     for kind in kinds:
-        ms_per_mb = c.get(f"{kind}:MB", 0.0)
-        rate = f"{1 / ms_per_mb:.1f} GB/s" if ms_per_mb > 0 else "bytes free"
-        parts.append(f"{kind} {rate} + {1e3 * c.get(f'{kind}:calls', 0.0):.0f} us/call")
+        parts.append(
+            f"{kind} {rate(kind + ':MB')} + {1e3 * c.get(kind + ':calls', 0.0):.0f} us/call"
+        )
     return f"cost       decode {'; '.join(parts)} (fit on {len(cost.fit_plans)} SmolLM2 plans)"
 
 
