@@ -5,18 +5,19 @@ formats, predicted loss against measured loss, and the quality/speed Pareto plot
         [--profile-tokens 512] [--repeats 2] [--out bench/results/precision.json]
 
 Configurations, each applied to the same fp32 model (the embedded Q4_1 GGUF dequantized):
-fp32; uniform int8, int4-g32, int4-g64, int4-g128 by round-to-nearest (RTN) — the formats the
-profile measured; uniform int4-g32 and int4-g128 by GPTQ (zcode.quant.gptq, Hessians from
-2048 calibration tokens); and the planner's plans (zcode.quant.planner) at NUM_BUDGETS
-average-bit budgets, one of them exactly uniform int4-g32's bytes and one uniform
-int4-g128's.
+fp32; uniform int8, int4-g32, int4-g64, int4-g128 by round-to-nearest (RTN), the formats the
+profile measured; uniform int4-g32 by GPTQ (zcode.quant.gptq, Hessians from 2048 calibration
+tokens); and the planner's plans (zcode.quant.planner) at NUM_BUDGETS byte budgets: one exactly
+uniform int4-g32's bytes, the others spread evenly from the cheapest plan to uniform int8.
 
-Quality is measured on held-out text the profile never saw (`corpus_tokens(tok, "heldout",
-2048)`): perplexity with window 512, stride 256 (zcode.ppl), and the mean KL(fp32 || plan) of
-the next-token distributions over the first 512 held-out tokens. The predicted loss of a plan is
-the sum of its units' KL in the profile (calibration text, each unit quantized alone); the
-Spearman correlation of predicted against measured KL and perplexity delta is reported across
-the planned budgets (scipy.stats.spearmanr).
+Quality runs the reference kernels (dequantize, fp32 F.linear: the format's own rounding, as
+the profile measured it); speed runs the fast kernels. Quality is measured on held-out text
+the profile never saw (`corpus_tokens(tok, "heldout", 2048)`): perplexity with window 512,
+stride 256 (zcode.ppl), and the mean KL(fp32 || plan) of the next-token distributions over the
+first 512 held-out tokens. The predicted loss of a plan is the sum of its units' KL in the
+profile (calibration text, each unit quantized alone); the Spearman correlation of predicted
+against measured KL and perplexity delta is reported across the planned budgets
+(scipy.stats.spearmanr).
 
 Speed: batch-1 decode tok/s of each configuration (fast kernels) after a 16-token prompt,
 min and median seconds of --repeats runs, configurations round-robin within a repeat so load
@@ -59,10 +60,10 @@ from zcode.sampling_params import SamplingParams  # noqa: E402
 RESULTS_DIR = Path(__file__).parent / "results"
 WINDOW, STRIDE = 512, 256
 KL_TOKENS = 512
-NUM_BUDGETS = 9
+NUM_BUDGETS = 8
 PROFILE_FORMATS = ("int8", "int4-g32", "int4-g64", "int4-g128", "w8a8", "w4a8")
 UNIFORM_RTN = ("int8", "int4-g32", "int4-g64", "int4-g128")
-UNIFORM_GPTQ = ("int4-g32", "int4-g128")
+UNIFORM_GPTQ = ("int4-g32",)
 PROMPT = "The capital of France is"
 
 
@@ -121,7 +122,7 @@ class Config:
         names = [n for n, f in self.formats.items() if f != "fp32"]
         originals = {n: model.get_submodule(n) for n in names}
         if self.modules is None:
-            self.modules = apply_precision(model, self.formats, **self.options)
+            self.modules = apply_precision(model, self.formats, kernel="reference", **self.options)
         else:
             swap(model, self.modules)
         try:
@@ -251,6 +252,8 @@ def main() -> None:
     for _ in range(args.repeats):  # round-robin: every configuration once per repeat
         for config, row in zip(configs, results):
             with config.applied(llm):
+                for module in (config.modules or {}).values():
+                    module.kernel = "fast"
                 decode_seconds(llm, prompt_ids, 4)  # warm-up
                 row["decode_s"].append(decode_seconds(llm, prompt_ids, args.decode_tokens))
 
