@@ -256,3 +256,38 @@ def test_predictor_learns_above_chance():
     predictors = train_predictors(net, train, keep=0.25, rank=8, epochs=150, progress=False)
     metrics = recall_precision(net, predictors, held, keep=0.25)
     assert metrics["recall"] > 0.5  # chance: 0.25
+
+
+def test_generate_with_max_latency_reports_the_plan(tiny_checkpoint):
+    from zcode.errors import ValidationError
+    from zcode.llm import LLM
+    from zcode.sampling_params import SamplingParams
+    from zcode.sparsity.artifact import FFNLevel, LatencyFit, SparsityArtifact, fingerprint
+    from zcode.sparsity.planner import predicted_ms
+    from zcode.sparsity.thresholds import ThresholdTable
+
+    llm = LLM(tiny_checkpoint("llama").path)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = list(range(3, 11))
+    with pytest.raises(ValidationError, match="sparsity artifact"):
+        llm.generate(prompt, params, max_latency_ms=5.0)
+    dense = llm.generate(prompt, params)[0].token_ids
+    n = len(llm.model.model.layers)
+    levels = [FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.05)]
+    llm.sparsity = SparsityArtifact(
+        fingerprint(llm.model),
+        ThresholdTable("teal", (0.0, 0.5), -torch.ones(n, 2), torch.full((n, 2), 0.05)),
+        levels,
+        torch.zeros(n),
+        torch.zeros(n, 2),
+        LatencyFit(1.0, 10.0),
+    )
+    slow = predicted_ms(llm.model, llm.sparsity, levels[0])
+    out = llm.generate(prompt, params, max_latency_ms=slow + 1)[0]
+    assert out.token_ids == dense  # the dense level meets the target and loses nothing
+    assert out.plan["plan"] == "ffn in 0 / mid 0" and out.plan["target_met"]
+    assert out.plan["measured_ms_per_step"] > 0
+    out = llm.generate(prompt, params, max_latency_ms=slow - 0.1)[0]
+    assert out.plan["plan"] == "ffn in 0 / mid 0.5" and out.plan["target_met"]
+    assert out.plan["predicted_ms_per_step"] < slow
+    assert llm.generate(prompt, params)[0].token_ids == dense  # the level is undone after
