@@ -23,7 +23,9 @@ test-slow: install
 
 # The Triton kernels' logic on CPU under TRITON_INTERPRET=1: slow to interpret, so its own target.
 test-triton: install
-	$(PY) -m pytest -q -m triton
+	# Set for the whole run: collecting the other test modules can import triton before
+	# test_kernels_triton.py would set it, and triton reads it when kernels are defined.
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m triton
 
 bench: install
 	$(PY) bench/bench_core.py
