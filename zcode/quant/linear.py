@@ -98,6 +98,10 @@ class QuantizedLinear(nn.Module):
     def fast_kernel(self, rows: torch.Tensor) -> Callable:
         key = (rows.shape[0], rows.dtype)
         if (fn := self._fast.get(key)) is None:
+            if torch.compiler.is_compiling():
+                # Autotuning takes a lock and times kernels, neither of which dynamo can trace:
+                # a compiled graph runs the format's own fast path unless an eager call chose.
+                return type(self.packed).linear_fast
             from zcode.kernels import get  # zcode.kernels' linear op imports this module
 
             fn = self._fast[key] = get("linear", self.packed, rows)
