@@ -40,6 +40,7 @@ from bench_core import (  # noqa: E402
 from bench_precision import bytes_per_token  # noqa: E402
 from table_format import print_rows  # noqa: E402
 
+from zcode.harness import ExecutionPlan  # noqa: E402
 from zcode.loader.checkpoint import resolve_model_path  # noqa: E402
 from zcode.quant import apply_precision, quantizable_modules  # noqa: E402
 
@@ -50,6 +51,8 @@ ENGINES = (
     "zcode-int8",
     "zcode-int4-g32",
     "zcode-int4-g128",
+    "zcode-int8-compiled",
+    "zcode-int4-g32-compiled",
     "llama.cpp-Q4_1",
     "llama.cpp-Q8_0",
 )
@@ -59,12 +62,15 @@ BANDWIDTH_BYTES = 256 << 20
 class ZCodeQuantRunner(ZCodeRunner):
     """bench_core's ZCode runner (bf16 model) with every quantizable linear in one format."""
 
-    def __init__(self, fmt: str | None) -> None:
-        super().__init__("bfloat16")
+    def __init__(self, fmt: str | None, compile: bool = False) -> None:
+        super().__init__("bfloat16", compile)
         if fmt is not None:
             model = self.llm.model
-            apply_precision(model, {n: fmt for n in quantizable_modules(model)})
-            self.format = fmt
+            plan = {n: fmt for n in quantizable_modules(model)}
+            apply_precision(model, plan)
+            # Compiled decode graphs are cached by plan signature: declare the swap.
+            self.llm.engine.runner.set_plan(ExecutionPlan(precision=tuple(sorted(plan.items()))))
+            self.format = fmt + (" compiled decode" if compile else "")
         self.bytes_per_token = bytes_per_token(self.llm.model)
 
 
@@ -114,8 +120,8 @@ def load(name: str, model_path: Path):
         runner = LlamaCppRunner(Q8_0_PATH)
         runner.format = "Q8_0 (requantized from Q4_1)"
         return runner
-    fmt = name.removeprefix("zcode-")
-    return ZCodeQuantRunner(None if fmt == "bf16" else fmt)
+    fmt = name.removeprefix("zcode-").removesuffix("-compiled")
+    return ZCodeQuantRunner(None if fmt == "bf16" else fmt, compile=name.endswith("-compiled"))
 
 
 def main() -> None:
