@@ -9,18 +9,13 @@ import json
 
 import pytest
 import torch
+from kernel_cases import check_variant, variant_cases
 
 from zcode import kernels
 from zcode.kernels import autotune
 from zcode.kernels.registry import OPS, Variant, outputs_match, register
 
-CPU_VARIANTS = [
-    pytest.param(op.name, variant, case_name, make, id=f"{op.name}-{variant.name}-{case_name}")
-    for op in OPS.values()
-    for variant in op.variants
-    if variant.backend == "cpu"
-    for case_name, make in op.cases()
-]
+CPU_VARIANTS = variant_cases("cpu")
 
 
 def test_every_op_of_the_issue_is_registered():
@@ -34,13 +29,7 @@ def test_every_op_of_the_issue_is_registered():
 
 @pytest.mark.parametrize(("op_name", "variant", "case_name", "make"), CPU_VARIANTS)
 def test_variant_matches_reference(op_name, variant, case_name, make):
-    op = OPS[op_name]
-    args = make(torch.Generator().manual_seed(0))
-    if not variant.supports(*args):
-        pytest.skip(f"{variant.key} does not take {case_name}")
-    expected = op.reference(*args)
-    actual = variant.fn(*args)
-    assert outputs_match(actual, expected, *op.tolerance(*args)), f"{variant.key} on {case_name}"
+    check_variant(op_name, variant, case_name, make)
 
 
 @pytest.fixture

@@ -10,20 +10,13 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module imports triton
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+from kernel_cases import check_variant, variant_cases  # noqa: E402
 
 from zcode import kernels  # noqa: E402, F401  (registers every op)
-from zcode.kernels.registry import OPS, outputs_match  # noqa: E402
 
 pytestmark = pytest.mark.triton
 
-TRITON_VARIANTS = [
-    pytest.param(op.name, variant, case_name, make, id=f"{op.name}-{variant.name}-{case_name}")
-    for op in OPS.values()
-    for variant in op.variants
-    if variant.backend == "cuda"
-    for case_name, make in op.cases()
-]
+TRITON_VARIANTS = variant_cases("cuda")
 
 
 def test_the_issue_kernels_are_registered_for_cuda():
@@ -39,10 +32,4 @@ def test_the_issue_kernels_are_registered_for_cuda():
 
 @pytest.mark.parametrize(("op_name", "variant", "case_name", "make"), TRITON_VARIANTS)
 def test_triton_variant_matches_reference(op_name, variant, case_name, make):
-    op = OPS[op_name]
-    args = make(torch.Generator().manual_seed(0))
-    if not variant.supports(*args):
-        pytest.skip(f"{variant.key} does not take {case_name}")
-    expected = op.reference(*args)
-    actual = variant.fn(*args)
-    assert outputs_match(actual, expected, *op.tolerance(*args)), f"{variant.key} on {case_name}"
+    check_variant(op_name, variant, case_name, make)
