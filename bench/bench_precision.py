@@ -6,17 +6,27 @@ formats, predicted loss against measured loss, and the quality/speed Pareto plot
 
 Configurations, each applied to the same fp32 model (the embedded Q4_1 GGUF dequantized):
 fp32; uniform int8, int4-g32, int4-g64, int4-g128 by round-to-nearest (RTN), the formats the
-profile measured; uniform int4-g32 by GPTQ (zcode.quant.gptq, Hessians from 2048 calibration
-tokens); and the planner's plans (zcode.quant.planner) at NUM_BUDGETS byte budgets: one exactly
-uniform int4-g32's bytes, the others spread evenly from the cheapest plan to uniform int8.
+profile measured; the same int4 formats by GPTQ (zcode.quant.gptq, Hessians from 2048
+calibration tokens); and the planner's plans (zcode.quant.planner) at byte budgets:
+
+- matched: exactly the bytes of each uniform int4 format (its bits per weight count the 4-bit
+  codes plus the bf16 scale and zero of every group, and the padding of K = 576 to 640 at
+  g128). Each matched plan is realised twice: by RTN, as profiled, and by GPTQ (the planner
+  chooses the map, GPTQ quantizes each module in the format chosen), so that the plan meets
+  each uniform int4 format with the same quantizer at the same bytes.
+- spread: SPREAD_BUDGETS more, evenly in bytes from the cheapest plan to uniform int8.
+
+The weights are dequantized Q4_1 (group 32), so int4-g32 RTN reproduces the decoder layers
+almost exactly; at int4-g32's 5.0 bits the only richer option, int8, costs 3 bits more per weight
+and no mix of cheaper formats pays for it, so the plan there is uniform int4-g32 itself.
 
 Quality runs the reference kernels (dequantize, fp32 F.linear: the format's own rounding, as
 the profile measured it); speed runs the fast kernels. Quality is measured on held-out text
 the profile never saw (`corpus_tokens(tok, "heldout", 2048)`): perplexity with window 512,
 stride 256 (zcode.ppl), and the mean KL(fp32 || plan) of the next-token distributions over the
 first 512 held-out tokens. The predicted loss of a plan is the sum of its units' KL in the
-profile (calibration text, each unit quantized alone); the Spearman correlation of predicted
-against measured KL and perplexity delta is reported across the planned budgets
+profile (calibration text, each unit quantized alone by RTN); the Spearman correlation of
+predicted against measured KL and perplexity delta is reported across the RTN-realised plans
 (scipy.stats.spearmanr).
 
 Speed: batch-1 decode tok/s of each configuration (fast kernels) after a 16-token prompt,
@@ -26,7 +36,7 @@ weights plus scales for the quantized ones) plus the norms; the embedding lookup
 
 Without --profile the sensitivity profile is measured first (slow on 2 shared cores: tens of
 minutes at 512 tokens); `zcode profile --out P.json` writes one to pass here.
---quick: 1024 held-out tokens, 5 budgets, 1 repeat of 16 decode tokens, no GPTQ.
+--quick: 1024 held-out tokens, 2 spread budgets, 1 repeat of 16 decode tokens, no GPTQ.
 """
 
 import argparse
@@ -60,10 +70,10 @@ from zcode.sampling_params import SamplingParams  # noqa: E402
 RESULTS_DIR = Path(__file__).parent / "results"
 WINDOW, STRIDE = 512, 256
 KL_TOKENS = 512
-NUM_BUDGETS = 8
+SPREAD_BUDGETS = 6  # with the 3 matched ones, 9 planned budgets for the Spearman correlation
 PROFILE_FORMATS = ("int8", "int4-g32", "int4-g64", "int4-g128", "w8a8", "w4a8")
-UNIFORM_RTN = ("int8", "int4-g32", "int4-g64", "int4-g128")
-UNIFORM_GPTQ = ("int4-g32",)
+UNIFORM_INT4 = ("int4-g32", "int4-g64", "int4-g128")
+UNIFORM_RTN = ("int8", *UNIFORM_INT4)
 PROMPT = "The capital of France is"
 
 
@@ -76,17 +86,24 @@ def uniform_bits(profile: dict, fmt: str) -> float:
     )
 
 
-def budgets(profile: dict, count: int) -> tuple[list[str], str]:
-    """`count` byte budgets: uniform int4-g32's exact bytes, and `count` - 1 spread evenly in
-    bits from the cheapest plan to uniform int8. Returns (budgets, int4-g32's)."""
+def matched_budgets(profile: dict) -> dict[str, str]:
+    """Uniform int4 format -> a byte budget of exactly its bytes, for the formats profiled."""
+    modules = profile["modules"].values()
+    return {
+        fmt: f"{sum(e['formats'][fmt]['bytes'] for e in modules)}B"
+        for fmt in UNIFORM_INT4
+        if fmt in profile["formats"]
+    }
+
+
+def spread_budgets(profile: dict, count: int) -> list[str]:
+    """`count` byte budgets spread evenly from the cheapest plan to uniform int8, both ends in."""
     modules = profile["modules"].values()
     formats = [f for f in UNIFORM_RTN if f in profile["formats"]]
     cheapest = sum(min(e["formats"][f]["bytes"] for f in formats) for e in modules)
     int8 = sum(e["formats"]["int8"]["bytes"] for e in modules)
-    g32 = f"{sum(e['formats']['int4-g32']['bytes'] for e in modules)}B"
-    steps = count - 2
-    spread = [f"{cheapest + (int8 - cheapest) * i // steps}B" for i in range(steps + 1)]
-    return [g32, *spread], g32
+    steps = count - 1
+    return [f"{cheapest + (int8 - cheapest) * i // steps}B" for i in range(steps + 1)]
 
 
 def unit_bytes(entry: dict, fmt: str) -> int:
@@ -157,6 +174,36 @@ def measured_kl(llm: LLM, kl_ids: list[int], dense: torch.Tensor) -> float:
     return (dense.exp() * (dense - quant)).sum(-1).mean().item()
 
 
+def matched_verdicts(by_label: dict[str, dict], matched: dict[str, str]) -> dict[str, dict]:
+    """Per uniform int4 format: its perplexity by RTN and GPTQ, the plan's at exactly its bytes
+    realised by each, and whether the plan beats both uniform rows (each plan against the
+    uniform format under the same quantizer, and the RTN plan also against uniform GPTQ)."""
+    verdicts = {}
+    for fmt in matched:
+        ppl = {
+            key: by_label[label]["ppl"] if label in by_label else None
+            for key, label in (
+                ("uniform_rtn", fmt),
+                ("uniform_gptq", f"{fmt} gptq"),
+                ("plan_rtn", f"plan@{fmt}"),
+                ("plan_gptq", f"plan@{fmt} gptq"),
+            )
+        }
+        best = min((k for k in ppl if k.startswith("plan") and ppl[k] is not None), key=ppl.get)
+        rivals = [k for k in ppl if k.startswith("uniform") and ppl[k] is not None]
+        beats = all(ppl[best] < ppl[rival] for rival in rivals)
+        verdicts[fmt] = {
+            **ppl,
+            "bits_per_weight": by_label[fmt]["bits_per_weight"],
+            "best_plan": best,
+            "beats_uniform": beats,
+            "verdict": f"{best.replace('_', ' ')} "
+            + ("beats " if beats else "does NOT beat ")
+            + " and ".join(k.removeprefix("uniform_").upper() for k in rivals),
+        }
+    return verdicts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -192,6 +239,7 @@ def main() -> None:
         for fmt in UNIFORM_RTN
         if fmt in profile["formats"]
     ]
+    hessians = None
     if not args.quick:
         from zcode.quant.activations import collect_hessians
 
@@ -200,15 +248,24 @@ def main() -> None:
             Config(
                 f"{fmt} gptq", "uniform", {n: fmt for n in names}, method="gptq", hessians=hessians
             )
-            for fmt in UNIFORM_GPTQ
+            for fmt in UNIFORM_INT4
+            if fmt in profile["formats"]
         ]
-    budget_list, g32_budget = budgets(profile, 5 if args.quick else NUM_BUDGETS)
+    matched = matched_budgets(profile)
+    labelled = [(f"plan@{fmt}", budget) for fmt, budget in matched.items()]
+    for budget in spread_budgets(profile, 2 if args.quick else SPREAD_BUDGETS):
+        labelled.append((f"plan {plan(profile, budget).bits_per_weight:.3f}b", budget))
     plans = {}
-    for budget in budget_list:
+    for label, budget in labelled:
         chosen = plan(profile, budget)
-        label = f"plan {chosen.bits_per_weight:.3f}b"
+        formats = module_formats(profile, chosen.formats)
         plans[label] = (budget, chosen)
-        configs.append(Config(label, "planned", module_formats(profile, chosen.formats)))
+        configs.append(Config(label, "planned", formats))
+        if hessians is not None and label.startswith("plan@"):
+            plans[f"{label} gptq"] = (budget, chosen)
+            configs.append(
+                Config(f"{label} gptq", "planned", formats, method="gptq", hessians=hessians)
+            )
     num_weights = sum(e["num_weights"] for e in profile["modules"].values())
     unit_of_module = {m: u for u, e in profile["modules"].items() for m in e["members"]}
 
@@ -226,7 +283,7 @@ def main() -> None:
         row = {
             "label": config.label,
             "kind": config.kind,
-            "method": "gptq" if "gptq" in config.label else "rtn",
+            "method": config.options.get("method", "rtn"),
             "ppl": ppl,
             "measured_kl": kl,
             "bytes_per_token": bpt,
@@ -263,7 +320,7 @@ def main() -> None:
         row["decode_tok_s_best"] = (args.decode_tokens - 1) / min(row["decode_s"])
         row["decode_tok_s_median"] = (args.decode_tokens - 1) / statistics.median(row["decode_s"])
         row["decode_tok_s"] = row["decode_tok_s_median"]
-    planned = [r for r in results if r["kind"] == "planned"]
+    planned = [r for r in results if r["kind"] == "planned" and r["method"] == "rtn"]
     rho_kl = spearmanr([r["predicted_kl"] for r in planned], [r["measured_kl"] for r in planned])
     rho_ppl = spearmanr([r["predicted_kl"] for r in planned], [r["ppl_delta"] for r in planned])
 
@@ -299,18 +356,22 @@ def main() -> None:
         f"{rho_kl.statistic:.3f} (p {rho_kl.pvalue:.2g}); predicted KL vs ppl delta "
         f"{rho_ppl.statistic:.3f} (p {rho_ppl.pvalue:.2g})"
     )
-    by_label = {r["label"]: r for r in results}
-    verdicts = {}
-    at_g32 = next(r for r in planned if r["budget"] == g32_budget)
-    for rival in ("int4-g32", "int4-g32 gptq"):
-        if rival in by_label:
-            beats = at_g32["ppl"] < by_label[rival]["ppl"]
-            verdicts[rival] = beats
-            print(
-                f"plan at int4-g32's bytes ({at_g32['bits_per_weight']:.3f} bits): ppl "
-                f"{at_g32['ppl']:.4f} vs {rival} {by_label[rival]['ppl']:.4f}: "
-                + ("beats it" if beats else "does NOT beat it")
+    verdicts = matched_verdicts({r["label"]: r for r in results}, matched)
+    print_rows(
+        ["uniform int4", "bits/w", "RTN ppl", "GPTQ ppl", "plan RTN ppl", "plan GPTQ ppl", "plan"],
+        [
+            (
+                fmt,
+                f"{v['bits_per_weight']:.3f}",
+                *(
+                    "-" if v[key] is None else f"{v[key]:.4f}"
+                    for key in ("uniform_rtn", "uniform_gptq", "plan_rtn", "plan_gptq")
+                ),
+                v["verdict"],
             )
+            for fmt, v in verdicts.items()
+        ],
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -323,7 +384,7 @@ def main() -> None:
                 "repeats": args.repeats,
                 "spearman_predicted_vs_measured_kl": rho_kl.statistic,
                 "spearman_predicted_kl_vs_ppl_delta": rho_ppl.statistic,
-                "plan_at_int4_g32_bits_beats": verdicts,
+                "matched_budgets": verdicts,
                 "rows": results,
             },
             indent=1,
