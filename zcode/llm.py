@@ -37,6 +37,8 @@ class LLM:
 
             self.sparsity = apply_default_plan(net, sparsity)
         self.engine = LLMEngine(net, self.tokenizer, self.config)
+        # zcode.quant.variants.attach_variants sets this; generate(quality=) selects among them.
+        self.precision_variants = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -48,16 +50,25 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         enable_thinking: bool | None = None,
         max_latency_ms: float | None = None,
+        quality: str | None = None,
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; a prompt is text, token ids or chat messages.
 
         Always returns a list, one output per prompt, in order. `max_latency_ms` (needs a
         `sparsity` artifact) runs the FFN sparsity level whose predicted ms per decode step meets
         the target at the least calibrated quality loss; each output's `plan` reports the plan,
-        predicted and measured ms per step.
+        predicted and measured ms per step. `quality` ("max", "balanced", "fast"; needs
+        precision variants, zcode.quant.variants.attach_variants) runs the precision variant of
+        that level for the most sensitive units; each output's `plan` names the plan that ran.
         """
         params = sampling_params or SamplingParams()
         token_lists = [self.encode(p, enable_thinking) for p in _as_batch(prompts)]
+        if quality is not None:
+            if max_latency_ms is not None:
+                raise ValidationError("pass quality or max_latency_ms, not both")
+            from zcode.quant.variants import generate_with_quality
+
+            return generate_with_quality(self, token_lists, params, quality)
         if max_latency_ms is not None:
             from zcode.sparsity.planner import generate_within
 
