@@ -8,8 +8,7 @@ with dense (argmax of the next-token distribution) and mean KL(dense || plan) pe
 realized fraction of FFN multiply-adds skipped (masks recomputed in Python from the FFN inputs).
 Speed: batch-1 decode ms/token, min and median over interleaved repeats; a batch 1/4/16 table of
 the decode-step speed-up with the union density of the batch's masks; KV bytes per token of the
-layer-skipping and head-pruning plans; generate(max_latency_ms=...) for several targets with the
-latency model refit on this run's batch-1 points (predicted vs measured ms per step).
+layer-skipping and head-pruning plans. generate(max_latency_ms=...) is benched by bench_sla.py.
 Writes bench/results/sparsity.json and bench/results/sparsity_pareto.png.
 """
 
@@ -36,7 +35,7 @@ from zcode.sampling_params import SamplingParams  # noqa: E402
 from zcode.sparsity.apply import apply_plan, make_plan, remove_sparsity  # noqa: E402
 from zcode.sparsity.artifact import SparsityArtifact, default_path  # noqa: E402
 from zcode.sparsity.calibrate import calibrate  # noqa: E402
-from zcode.sparsity.latency import fit_latency, weight_mb_per_token  # noqa: E402
+from zcode.sparsity.latency import weight_mb_per_token  # noqa: E402
 from zcode.sparsity.predictor import (  # noqa: E402
     FFNInputRecorder,
     load_predictors,
@@ -286,67 +285,12 @@ def main() -> None:
         ],
     )
 
-    # Latency targets: refit on batch-1 TEAL points measured just before (load drifts over a
-    # run on a shared machine), then run generate within each target, interleaved.
-    fit_ms = {r["plan"]: [] for r in teal_rows}
-    for _ in range(repeats):
-        for r in teal_rows:
-            use_plan(llm, artifact, _plan_named(plans, r["plan"]))
-            fit_ms[r["plan"]].append(decode_step_ms(llm, [prompt], decode_tokens))
-    fit_points = [(r["weight_mb_per_token"], min(fit_ms[r["plan"]])) for r in teal_rows]
-    fit = fit_latency(fit_points)
-    artifact.latency = fit
-    measured_levels = {_levels(_plan_named(plans, r["plan"])) for r in teal_rows}
-    artifact.levels = [  # the planner chooses among the levels measured here
-        lv for lv in artifact.levels if (lv.sparsity_in, lv.sparsity_mid) in measured_levels
-    ]
-    use_plan(llm, artifact, plans[0][1])
-    llm.sparsity = artifact
-    fastest = min(ms for _, ms in fit_points)
-    targets = [fit_points[0][1] * f for f in (1.05, 0.97, 0.93)] + [fastest * 1.02]
-    measured = {t: [] for t in targets}
-    reports = {}
-    for _ in range(repeats):
-        for target in targets:
-            out = llm.generate(
-                prompt,
-                SamplingParams(max_tokens=decode_tokens + 1, temperature=0, ignore_eos=True),
-                max_latency_ms=target,
-            )[0]
-            measured[target].append(out.plan["measured_ms_per_step"])
-            reports[target] = out.plan
-    sla_rows = []
-    for target in targets:
-        report = dict(reports[target])
-        report["measured_ms_per_step_min"] = min(measured[target])
-        report["error"] = min(measured) / report["predicted_ms_per_step"] - 1
-        row = next(r for r in teal_rows if r["plan"].startswith(_level_name(report)))
-        report["heldout_ppl_increase"] = row["ppl_increase"]
-        sla_rows.append(report)
-    print(f"\nmax_latency_ms (fit: {fit.overhead_ms:.2f} ms + {fit.ms_per_mb:.4f} ms/MB)")
-    print_rows(
-        ["target ms", "plan", "predicted", "measured min", "error", "held-out +ppl"],
-        [
-            (
-                f"{s['max_latency_ms']:.1f}",
-                s["plan"],
-                f"{s['predicted_ms_per_step']:.1f}",
-                f"{s['measured_ms_per_step_min']:.1f}",
-                f"{100 * s['error']:+.1f}%",
-                f"{100 * s['heldout_ppl_increase']:+.2f}%",
-            )
-            for s in sla_rows
-        ],
-    )
-
     RESULTS.mkdir(exist_ok=True)
     meta = {"threads": torch.get_num_threads(), "quick": quick, "heldout_tokens": len(held)}
     blob = {
         "meta": meta,
         "plans": rows,
         "batch": batch_rows,
-        "latency_targets": sla_rows,
-        "latency_fit": {"points_mb_ms": fit_points, **vars(fit)},
         "predictor": predictor_metrics,
     }
     (RESULTS / "sparsity.json").write_text(json.dumps(blob, indent=2))
@@ -373,16 +317,6 @@ def predictor_report(llm: LLM, artifact, windows, keeps) -> list[dict]:
         )
         print(f"predictor keep {keep}: {out[-1]}", flush=True)
     return out
-
-
-def _levels(plan) -> tuple[float, float]:
-    extras = dict(plan.extras)
-    return float(extras["ffn_sparsity_in"]), float(extras["ffn_sparsity_mid"])
-
-
-def _level_name(report: dict) -> str:
-    s_in, s_mid = report["plan"].removeprefix("ffn in ").split(" / mid ")
-    return f"ffn{float(s_in):g}/{float(s_mid):g}-"
 
 
 def _plan_named(plans, name: str):

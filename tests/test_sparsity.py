@@ -160,7 +160,7 @@ def test_artifact_round_trip_and_wrong_model(tmp_path, tiny_checkpoint):
         levels=[FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.02)],
         layer_scores=torch.rand(num_layers),
         head_scores=torch.rand(num_layers, 2),
-        latency=LatencyFit(3.0, 0.05),
+        latency=LatencyFit(3.0, 0.05, 0.08),
     )
     path = tmp_path / "a.pt"
     artifact.save(path)
@@ -201,7 +201,7 @@ def test_planner_picks_least_loss_level_meeting_the_target(tiny_checkpoint):
         levels,
         torch.zeros(n),
         torch.zeros(n, 2),
-        LatencyFit(1.0, 10.0),
+        LatencyFit(1.0, 10.0, 12.0),
     )
     dense_mb = weight_mb_per_token(net, 1.0)
     ffn_mb = sum(p.nbytes for layer in net.model.layers for p in layer.mlp.parameters()) / 1e6
@@ -209,9 +209,48 @@ def test_planner_picks_least_loss_level_meeting_the_target(tiny_checkpoint):
     assert weight_mb_per_token(net, 0.5) == pytest.approx(dense_mb - ffn_mb / 2)
     ms = [predicted_ms(net, artifact, lv) for lv in levels]
     assert ms[0] > ms[1] > ms[2]
+    # down at half its rows: gate/up stay on the dense kernel, down's half on the sparse one
+    gate_up_mb = sum(2 * layer.mlp.w_down_t.nbytes for layer in net.model.layers) / 1e6
+    down_mb = ffn_mb - gate_up_mb
+    assert ms[1] == pytest.approx(1.0 + 10.0 * (dense_mb - down_mb) + 12.0 * down_mb / 2)
     assert choose_level(net, artifact, ms[0] + 1) == (levels[0], True)
     assert choose_level(net, artifact, (ms[0] + ms[1]) / 2) == (levels[1], True)
     assert choose_level(net, artifact, ms[2] - 1) == (levels[2], False)
+
+
+def test_kernel_bytes_follow_the_dense_fallback(tiny_checkpoint):
+    """A matrix keeping more than dense_fraction of its rows is read whole by a dense GEMM."""
+    from zcode.loader import load_model
+    from zcode.sparsity.latency import kernel_mb_per_token, weight_mb_per_token
+
+    net, _ = load_model(tiny_checkpoint("llama").path)
+    mlps = [layer.mlp for layer in net.model.layers]
+    gate_up_mb = sum(m.gate_proj.weight.nbytes + m.up_proj.weight.nbytes for m in mlps) / 1e6
+    down_mb = sum(m.down_proj.weight.nbytes for m in mlps) / 1e6
+    total = weight_mb_per_token(net, 1.0)
+    assert kernel_mb_per_token(net, 0.0, 0.0) == (total, 0.0)
+    dense, sparse = kernel_mb_per_token(net, 0.1, 0.3, dense_fraction=0.85)
+    assert dense == pytest.approx(total - down_mb) and sparse == pytest.approx(0.7 * down_mb)
+    dense, sparse = kernel_mb_per_token(net, 0.5, 0.5, dense_fraction=0.85)
+    assert dense == pytest.approx(total - down_mb - gate_up_mb)
+    assert sparse == pytest.approx(0.5 * (down_mb + gate_up_mb))
+
+
+def test_latency_fit_recovers_known_rates_and_refuses_negative_ones():
+    from zcode.sparsity.latency import fit_latency
+
+    truth = (4.0, 0.08, 0.11)  # overhead ms, dense ms/MB, sparse ms/MB
+    mbs = [(540.0, 0.0), (505.0, 24.0), (360.0, 90.0), (360.0, 60.0)]
+    points = [(d, s, truth[0] + truth[1] * d + truth[2] * s) for d, s in mbs]
+    fit = fit_latency(points)
+    got = (fit.overhead_ms, fit.ms_per_mb, fit.sparse_ms_per_mb)
+    assert got == pytest.approx(truth, rel=1e-6)
+    # a noisy dense point slower than everything: lstsq would give a negative slope
+    noisy = [(540.0, 0.0, 300.0), (505.0, 24.0, 33.0), (360.0, 90.0, 34.0), (360.0, 60.0, 32.0)]
+    fit = fit_latency(noisy)
+    assert min(fit.overhead_ms, fit.ms_per_mb, fit.sparse_ms_per_mb) >= 0
+    with pytest.raises(ValueError, match="three levels"):
+        fit_latency(points[:2])
 
 
 def test_predicted_mlp_matches_dense_over_each_tokens_blocks():
@@ -278,7 +317,7 @@ def test_generate_with_max_latency_reports_the_plan(tiny_checkpoint):
         levels,
         torch.zeros(n),
         torch.zeros(n, 2),
-        LatencyFit(1.0, 10.0),
+        LatencyFit(1.0, 10.0, 12.0),
     )
     slow = predicted_ms(llm.model, llm.sparsity, levels[0])
     out = llm.generate(prompt, params, max_latency_ms=slow + 1)[0]

@@ -31,13 +31,16 @@ class FFNLevel:
 
 @dataclass(frozen=True)
 class LatencyFit:
-    """ms/token = overhead_ms + ms_per_mb * MB of weights read per token (batch 1 decode)."""
+    """Batch-1 decode ms/token = overhead_ms + ms_per_mb * MB of weights read by dense kernels
+    + sparse_ms_per_mb * MB of FFN weight rows read by the row-skipping kernel (the two stream
+    at different rates, so one slope over all bytes mispredicts the sparse levels)."""
 
     overhead_ms: float
     ms_per_mb: float
+    sparse_ms_per_mb: float
 
-    def predict_ms(self, mb_per_token: float) -> float:
-        return self.overhead_ms + self.ms_per_mb * mb_per_token
+    def predict_ms(self, dense_mb: float, sparse_mb: float) -> float:
+        return self.overhead_ms + self.ms_per_mb * dense_mb + self.sparse_ms_per_mb * sparse_mb
 
 
 @dataclass
@@ -96,6 +99,11 @@ class SparsityArtifact:
             raise ValidationError(f"{path}: not a sparsity artifact ({e})") from e
         if not isinstance(blob, dict) or blob.get("format") != FORMAT:
             raise ValidationError(f"{path}: not a {FORMAT} artifact")
+        if blob["latency"] and "sparse_ms_per_mb" not in blob["latency"]:
+            raise ValidationError(
+                f"{path}: its latency fit has one slope for all weight bytes (an older zcode "
+                "calibrate): run zcode calibrate again"
+            )
         t = blob["table"]
         return cls(
             fingerprint=blob["fingerprint"],

@@ -14,7 +14,7 @@ from zcode.sampling_params import SamplingParams
 from zcode.sparsity.apply import remove_sparsity, set_ffn_level
 from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
 from zcode.sparsity.head_skip import HeadInfluence
-from zcode.sparsity.latency import decode_ms_per_token, fit_latency, weight_mb_per_token
+from zcode.sparsity.latency import fit_latency, measure_latency_points
 from zcode.sparsity.layer_skip import BlockInfluence
 from zcode.sparsity.predictor import FFNInputRecorder, predictor_state, train_predictors
 from zcode.sparsity.thresholds import ActivationRecorder
@@ -34,6 +34,8 @@ CANDIDATE_LEVELS = (
     (0.5, 0.7),
     (0.6, 0.8),
 )
+# Levels timed for the latency fit: dense, down-only sparse (gate/up stay dense), both sparse.
+LATENCY_LEVELS = ((0.0, 0.0), (0.0, 0.3), (0.3, 0.5), (0.6, 0.8))
 WINDOW = 512
 PREDICTOR_KEEPS = (0.75, 0.5)  # fractions of FFN neuron blocks the trained predictors keep
 PREDICTOR_RANK = 4  # 30 layers x (576 x 4 + 4 x 25) = 72,720 parameters for SmolLM2-135M
@@ -96,12 +98,11 @@ def calibrate(
         dense_ppl = dense_ppl or ppl  # the first level is dense
         artifact.levels.append(FFNLevel(s_in, s_mid, flops_skipped(s_in, s_mid), ppl / dense_ppl))
         bar.update()
-    points = []
-    for level in (artifact.levels[0], artifact.levels[len(levels) // 2], artifact.levels[-1]):
-        set_ffn_level(model, artifact, level.sparsity_in, level.sparsity_mid)
-        ms = decode_ms_per_token(llm, evaluate[:64])
-        points.append((weight_mb_per_token(model, 1 - level.flops_skipped), ms))
-        bar.update()
+    fit_levels = [
+        lv for lv in artifact.levels if (lv.sparsity_in, lv.sparsity_mid) in LATENCY_LEVELS
+    ]
+    points = measure_latency_points(llm, artifact, fit_levels, evaluate[:64])
+    bar.update(3)
     artifact.latency = fit_latency(points)
     artifact.notes["latency_points"] = points
     set_ffn_level(model, artifact, 0.0, 0.0)

@@ -1,7 +1,8 @@
 """SLA-driven plans: for `generate(..., max_latency_ms=...)`, the calibrated FFN level whose
 predicted decode ms per step meets the target at the smallest calibrated quality loss.
 
-Predicted ms comes from the artifact's latency fit over the bytes a level reads per token; the
+Predicted ms comes from the artifact's latency fit over the bytes each kernel reads per token at
+the level (dense GEMMs and the row-skipping kernel stream at different rates); the
 generation is timed step by step, and each output's `plan` reports both. When no level meets the
 target the fastest one runs and the report says `target_met: False`.
 """
@@ -14,14 +15,16 @@ from zcode.errors import ValidationError
 from zcode.sampling_params import SamplingParams
 from zcode.sparsity.apply import set_ffn_level
 from zcode.sparsity.artifact import FFNLevel, SparsityArtifact
-from zcode.sparsity.latency import weight_mb_per_token
+from zcode.sparsity.latency import kernel_mb_per_token
 from zcode.sparsity.sparse_mlp import SparseMLP
 
 
 def predicted_ms(model, artifact: SparsityArtifact, level: FFNLevel) -> float:
     if artifact.latency is None:
         raise ValidationError("this sparsity artifact has no latency fit: run zcode calibrate")
-    return artifact.latency.predict_ms(weight_mb_per_token(model, 1 - level.flops_skipped))
+    return artifact.latency.predict_ms(
+        *kernel_mb_per_token(model, level.sparsity_in, level.sparsity_mid)
+    )
 
 
 def choose_level(model, artifact: SparsityArtifact, max_latency_ms: float) -> tuple[FFNLevel, bool]:
