@@ -29,6 +29,10 @@ profile (calibration text, each unit quantized alone by RTN); the Spearman corre
 predicted against measured KL and perplexity delta is reported across the RTN-realised plans
 (scipy.stats.spearmanr).
 
+generate(quality=) (zcode.quant.variants): the model quantized to the plan at int4-g64's bytes
+("fast"), with variants of the units the memory cap --variant-cap holds in int8 ("balanced") and
+unquantized ("max"); held-out perplexity and KL of each level, last (it quantizes the model).
+
 Speed: batch-1 decode tok/s of each configuration (fast kernels) after a 16-token prompt,
 min and median seconds of --repeats runs, configurations round-robin within a repeat so load
 from other jobs hits them alike. Bytes per token: every linear's weight as it is stored (packed
@@ -65,6 +69,7 @@ from zcode.quant.linear import QuantizedLinear  # noqa: E402
 from zcode.quant.planner import module_formats, plan  # noqa: E402
 from zcode.quant.report import draw_pareto  # noqa: E402
 from zcode.quant.sensitivity import SingleSequenceRunner, profile_sensitivity  # noqa: E402
+from zcode.quant.variants import QUALITIES, attach_variants  # noqa: E402
 from zcode.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -204,6 +209,29 @@ def matched_verdicts(by_label: dict[str, dict], matched: dict[str, str]) -> dict
     return verdicts
 
 
+def quality_variant_rows(
+    llm: LLM,
+    profile: dict,
+    budget: str,
+    cap: str,
+    heldout: list[int],
+    kl_ids: list[int],
+    dense: torch.Tensor,
+) -> list[dict]:
+    """generate(quality=)'s three levels on the model (quantized in place to the `budget` plan,
+    so this runs last): each level's plan report with held-out perplexity and KL."""
+    attach_variants(llm, profile, budget, cap, kernel="reference")
+    variants = llm.precision_variants
+    rows = []
+    for quality in QUALITIES:
+        with variants.running(llm.engine, quality):
+            ppl = perplexity(llm, heldout, WINDOW, STRIDE).perplexity
+            kl = measured_kl(llm, kl_ids, dense)
+        rows.append({**variants.report(quality), "ppl": ppl, "measured_kl": kl})
+        print(f"quality={quality:>8}: ppl {ppl:.4f}  KL {kl:.5f}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -213,6 +241,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--variant-cap",
+        default="64MB",
+        help="memory cap of the generate(quality=) variants measured at int4-g64's bytes",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "precision.json")
     args = parser.parse_args()
     if args.quick:
@@ -372,6 +405,24 @@ def main() -> None:
             for fmt, v in verdicts.items()
         ],
     )
+    variant_rows = quality_variant_rows(
+        llm, profile, matched["int4-g64"], args.variant_cap, heldout, kl_ids, dense
+    )
+    print_rows(
+        ["quality", "plan", "units", "variant MB", "pred KL", "meas KL", "ppl"],
+        [
+            (
+                r["quality"],
+                r["plan"],
+                str(len(r["variant_units"])),
+                f"{r['variant_memory_bytes'] / 1e6:.1f}",
+                f"{r['predicted_kl']:.5f}",
+                f"{r['measured_kl']:.5f}",
+                f"{r['ppl']:.4f}",
+            )
+            for r in variant_rows
+        ],
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -385,6 +436,7 @@ def main() -> None:
                 "spearman_predicted_vs_measured_kl": rho_kl.statistic,
                 "spearman_predicted_kl_vs_ppl_delta": rho_ppl.statistic,
                 "matched_budgets": verdicts,
+                "quality_variants": variant_rows,
                 "rows": results,
             },
             indent=1,
