@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the decode step (torch.compile): faster tokens after a compile of tens "
         "of seconds at the first one, so it pays off for long generations only",
     )
+    _add_quality_options(generate)
     generate.set_defaults(run=_generate)
 
     chat = commands.add_parser(
@@ -430,6 +431,37 @@ def _sparsity_args(args: argparse.Namespace) -> dict:
     return {"sparsity": args.sparsity}
 
 
+def _add_quality_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quality",
+        choices=["fast", "balanced", "max"],
+        help="quantize to the --budget plan from --profile, keep int8 and unquantized variants "
+        "of the most sensitive modules under --variant-cap, and run this level's variant "
+        "(the plan that ran is printed to stderr)",
+    )
+    parser.add_argument("--profile", metavar="PROFILE", help="'zcode profile' JSON (--quality)")
+    parser.add_argument("--budget", help="the base plan's budget, e.g. 4.5bits (--quality)")
+    parser.add_argument(
+        "--variant-cap", default="64MB", help="memory for the variants (default: %(default)s)"
+    )
+
+
+def _quality_profile(args: argparse.Namespace) -> dict | None:
+    """The profile --quality plans from, checked before the model loads."""
+    if args.quality is None:
+        return None
+    if args.profile is None or args.budget is None:
+        raise ValidationError("--quality needs --profile PROFILE.json and --budget (e.g. 4.5bits)")
+    if args.stream or args.sparsity:
+        raise ValidationError("--quality cannot be combined with --stream or --sparsity yet")
+    if not Path(args.profile).is_file():
+        raise ValidationError(f"{args.profile}: no such profile (see zcode profile)")
+    try:
+        return json.loads(Path(args.profile).read_text())
+    except json.JSONDecodeError as e:
+        raise ValidationError(f"{args.profile}: not a profile JSON ({e})") from e
+
+
 def load_llm(model: str | None, dtype: str, **engine_args) -> LLM:
     """The one place a command loads a model."""
     return LLM(model, dtype=dtype, **engine_args)
@@ -452,6 +484,7 @@ def _generate(args: argparse.Namespace) -> None:
     params = _sampling_params(args)  # before loading, so a bad value fails at once
     if args.thinking is not None and not args.chat:
         raise ValidationError("--thinking/--no-thinking apply to the chat template: add --chat")
+    profile = _quality_profile(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     # Only a non-default option is passed on, so the default call matches the other commands'.
     llm = load_llm(
@@ -461,7 +494,14 @@ def _generate(args: argparse.Namespace) -> None:
         **_sparsity_args(args),
     )
     prompt = [{"role": "user", "content": text}] if args.chat else text
-    if args.stream:
+    if profile is not None:
+        from zcode.quant.variants import attach_variants
+
+        attach_variants(llm, profile, args.budget, args.variant_cap)
+        out = llm.generate(prompt, params, args.thinking, quality=args.quality)[0]
+        print(json.dumps(out.plan), file=sys.stderr)
+        print(out.text)
+    elif args.stream:
         for out in llm.stream(prompt, params, args.thinking):
             _write(out.delta_text)
         _write("\n")
