@@ -117,9 +117,10 @@ class PrecisionVariants:
         cap = parse_memory_cap(memory_cap)
         base = plan(profile, budget)
         entries = profile["modules"]
-        missing = set(names) - {m for e in entries.values() for m in e["members"]}
-        if missing:
-            raise ValidationError(f"the profile has no entry for {sorted(missing)[:3]}")
+        profiled = {m for e in entries.values() for m in e["members"]}
+        if profiled != set(names):
+            mismatch = sorted(profiled ^ set(names))[:3]
+            raise ValidationError(f"the profile is not of this model's modules: {mismatch}")
         modules = dict(model.named_modules())
         resident = {  # tensors that stay in memory whatever the plan: embeddings, norms
             t.data_ptr()
