@@ -30,8 +30,13 @@ from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.quant.apply import UNCHANGED, apply_precision, quantizable_modules
 from zcode.quant.linear import Kernel, QuantizedLinear
-from zcode.quant.planner import BYTE_UNITS, DENSE_BYTES_PER_WEIGHT, parse_budget, plan
-from zcode.quant.planner import solve_knapsack as solve
+from zcode.quant.planner import (
+    BYTE_UNITS,
+    DENSE_BYTES_PER_WEIGHT,
+    parse_budget,
+    plan,
+    solve_knapsack,
+)
 from zcode.sampling_params import SamplingParams
 
 QUALITIES = ("fast", "balanced", "max")
@@ -66,8 +71,6 @@ def unit_cost(entry: dict, fmt: str) -> tuple[float, int]:
     """(KL, weight bytes) of a profiled unit in `fmt`; the unquantized weights have KL 0."""
     if fmt == UNCHANGED:
         return 0.0, DENSE_BYTES_PER_WEIGHT * entry["num_weights"]
-    if fmt not in entry["formats"]:
-        raise ValidationError(f"variant format {fmt!r} is not in the profile; profile it first")
     measured = entry["formats"][fmt]
     return measured["kl"], measured["bytes"]
 
@@ -108,6 +111,9 @@ class PrecisionVariants:
         the ("balanced", "max") `formats` of the units chosen under `memory_cap`."""
         if len(formats) != 2:
             raise ValidationError(f"two variant formats (balanced, max), got {formats!r}")
+        unprofiled = [f for f in formats if f != UNCHANGED and f not in profile["formats"]]
+        if unprofiled:
+            raise ValidationError(f"variant formats {unprofiled} are not in the profile")
         names = quantizable_modules(model)
         if any(isinstance(m, QuantizedLinear) for m in model.modules()):
             raise NotImplementedError(
@@ -159,7 +165,7 @@ class PrecisionVariants:
                 f"a memory cap of {cap:,} bytes holds no unit's variants that would gain "
                 f"quality over the {budget} plan"
             )
-        chosen = [u for u, keep in zip(candidates, solve(groups, float(cap))) if keep]
+        chosen = [u for u, keep in zip(candidates, solve_knapsack(groups, float(cap))) if keep]
 
         originals = {m: modules[m] for u in chosen for m in entries[u]["members"]}
         base_modules = apply_precision(
