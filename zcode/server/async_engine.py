@@ -36,6 +36,7 @@ class RequestStream:
     request_id: str
     num_prompt_tokens: int
     loop: asyncio.AbstractEventLoop
+    ffn_plan: object = None  # a sparsity RequestPlan (max_latency_ms), run by `levels`
     arrival_time: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted: asyncio.Future | None = None
@@ -86,6 +87,7 @@ class AsyncEngine:
             target=self._run, name="zcode-engine", daemon=True
         )
         self._running = False
+        self.levels = None  # sparsity.RequestLevels when serving with --sparsity
 
     @property
     def is_alive(self) -> bool:
@@ -119,7 +121,7 @@ class AsyncEngine:
 
     @asynccontextmanager
     async def requests(
-        self, jobs: list[tuple[list[int], SamplingParams, str]]
+        self, jobs: list[tuple[list[int], SamplingParams, str]], ffn_plan=None
     ) -> AsyncIterator[list[RequestStream]]:
         """Admits (prompt_token_ids, params, request_id) jobs together and yields their streams.
 
@@ -131,7 +133,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         streams = []
         for prompt_token_ids, params, request_id in jobs:
-            stream = RequestStream(request_id, len(prompt_token_ids), loop)
+            stream = RequestStream(request_id, len(prompt_token_ids), loop, ffn_plan)
             stream.admitted = loop.create_future()
             self._commands.put(("add", stream, list(prompt_token_ids), params))
             streams.append(stream)
@@ -199,10 +201,14 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(_resolve, stream.admitted, e)
             return
         self._streams[stream.request_id] = stream
+        if stream.ffn_plan is not None:
+            self.levels.admit(stream.request_id, stream.ffn_plan)
         stream.loop.call_soon_threadsafe(_resolve, stream.admitted, None)
 
     def _abort(self, request_id: str, notify: bool) -> None:
         self.engine.abort(request_id)
+        if self.levels is not None:
+            self.levels.forget(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             if notify:
@@ -212,7 +218,11 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
+            if self.levels is not None:
+                self.levels.before_step(list(self._streams))
             outputs = self.engine.step()
+            if self.levels is not None:
+                self.levels.after_step(outputs)
         except Exception as e:
             logger.exception("engine step failed; failing the requests it ran")
             running = [seq.request_id for seq in self.engine.scheduler.running]

@@ -84,6 +84,7 @@ class Chat:
         state = self.state
         state.check_model(req.model)
         req.check()
+        ffn_plan = state.ffn_plan(req.max_latency_ms)
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
         forced = use_tools and req.tool_choice not in (None, "auto")
@@ -112,7 +113,7 @@ class Chat:
             return ChoiceOutput(self.reasoning, starts_in_reasoning, tools, call_prefix)
 
         stack = AsyncExitStack()
-        streams = await stack.enter_async_context(state.engine.requests(jobs))
+        streams = await stack.enter_async_context(state.engine.requests(jobs, ffn_plan))
         view = _View(state, req, request_id, len(prompt_ids), parser)
         if req.stream:
             return _stream(view, streams, stack)
@@ -148,6 +149,8 @@ class _View:
                     "stop_reason": out.stop_reason,
                 }
             )
+            if out.plan is not None:  # max_latency_ms: the sparsity plan this choice ran
+                choices[-1]["zcode_plan"] = out.plan
         return openai_object(
             "chat.completion",
             self.id,
@@ -221,6 +224,8 @@ async def _stream(view: _View, streams, stack: AsyncExitStack) -> AsyncIterator[
                 }
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
+                    if out.plan is not None:
+                        choice["zcode_plan"] = out.plan
                 running_usage = None
                 if req.continuous_usage:
                     running_usage = usage(view.num_prompt_tokens, sum(num_output))

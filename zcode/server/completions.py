@@ -57,6 +57,7 @@ class Completions:
         state = self.state
         state.check_model(req.model)
         req.check()
+        ffn_plan = state.ffn_plan(req.max_latency_ms)
         prompts = self._prompts(req)
         num_logprobs = req.logprobs
         prompt_logprobs = req.prompt_logprobs
@@ -73,7 +74,7 @@ class Completions:
                 params = req.sampling_params(max(max_tokens, 1), i, num_logprobs, prompt_logprobs)
                 jobs.append((prompt.token_ids, params, f"{request_id}-{p_index}-{i}"))
         stack = AsyncExitStack()
-        streams = await stack.enter_async_context(state.engine.requests(jobs))
+        streams = await stack.enter_async_context(state.engine.requests(jobs, ffn_plan))
         view = _View(state, req, request_id, prompts)
         if req.stream:
             return _stream(view, streams, stack)
@@ -110,6 +111,8 @@ class _View:
             if self.req.echo:
                 text = prompt.text + text
             choices.append(self._choice(index, text, lp, out.finish_reason, out.stop_reason))
+            if out.plan is not None:  # max_latency_ms: the sparsity plan this choice ran
+                choices[-1]["zcode_plan"] = out.plan
         num_prompt = sum(len(p.token_ids) for p in self.prompts)
         num_output = sum(len(self.output(out)[1]) for out in finals)
         return openai_object(
@@ -207,6 +210,8 @@ async def _stream(view: _View, streams, stack: AsyncExitStack) -> AsyncIterator[
                     out.finish_reason if out.finished else None,
                     out.stop_reason if out.finished else None,
                 )
+                if out.finished and out.plan is not None:
+                    choice["zcode_plan"] = out.plan
                 running_usage = None
                 if req.continuous_usage:
                     running_usage = usage(_num_prompt(view), sum(num_output))

@@ -38,6 +38,10 @@ def build_state(model: str | None, served_model_name: str | None, engine_args: d
     llm = LLM(model, **engine_args)
     name = served_model_name or default_model_name(model)
     engine = AsyncEngine(llm.engine, Metrics(name))
+    if llm.sparsity is not None:
+        from zcode.sparsity.request_levels import RequestLevels
+
+        engine.levels = RequestLevels(llm.model, llm.sparsity)
     root = str(Path(resolve_model_path(model)).resolve())
     return ServerState(llm, engine, name, root, int(time.time()))
 

@@ -64,6 +64,8 @@ class _GenerateRequest(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # zcode: the FFN sparsity level whose predicted decode ms/token meets this (needs --sparsity)
+    max_latency_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     def check(self) -> None:
         """Checks across fields, and fields we cannot honour; raises ApiError naming the field."""

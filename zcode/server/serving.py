@@ -49,6 +49,17 @@ class ServerState:
                 f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
             )
 
+    def ffn_plan(self, max_latency_ms: float | None):
+        """The sparsity plan for a request's max_latency_ms: a RequestPlan, None without one."""
+        if max_latency_ms is None:
+            return None
+        if self.engine.levels is None:
+            raise ApiError(
+                "max_latency_ms needs a server started with --sparsity ARTIFACT (zcode calibrate)",
+                param="max_latency_ms",
+            )
+        return self.engine.levels.plan(max_latency_ms)
+
     def require_tokenizer(self) -> None:
         if self.tokenizer is None:
             raise ApiError("this model has no tokenizer: send token ids", param="prompt")

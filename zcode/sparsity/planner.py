@@ -27,6 +27,10 @@ def predicted_ms(model, artifact: SparsityArtifact, level: FFNLevel) -> float:
     )
 
 
+def level_name(level: FFNLevel) -> str:
+    return f"ffn in {level.sparsity_in:g} / mid {level.sparsity_mid:g}"
+
+
 def choose_level(model, artifact: SparsityArtifact, max_latency_ms: float) -> tuple[FFNLevel, bool]:
     """(level, whether its prediction meets the target)."""
     if max_latency_ms <= 0:
@@ -64,7 +68,7 @@ def generate_within(
     finally:
         _restore_thresholds(model, previous)
     report = {
-        "plan": f"ffn in {level.sparsity_in:g} / mid {level.sparsity_mid:g}",
+        "plan": level_name(level),
         "ffn_flops_skipped": round(level.flops_skipped, 4),
         "max_latency_ms": max_latency_ms,
         "predicted_ms_per_step": round(predicted_ms(model, artifact, level), 3),

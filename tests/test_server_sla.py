@@ -1,0 +1,165 @@
+"""The server's `max_latency_ms` request field: validated, planned from the --sparsity artifact,
+and reported per choice as `zcode_plan`, with the official client against an in-process server
+on a tiny random llama (token-id prompts: the tiny checkpoint has no tokenizer)."""
+
+import http.client
+import threading
+import time
+from types import SimpleNamespace
+
+import openai
+import pytest
+import torch
+import uvicorn
+from remote_server import free_port
+
+from zcode.llm import LLM
+from zcode.sampling_params import SamplingParams
+from zcode.server.app import build_app
+from zcode.server.launch import build_state
+from zcode.sparsity.artifact import FFNLevel, LatencyFit, SparsityArtifact, fingerprint
+from zcode.sparsity.planner import predicted_ms
+from zcode.sparsity.thresholds import ThresholdTable
+
+PROMPT = list(range(3, 11))
+LEVELS = [FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.05)]
+DENSE, SPARSE = "ffn in 0 / mid 0", "ffn in 0 / mid 0.5"
+
+
+def _artifact(model) -> SparsityArtifact:
+    n = len(model.model.layers)
+    return SparsityArtifact(
+        fingerprint(model),
+        ThresholdTable("teal", (0.0, 0.5), -torch.ones(n, 2), torch.full((n, 2), 0.05)),
+        LEVELS,
+        torch.zeros(n),
+        torch.zeros(n, 2),
+        LatencyFit(1.0, 10.0, 12.0),
+    )
+
+
+def _serve(state):
+    port = free_port()
+    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    return uv, thread, client, ("127.0.0.1", port)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint, tmp_path_factory):
+    path = tiny_checkpoint("llama").path
+    oracle = LLM(path)  # a second engine on the same weights, run outside the server
+    artifact_path = tmp_path_factory.mktemp("sla") / "artifact.pt"
+    _artifact(oracle.model).save(artifact_path)
+    oracle.sparsity = SparsityArtifact.load(artifact_path)
+    planned = build_state(str(path), "tiny", {"sparsity": str(artifact_path)})
+    plain = build_state(str(path), "tiny", {})
+    servers = [_serve(planned), _serve(plain)]
+    slow = predicted_ms(oracle.model, oracle.sparsity, LEVELS[0])
+    yield SimpleNamespace(
+        client=servers[0][2],
+        address=servers[0][3],
+        plain_client=servers[1][2],
+        oracle=oracle,
+        slow_ms=slow,
+    )
+    for uv, thread, *_ in servers:
+        uv.should_exit = True
+        thread.join(10)
+
+
+def _complete(client, **extra):
+    """logprobs=0 names each sampled token ("token_id:N": the tiny model has no tokenizer)."""
+    return client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0, extra_body=extra
+    )
+
+
+def _token_ids(completion) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
+
+
+def _oracle_tokens(setup, max_latency_ms=None) -> list[int]:
+    params = SamplingParams(max_tokens=6, temperature=0)
+    return setup.oracle.generate(PROMPT, params, max_latency_ms=max_latency_ms)[0].token_ids
+
+
+def test_each_target_runs_and_reports_its_plan(setup):
+    dense = _complete(setup.client)
+    assert "zcode_plan" not in dense.choices[0].model_extra  # no field, no plan, as before
+    assert _token_ids(dense) == _oracle_tokens(setup)
+
+    for target, want in ((setup.slow_ms + 1, DENSE), (setup.slow_ms - 0.1, SPARSE)):
+        got = _complete(setup.client, max_latency_ms=target)
+        plan = got.choices[0].model_extra["zcode_plan"]
+        assert plan["plan"] == want and plan["target_met"] and plan["levels_run"] == [want]
+        assert plan["max_latency_ms"] == target
+        assert plan["predicted_ms_per_step"] <= target
+        assert plan["measured_ms_per_step"] > 0
+        # the same plan run by generate() on a separate engine gives the same tokens
+        assert _token_ids(got) == _oracle_tokens(setup, target)
+    assert _token_ids(got) != _token_ids(dense)  # the sparse level did change the output
+
+    # the default level comes back for a request without a target
+    assert _token_ids(_complete(setup.client)) == _token_ids(dense)
+
+
+def test_unreachable_target_runs_the_fastest_level_and_says_so(setup):
+    plan = _complete(setup.client, max_latency_ms=1e-3).choices[0].model_extra["zcode_plan"]
+    assert plan["plan"] == SPARSE and plan["target_met"] is False
+
+
+def test_stream_reports_the_plan_on_the_last_chunk(setup):
+    chunks = list(
+        setup.client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=4,
+            temperature=0,
+            stream=True,
+            extra_body={"max_latency_ms": setup.slow_ms - 0.1},
+        )
+    )
+    plans = [c.choices[0].model_extra.get("zcode_plan") for c in chunks if c.choices]
+    assert plans[-1]["plan"] == SPARSE and not any(plans[:-1])
+
+
+@pytest.mark.parametrize("value", [0, -3, "fast"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bad_values_are_a_400_naming_the_field(setup, value, endpoint):
+    with pytest.raises(openai.BadRequestError) as e:
+        _request(setup.client, endpoint, value)
+    assert e.value.status_code == 400
+    assert "max_latency_ms" in str(e.value)
+
+
+def test_infinite_target_is_a_400(setup):
+    """JSON has no Infinity, but Python's parser reads it: the field must still refuse it."""
+    body = '{"model": "tiny", "prompt": [3, 4], "max_latency_ms": Infinity}'
+    conn = http.client.HTTPConnection(*setup.address, timeout=30)
+    conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 400 and "max_latency_ms" in response.read().decode()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_no_artifact_is_a_clear_400(setup, endpoint):
+    with pytest.raises(openai.BadRequestError, match="--sparsity"):
+        _request(setup.plain_client, endpoint, 50.0)
+
+
+def _request(client, endpoint: str, value):
+    if endpoint == "completions":
+        return _complete(client, max_latency_ms=value)
+    return client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        extra_body={"max_latency_ms": value},
+    )
