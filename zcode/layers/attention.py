@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zcode.forward_batch import ForwardBatch
+from zcode.layers.linear import Linear
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import apply_rotary
 
@@ -65,10 +66,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.interleaved_rope = interleaved_rope
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=False)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)

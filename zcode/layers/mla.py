@@ -11,6 +11,7 @@ from torch import nn
 
 from zcode.forward_batch import ForwardBatch
 from zcode.layers.attention import gather_cache, padded_attention, write_cache
+from zcode.layers.linear import Linear
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import apply_rotary
 
@@ -23,10 +24,10 @@ class Indexer(nn.Module):
         c = hf_config
         self.num_heads, self.head_dim = c.index_n_heads, c.index_head_dim
         self.index_topk = c.index_topk
-        self.wq_b = nn.Linear(c.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(c.hidden_size, self.head_dim, bias=False)
+        self.wq_b = Linear(c.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wk = Linear(c.hidden_size, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
-        self.weights_proj = nn.Linear(c.hidden_size, self.num_heads, bias=False)
+        self.weights_proj = Linear(c.hidden_size, self.num_heads, bias=False)
 
     def forward(
         self,
@@ -72,17 +73,17 @@ class MLAttention(nn.Module):
         self.kv_lora_rank = c.kv_lora_rank
         qk_head_dim = self.nope_dim + self.rope_dim
         self.scale = qk_head_dim**-0.5 * _yarn_mscale_sq(c)
-        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+        self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
         self.q_a_layernorm = RMSNorm(c.q_lora_rank)
-        self.q_b_proj = nn.Linear(c.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
+        self.q_b_proj = Linear(c.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(
             c.hidden_size, c.kv_lora_rank + self.rope_dim, bias=c.attention_bias
         )
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             c.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.indexer = Indexer(c) if use_indexer else None
         self.cache: dict[str, torch.Tensor] = {}
 

@@ -125,7 +125,7 @@ def _load_weights(
             len(ignored),
             _first_few(ignored),
         )
-    if getattr(net.config, "tie_word_embeddings", False) and type(net.lm_head) is nn.Linear:
+    if getattr(net.config, "tie_word_embeddings", False) and isinstance(net.lm_head, nn.Linear):
         net.lm_head.weight = net.model.embed_tokens.weight
         loaded.add("lm_head.weight")
     missing = sorted(set(dict(net.named_parameters(remove_duplicate=False))) - loaded)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from zcode.forward_batch import ForwardBatch
+from zcode.layers.linear import Linear
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import RotaryEmbedding
 
@@ -58,7 +59,7 @@ class CausalLM(nn.Module):
 
     def _init_head(self) -> None:
         c = self.config
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         if getattr(c, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

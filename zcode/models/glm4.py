@@ -6,6 +6,7 @@ from torch import nn
 
 from zcode.forward_batch import ForwardBatch
 from zcode.layers.attention import Attention, head_dim_of
+from zcode.layers.linear import Linear
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import RotaryEmbedding
 from zcode.models.base import Backbone, CausalLM
@@ -19,8 +20,8 @@ def rotary_dim_of(c) -> int:
 class Glm4MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -37,7 +37,7 @@ def quantizable_modules(model: nn.Module) -> list[str]:
     return [
         name
         for name, module in model.named_modules()
-        if type(module) is nn.Linear and not name.endswith(PROTECTED_SUFFIXES)
+        if isinstance(module, nn.Linear) and not name.endswith(PROTECTED_SUFFIXES)
     ]
 
 

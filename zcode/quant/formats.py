@@ -24,6 +24,7 @@ from torch import nn
 
 # Smallest scale: a group or channel that is all zeros still divides by something finite.
 MIN_SCALE = 1e-8
+GEMV_MAX_ROWS = 4  # rows the C++ decode GEMV takes (zcode/kernels/gemv.cpp's MAX_ROWS)
 ACT_QMAX = 127  # int8 activations are symmetric in [-127, 127]
 # Weight rows dequantized per GEMM on the many-rows path: the bf16 tile (~0.6 MB at K = 576) stays
 # in cache and no weight-sized buffer is allocated per call, which made SmolLM2's lm_head 2.4x
@@ -65,10 +66,12 @@ class PackedWeight(nn.Module, ABC):
 
 
 class Bf16Weight(PackedWeight):
-    """The weight rounded to bf16; the fast path is bf16 F.linear (oneDNN, AMX here).
+    """The weight rounded to bf16; the fast path is bf16 F.linear (oneDNN, AMX here), and up to
+    gemv.MAX_ROWS rows the C++ GEMV (zcode/kernels/gemv.cpp).
 
-    At one row it is ~10% slower than fp32 F.linear on this CPU despite half the bytes; from 8
-    rows up it is 2.5x faster, 3.2x at 64 and 5-6.6x at 512 (bench/bench_linear.py).
+    At one row bf16 F.linear is ~10% slower than fp32 F.linear on this CPU despite half the
+    bytes; from 8 rows up it is 2.5x faster, 3.2x at 64 and 5-6.6x at 512 (bench/bench_linear.py).
+    The GEMV reads ~2x faster than bf16 F.linear at one row.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -83,11 +86,22 @@ class Bf16Weight(PackedWeight):
         return self.weight.to(dtype)
 
     def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= GEMV_MAX_ROWS and gemv_available():
+            return torch.ops.zcode.gemv_bf16(x, self.weight)
         return F.linear(x.to(torch.bfloat16), self.weight)
 
     @property
     def weight_bytes(self) -> int:
         return self.weight.numel() * 2
+
+
+@torch.compiler.assume_constant_result  # compiled graphs take the answer, not the build
+def gemv_available() -> bool:
+    """Whether the C++ decode GEMV (zcode.kernels.gemv: torch.ops.zcode.gemv_*) builds here.
+    Imported on first use: zcode.kernels imports this package."""
+    from zcode.kernels import gemv
+
+    return gemv.available()
 
 
 def round_up(n: int, multiple: int) -> int:

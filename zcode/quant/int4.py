@@ -17,9 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from zcode.quant.formats import (
+    GEMV_MAX_ROWS,
     MIN_SCALE,
     PackedWeight,
     bf16_at_least,
+    gemv_available,
     linear_dequantized,
     pad_columns,
     quantize_per_token,
@@ -183,11 +185,18 @@ class Int4Weight(PackedWeight):
 class W4A8Weight(Int4Weight):
     """W4A8: the group-wise int4 weight times int8 activations quantized per token on the fly.
 
-    out[m, n] = x_scale[m] * sum_k xq[m, k] * w[n, k]. No CPU kernel in torch multiplies int4 by
-    int8, so the fast path feeds the int8 codes, exact in bf16, to the W4A16 kernels and applies
-    x_scale afterwards: the same math, summed in fp32 and rounded to bf16 once at the end. It is
-    never faster than int4 on this CPU; the format exists so the planner can price its quality.
+    out[m, n] = x_scale[m] * sum_k xq[m, k] * w[n, k]. Up to gemv.MAX_ROWS rows the C++ kernel
+    (zcode/kernels/gemv.cpp) does exactly this with VNNI integer dot products, reading the nibbles
+    and a row-major copy of the scales; there it is ~1.5x torch's W4A16 int4 kernel. Past that, or
+    where the kernel does not build, the int8 codes, exact in bf16, go through the W4A16 kernels
+    and x_scale is applied afterwards: the same math, summed in fp32, rounded to bf16 once.
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # bf16 [N_pad, K_pad / group, 2]: the GEMV reads one weight row's (scale, zero) pairs.
+        row_scales = self.scales_and_zeros.transpose(0, 1).contiguous()
+        self.register_buffer("row_scales_and_zeros", row_scales, persistent=False)
 
     def linear_reference(self, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_per_token(x)
@@ -195,5 +204,20 @@ class W4A8Weight(Int4Weight):
         return (acc * x_scale.double()).float()
 
     def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= GEMV_MAX_ROWS and gemv_available():
+            return self.mm_gemv(x)
+        return self.mm_int4_kernels(x)
+
+    def mm_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.zcode.gemv_w4a8(
+            x,
+            self.qweight,
+            self.row_scales_and_zeros,
+            self.group_size,
+            self.out_features,
+            MIN_SCALE,
+        )
+
+    def mm_int4_kernels(self, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_per_token(x)
         return super().linear_fast(xq.to(torch.bfloat16)).float() * x_scale

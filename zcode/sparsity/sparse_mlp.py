@@ -32,7 +32,7 @@ class SparseMLP(nn.Module):
         super().__init__()
         if mlp.gate_proj.bias is not None:
             raise NotImplementedError("SparseMLP: FFNs with biases (mlp_bias=True)")
-        if not all(type(m) is nn.Linear for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+        if not all(isinstance(m, nn.Linear) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
             raise NotImplementedError("SparseMLP: sparsity on top of quantized FFN weights")
         self.intermediate_size = mlp.gate_proj.out_features
         self.thresh_in, self.thresh_mid = float(thresh_in), float(thresh_mid)

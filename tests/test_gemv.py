@@ -1,0 +1,75 @@
+"""The C++ decode GEMV (zcode/kernels/gemv.cpp) against float64 references, eager and compiled.
+
+On this machine kind (AVX-512 BF16 + VNNI, gcc) the kernels must build: a failed build fails
+these tests rather than skipping them.
+"""
+
+import pytest
+import torch
+
+from zcode.kernels import gemv
+from zcode.layers.linear import Linear
+from zcode.quant.int4 import W4A8Weight
+
+
+def test_kernels_build_here():
+    assert gemv.available()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("in_features,out_features", [(576, 1536), (101, 33), (64, 1)])
+def test_bf16_linear_matches_float64(rows, in_features, out_features):
+    torch.manual_seed(rows)
+    layer = Linear(in_features, out_features, bias=True).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    exact = x.double() @ layer.weight.double().T  # [rows, N]: products of bf16 are exact
+    # Only the fp32 sum and the final bf16 rounding of the GEMV output and of the bias add.
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    expected = (exact.to(torch.bfloat16) + layer.bias).double()
+    tolerance = 2**-7 * (expected.abs() + exact.abs()) + 1e-6
+    assert ((got.double() - expected).abs() <= tolerance).all()
+    # The bias-free part is the exact sum to fp32 accuracy: the kernel ran, not a bf16 F.linear.
+    raw = torch.ops.zcode.gemv_bf16(x, layer.weight)
+    assert torch.allclose(raw.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize(
+    "rows,in_features,out_features", [(1, 101, 33), (3, 576, 48), (4, 200, 17)]
+)
+def test_w4a8_gemv_matches_reference(group, rows, in_features, out_features):
+    torch.manual_seed(group + rows)
+    w = torch.randn(out_features, in_features) * in_features**-0.5
+    packed = W4A8Weight.quantize(w, group)
+    x = torch.randn(rows, in_features) * 3
+    ref = packed.linear_reference(x)  # float64 math on the int8 codes and dequantized weight
+    got = packed.mm_gemv(x)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert packed.linear_fast(x).equal(got)  # decode row counts take the GEMV
+
+
+def test_gemv_rejects_too_many_rows():
+    with pytest.raises(RuntimeError, match="rows"):
+        torch.ops.zcode.gemv_bf16(torch.randn(5, 32), torch.randn(8, 32).to(torch.bfloat16))
+
+
+def test_compiled_graph_calls_the_kernel_once_per_layer():
+    torch.manual_seed(0)
+    layer = Linear(64, 48, bias=False).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    assert compiled(x).equal(layer(x))
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("eager")
+    torch._dynamo.reset()
+    torch.compile(layer, backend=counter, fullgraph=True)(x)
+    ops = [n.target for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert torch.ops.zcode.gemv_bf16.default in ops or torch.ops.zcode.gemv_bf16 in ops
+
+
+def test_autograd_keeps_torch_linear():
+    layer = Linear(32, 8).to(torch.bfloat16)  # parameters require grad: F.linear runs
+    layer(torch.randn(1, 32).to(torch.bfloat16)).float().sum().backward()
+    assert layer.weight.grad is not None

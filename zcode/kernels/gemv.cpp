@@ -1,0 +1,224 @@
+// Decode GEMV kernels for AVX-512 CPUs (BF16 + VNNI): out[m, n] = sum_k x[m, k] * w[n, k] for a
+// few rows of x (M <= MAX_ROWS). Decode is memory-bound, so each thread streams a contiguous slice
+// of weight rows exactly once and keeps all M activation rows in L1.
+//
+// bf16:  x, w bf16 [N, K]; vdpbf16ps multiplies 32 pairs exactly and sums them in fp32.
+// w4a8:  zcode.quant.int4's W4A8 format: w = (q - 8) * scale + zero per group of k (qweight uint8
+//        [N_pad, K / 2], low nibble = even k), x = xq * x_scale with int8 codes per token. vpdpbusd
+//        sums 64 nibble x int8 products exactly in int32 lanes of 8 k each, so
+//        out = x_scale * (sum_g scale_g sum_{k in g} q_k xq_k + sum_g (zero_g - 8 scale_g) sum_{k in g} xq_k)
+//        is exact up to the fp32 sums over chunks. The kernel quantizes x itself (one call).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t GRAIN_ROWS = 16;  // weight rows per parallel_for task
+
+inline float bf16_to_float(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// a . b over K bf16 values (K % 32 tail masked), four independent accumulators.
+inline float dot_bf16(const uint16_t* a, const uint16_t* b, int64_t K) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 128 <= K; k += 128)
+    for (int i = 0; i < 4; ++i)
+      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(a + k + 32 * i),
+                                (__m512bh)_mm512_loadu_si512(b + k + 32 * i));
+  for (; k < K; k += 32) {
+    const __mmask32 mask = K - k >= 32 ? 0xFFFFFFFFu : (1u << (K - k)) - 1;
+    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(mask, a + k),
+                              (__m512bh)_mm512_maskz_loadu_epi16(mask, b + k));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]),
+                                            _mm512_add_ps(acc[2], acc[3])));
+}
+
+template <int M>
+void gemv_bf16_rows(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t N) {
+  at::parallel_for(0, N, GRAIN_ROWS, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* wr = w + n * K;
+      for (int m = 0; m < M; ++m)
+        out[m * N + n] = dot_bf16(wr, x + m * K, K);
+    }
+  });
+}
+
+// int8 activation codes rearranged for the W4A8 loop: per 128-k chunk (64 bytes of nibbles), the even
+// k then the odd k, matching the low and high nibbles; and the sum of codes per group.
+struct W4A8Activations {
+  std::vector<int8_t> deinterleaved;  // [M, K]
+  std::vector<float> group_sums;      // [M, G_pad]: G rounded up to 16 for masked vector reads
+  int64_t G_pad;
+};
+
+// x fp32 [M, K_in] -> int8 codes per token, as zcode.quant.formats.quantize_per_token does:
+// scale = max(amax / 127, min_scale), q = round-half-even(x / scale), zero-padded to K.
+W4A8Activations quantize_rows(const float* x, int64_t M, int64_t K_in, int64_t K, int64_t group,
+                              double min_scale, float* x_scale) {
+  const int64_t G_pad = (K / group + 15) / 16 * 16;
+  W4A8Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * G_pad, 0.f), G_pad};
+  std::vector<int8_t> codes(K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K_in;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K_in; ++k) amax = std::max(amax, std::abs(xr[k]));
+    const float scale = std::max(amax / 127.f, static_cast<float>(min_scale));
+    x_scale[m] = scale;
+    std::fill(codes.begin(), codes.end(), 0);
+    for (int64_t k = 0; k < K_in; ++k)
+      codes[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[k] / scale), -127.f, 127.f));
+    int8_t* dr = a.deinterleaved.data() + m * K;
+    for (int64_t c = 0; c < K; c += 128) {
+      const int64_t half = std::min<int64_t>(128, K - c) / 2;
+      for (int64_t j = 0; j < half; ++j) {
+        dr[c + j] = codes[c + 2 * j];
+        dr[c + half + j] = codes[c + 2 * j + 1];
+      }
+    }
+    for (int64_t k = 0; k < K; ++k) a.group_sums[m * G_pad + k / group] += codes[k];
+  }
+  return a;
+}
+
+template <int M>
+void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_t* q,
+                    const uint16_t* sz, float* out, int64_t K, int64_t N, int64_t group) {
+  const int64_t G = K / group;
+  const int group_shift = __builtin_ctzll(group / 32);  // group = 32 << group_shift
+  // Lane i of a 128-k chunk sums k in [c + 8i, c + 8i + 8): group c / group + (i / 4 >> shift).
+  alignas(64) int32_t lane_group_idx[16];
+  for (int i = 0; i < 16; ++i) lane_group_idx[i] = (i / 4) >> group_shift;
+  const __m512i lane_group = _mm512_load_si512(lane_group_idx);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i high16 = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  at::parallel_for(0, N, GRAIN_ROWS, [&](int64_t n0, int64_t n1) {
+    std::vector<float> scales(a.G_pad + 4, 0.f);  // + 4: a chunk reads up to 4 groups
+    for (int64_t n = n0; n < n1; ++n) {
+      // One (scale, zero) bf16 pair per group is one 32-bit word: scale low, zero high.
+      const int32_t* pairs = reinterpret_cast<const int32_t*>(sz + n * G * 2);
+      __m512 bias[M];
+      for (int m = 0; m < M; ++m) bias[m] = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; g += 16) {
+        const __mmask16 mask = G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1;
+        const __m512i v = _mm512_maskz_loadu_epi32(mask, pairs + g);
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
+        _mm512_storeu_ps(scales.data() + g, scale);
+        const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // zero - 8 scale
+        for (int m = 0; m < M; ++m)
+          bias[m] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(a.group_sums.data() + m * a.G_pad + g),
+                                    bias[m]);
+      }
+      const uint8_t* qr = q + n * (K / 2);
+      __m512 acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < K; c += 128) {
+        const int64_t half = std::min<int64_t>(128, K - c) / 2;  // bytes of nibbles: 64, 32 or 16
+        const __mmask64 mask = half == 64 ? ~0ull : (1ull << half) - 1;
+        const __m512i bytes = _mm512_maskz_loadu_epi8(mask, qr + c / 2);
+        const __m512i lo = _mm512_and_si512(bytes, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+        const __m512 scale = _mm512_permutexvar_ps(
+            lane_group, _mm512_castps128_ps512(_mm_loadu_ps(scales.data() + (c >> 5 >> group_shift))));
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xr = a.deinterleaved.data() + m * K + c;
+          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
+                                            _mm512_maskz_loadu_epi8(mask, xr));
+          dot = _mm512_dpbusd_epi32(dot, hi, _mm512_maskz_loadu_epi8(mask, xr + half));
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
+        }
+      }
+      for (int m = 0; m < M; ++m)
+        out[m * N + n] = x_scale[m] * _mm512_reduce_add_ps(_mm512_add_ps(acc[m], bias[m]));
+    }
+  });
+}
+
+template <template <int> class Fn, typename... Args>
+void dispatch_rows(int64_t M, Args&&... args) {
+  switch (M) {
+    case 1: Fn<1>::run(args...); break;
+    case 2: Fn<2>::run(args...); break;
+    case 3: Fn<3>::run(args...); break;
+    case 4: Fn<4>::run(args...); break;
+    default: TORCH_CHECK(false, "gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
+  }
+}
+
+template <int M> struct Bf16Rows {
+  template <typename... A> static void run(A... a) { gemv_bf16_rows<M>(a...); }
+};
+template <int M> struct W4A8Rows {
+  template <typename... A> static void run(A... a) { gemv_w4a8_rows<M>(a...); }
+};
+
+const uint16_t* bits(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+}  // namespace
+
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
+  // x: [M, K] float (rounded to bf16), w: [N, K] bf16 -> [M, N] fp32
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: shapes");
+  TORCH_CHECK(x.is_floating_point() && w.scalar_type() == at::kBFloat16, "gemv_bf16: bf16 weight");
+  TORCH_CHECK(w.is_contiguous(), "gemv_bf16: weight must be contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto xc = x.to(at::kBFloat16).contiguous();
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  dispatch_rows<Bf16Rows>(M, bits(xc), bits(w), out.data_ptr<float>(), K, N);
+  return out;
+}
+
+torch::Tensor gemv_w4a8(const torch::Tensor& x, const torch::Tensor& qweight,
+                        const torch::Tensor& row_scales_and_zeros, int64_t group,
+                        int64_t out_features, double min_scale) {
+  // x: [M, K_in] float, K_in <= K; qweight: uint8 [N_pad, K / 2];
+  // row_scales_and_zeros: bf16 [N_pad, K / group, 2] -> [M, out_features] fp32
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "gemv_w4a8: x must be 2-D float");
+  const int64_t M = x.size(0), K_in = x.size(1), N_pad = qweight.size(0), K = qweight.size(1) * 2;
+  TORCH_CHECK(qweight.is_contiguous() && K_in <= K, "gemv_w4a8: qweight shape");
+  TORCH_CHECK(group >= 32 && (group & (group - 1)) == 0 && K % group == 0,
+              "gemv_w4a8: group must be a power of two >= 32 dividing K");
+  const auto& sz = row_scales_and_zeros;
+  TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == at::kBFloat16 && sz.size(0) == N_pad &&
+                  sz.size(1) == K / group && out_features <= N_pad,
+              "gemv_w4a8: row_scales_and_zeros shape");
+  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
+  auto xc = x.to(at::kFloat).contiguous();
+  float x_scale[MAX_ROWS];
+  const W4A8Activations a =
+      quantize_rows(xc.data_ptr<float>(), M, K_in, K, group, min_scale, x_scale);
+  auto out = torch::empty({M, out_features}, x.options().dtype(at::kFloat));
+  dispatch_rows<W4A8Rows>(M, a, x_scale, qweight.data_ptr<uint8_t>(), bits(sz),
+                          out.data_ptr<float>(), K, out_features, group);
+  return out;
+}
+
+// Registered with the dispatcher (no Python on the call path): torch.ops.zcode.gemv_*.
+TORCH_LIBRARY(zcode, m) {
+  m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
+  m.def("gemv_w4a8(Tensor x, Tensor qweight, Tensor row_scales_and_zeros, int group, "
+        "int out_features, float min_scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(zcode, CPU, m) {
+  m.impl("gemv_bf16", &gemv_bf16);
+  m.impl("gemv_w4a8", &gemv_w4a8);
+}
