@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from zcode import cli
+from zcode.layers.linear import Linear
 from zcode.loader import load_model
 from zcode.loader.errors import CheckpointError
 from zcode.quant import QuantizedLinear, apply_precision, quantizable_modules
@@ -60,7 +61,7 @@ def test_round_trip_is_bit_identical(tiny_checkpoint, tmp_path, method, hadamard
     wrapper = RotatedLinear if hadamard else QuantizedLinear
     for name, fmt in MIXED_PLAN.items():
         module = loaded.get_submodule(name)
-        assert (type(module) is nn.Linear) if fmt == "fp32" else isinstance(module, wrapper)
+        assert (type(module) is Linear) if fmt == "fp32" else isinstance(module, wrapper)
         if fmt != "fp32":
             assert module.format == fmt
     assert torch.equal(_logits(loaded), want)

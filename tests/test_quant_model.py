@@ -15,6 +15,7 @@ from paged_runner import PagedRunner
 from tiny_models import configs
 from torch import nn
 
+from zcode.layers.linear import Linear
 from zcode.loader import load_model
 from zcode.loader.checkpoint import build_model
 from zcode.quant import QuantizedLinear, apply_precision, quantizable_modules
@@ -83,7 +84,7 @@ def test_mixed_plan_and_engine_runs(tiny_checkpoint):
     }
     replaced = apply_precision(llm.model, plan)
     assert sorted(replaced) == sorted(n for n, f in plan.items() if f != "fp32")
-    assert type(llm.model.get_submodule("model.layers.1.mlp.down_proj")) is nn.Linear
+    assert type(llm.model.get_submodule("model.layers.1.mlp.down_proj")) is Linear
     [out] = llm.generate([PROMPT[:9]], params)
     assert len(out.token_ids) == 8
     with pytest.raises(ValueError, match="already quantized"):
@@ -131,7 +132,7 @@ def test_refused_modules(model_name, module, match):
     first = quantizable_modules(net)[0]
     with pytest.raises(ValueError, match=match):
         apply_precision(net, {first: "int8", module: "int8"})
-    assert type(net.get_submodule(first)) is nn.Linear  # nothing changed
+    assert type(net.get_submodule(first)) is Linear  # nothing changed
     assert module not in quantizable_modules(net)
 
 

@@ -54,6 +54,9 @@ _SCHEMA_VERSION = 1  # bump when the features change, so old fits are not read
 DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
 
+# Part of the cache key: bump when a kernel change makes fitted costs stale (2: C++ decode GEMV).
+KERNELS_VERSION = 2
+
 
 # --- features --------------------------------------------------------------------------------
 
@@ -182,7 +185,7 @@ class CostModel:
         """This machine's fitted model from the cache, else fitted now (about a minute) and
         cached. `info` defaults to the (cached) hardware probe."""
         info = info or probe(cache_dir=cache_dir)
-        key = fingerprint(info)
+        key = f"{fingerprint(info)}-kernels{KERNELS_VERSION}"
         path = cache_path(key, cache_dir)
         if not refresh and (cached := cls.load(path)) is not None and cached.fingerprint == key:
             return cached

@@ -108,7 +108,7 @@ def apply_precision(
             raise ValueError(f"{name}: protected module, kept in high precision")
         if isinstance(module, (QuantizedLinear, RotatedLinear)):
             raise ValueError(f"{name}: already quantized ({module.format})")
-        if type(module) is not nn.Linear:
+        if not isinstance(module, nn.Linear):
             raise ValueError(
                 f"{name}: only nn.Linear modules take a weight format, "
                 f"this is {type(module).__name__}"

@@ -118,7 +118,7 @@ def load_quantized_modules(net: nn.Module, files: list[Path]) -> set[str]:
     consumed: set[str] = set()
     for name, fmt in plan.items():
         linear = modules.get(name)
-        if type(linear) is not nn.Linear:
+        if not isinstance(linear, nn.Linear):
             raise CheckpointError(f"{files[0]}: plan names {name!r}, not a linear of this model")
         try:
             cls, group_size = format_layout(fmt)
