@@ -6,10 +6,13 @@ each against the memory-bandwidth roofline for its own bytes per token.
 
 ZCode loads the embedded Q4_1 GGUF in bf16 and quantizes every quantizable linear (the tied
 lm_head included; the embedding lookup keeps its weight) by round-to-nearest with
-zcode.quant.apply_precision; its fast kernels run. llama.cpp (llama-cpp-python) runs the Q4_1
-file as is, and a Q8_0 file written here with the gguf package: every Q4_1 tensor dequantized
-and requantized to Q8_0 (token_embd is Q8_0 in the original already), metadata and tokenizer
-copied — so the Q8_0 weights are *requantized from Q4_1*, not from the original bf16 model.
+zcode.quant.apply_precision; its fast kernels run (bf16 and w4a8 at batch 1: the C++ GEMV of
+zcode/kernels/gemv.cpp; w4a8 = int4-g32 weights times int8 activations quantized per token,
+as llama.cpp's Q4_1 x Q8_1 dot product quantizes them per block of 32). llama.cpp
+(llama-cpp-python) runs the Q4_1 file as is, and a Q8_0 file written here with the gguf
+package: every Q4_1 tensor dequantized and requantized to Q8_0 (token_embd is Q8_0 in the
+original already), metadata and tokenizer copied — so the Q8_0 weights are *requantized from
+Q4_1*, not from the original bf16 model.
 
 Timing follows bench/bench_core.py (whose runners are reused): decode tok/s = (N - 1) / (time
 from the first to the last of N new tokens) after a short prompt, min and median of --repeats,
@@ -51,8 +54,11 @@ ENGINES = (
     "zcode-int8",
     "zcode-int4-g32",
     "zcode-int4-g128",
+    "zcode-w4a8",
+    "zcode-bf16-compiled",
     "zcode-int8-compiled",
     "zcode-int4-g32-compiled",
+    "zcode-w4a8-compiled",
     "llama.cpp-Q4_1",
     "llama.cpp-Q8_0",
 )
