@@ -1,8 +1,9 @@
 """How much FFN work SmolLM2-135M can skip at <= 1% held-out perplexity: TEAL input thresholds
-(gate/up input, down input, both) against CATS (threshold |silu(gate(x))|: gate runs dense, up
-computes and down reads only the kept neurons), at 40/50/60% of FFN FLOPs skipped.
+(gate/up input, down input, both; plain |x| or WINA's |x| * weight column norm) against CATS
+(threshold |silu(gate(x))|: gate runs dense, up computes and down reads only the kept neurons),
+by default at 40/50/60% of FFN FLOPs skipped.
 
-    .venv/bin/python bench/bench_ffn_frontier.py [--quick]
+    .venv/bin/python bench/bench_ffn_frontier.py [--quick] [--targets 0.1,0.2,0.3]
 
 Reference implementation in plain torch (masks applied, nothing skipped: this measures quality,
 not speed). Per-layer thresholds are quantiles of the dense model's activations on the
@@ -28,6 +29,7 @@ from table_format import print_rows  # noqa: E402
 from zcode import LLM  # noqa: E402
 from zcode.calibration import corpus_tokens  # noqa: E402
 from zcode.layers.mlp import GatedMLP  # noqa: E402
+from zcode.sparsity.thresholds import channel_scales  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 TARGETS = (0.4, 0.5, 0.6)  # fractions of FFN FLOPs skipped
@@ -36,22 +38,25 @@ QUANTILE_SAMPLE = 1 << 22  # torch.quantile's input limit is 2**24 elements
 
 class MaskedMLP(nn.Module):
     """SwiGLU with three optional magnitude masks (threshold < 0: off), counting FLOPs skipped:
-    a = x [|x| > t_in]; g = a Wg^T; kept neurons n = [|silu(g)| > t_gate];
-    h = silu(g) (a Wu^T) n; out = (h [|h| > t_mid]) Wd^T."""
+    a = x [|x| s_in > t_in]; g = a Wg^T; kept neurons n = [|silu(g)| > t_gate];
+    h = silu(g) (a Wu^T) n; out = (h [|h| s_mid > t_mid]) Wd^T (s: per-channel scales)."""
 
-    def __init__(self, mlp: GatedMLP, t_in: float, t_gate: float, t_mid: float) -> None:
+    def __init__(
+        self, mlp: GatedMLP, t_in: float, t_gate: float, t_mid: float, score: str = "teal"
+    ) -> None:
         super().__init__()
         self.mlp, self.t_in, self.t_gate, self.t_mid = mlp, t_in, t_gate, t_mid
+        self.scale_in, self.scale_mid = channel_scales(mlp, score)  # [D], [I]
         self.skipped, self.num_tokens = 0.0, 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> [T, D]
-        keep_in = x.abs() > self.t_in  # [T, D]
+        keep_in = x.abs() * self.scale_in > self.t_in  # [T, D]
         a = x * keep_in
         act = F.silu(F.linear(a, self.mlp.gate_proj.weight))  # [T, I]
         keep_n = act.abs() > self.t_gate  # [T, I]
         h = act * F.linear(a, self.mlp.up_proj.weight) * keep_n
-        h = h * (h.abs() > self.t_mid)
+        h = h * (h.abs() * self.scale_mid > self.t_mid)
         frac_in = keep_in.float().mean(-1)  # [T]
         work = frac_in + frac_in * keep_n.float().mean(-1) + h.ne(0).float().mean(-1)
         self.skipped += (1 - work / 3).sum().item()
@@ -60,10 +65,13 @@ class MaskedMLP(nn.Module):
 
 
 class Recorder:
-    """Dense FFN activations per layer on calibration text: |x|, |silu(gate)|, |h| samples."""
+    """Dense FFN activations per layer on calibration text: |x|, |silu(gate)|, |h| samples, and
+    the WINA scores of x and h."""
 
     def __init__(self, mlps: dict[int, GatedMLP]) -> None:
-        self.mlps, self.acts = mlps, {i: {"in": [], "gate": [], "mid": []} for i in mlps}
+        self.mlps = mlps
+        self.acts = {i: {k: [] for k in ("in", "gate", "mid", "wina-in", "wina-mid")} for i in mlps}
+        self.wina = {i: channel_scales(m, "wina") for i, m in mlps.items()}
 
     def __enter__(self):
         self.handles = [m.register_forward_hook(self._hook(i)) for i, m in self.mlps.items()]
@@ -78,7 +86,14 @@ class Recorder:
             (x,) = args
             act = F.silu(F.linear(x, m.gate_proj.weight))
             h = act * F.linear(x, m.up_proj.weight)
-            for name, t in (("in", x), ("gate", act), ("mid", h)):
+            scale_in, scale_mid = self.wina[i]
+            for name, t in (
+                ("in", x),
+                ("gate", act),
+                ("mid", h),
+                ("wina-in", x * scale_in),
+                ("wina-mid", h * scale_mid),
+            ):
                 self.acts[i][name].append(t.abs().flatten())
 
         return hook
@@ -95,18 +110,26 @@ class Recorder:
 
 
 def configs(target: float) -> list[tuple[str, float, float, float]]:
-    """(method, s_in, s_gate, s_mid) whose nominal FFN FLOPs skipped is `target`."""
+    """(method, s_in, s_gate, s_mid) whose nominal FFN FLOPs skipped is `target`; the method's
+    name starts with its score (teal: |x|, wina: |x| * weight column norm)."""
     out = [("teal-in", 1.5 * target, 0.0, 0.0), ("cats", 0.0, 1.5 * target, 0.0)]
-    for s_mid in (0.5, 0.6, 0.7, 0.8, 0.9):
+    out.append(("teal-mid", 0.0, 0.0, 3 * target))
+    for s_mid in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
         s_in = (3 * target - s_mid) / 2
         if 0 < s_in < 0.95:
-            out.append(("teal-in+mid", s_in, 0.0, s_mid))
+            out += [("teal-in+mid", s_in, 0.0, s_mid), ("wina-in+mid", s_in, 0.0, s_mid)]
     return [c for c in out if max(c[1:]) < 0.99]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer calibration and held-out tokens")
+    ap.add_argument(
+        "--targets",
+        type=lambda text: tuple(float(t) for t in text.split(",")),
+        default=TARGETS,
+        help="comma-separated fractions of FFN FLOPs to skip (default: 0.4,0.5,0.6)",
+    )
     args = ap.parse_args()
     calib_tokens, heldout_tokens = (1024, 1024) if args.quick else (2048, 4096)
 
@@ -126,14 +149,17 @@ def main() -> None:
     print(f"dense held-out ppl {dense_q['ppl']:.3f}", flush=True)
 
     rows = []
-    for target in TARGETS:
+    for target in args.targets:
         for method, s_in, s_gate, s_mid in configs(target):
+            score = method.split("-")[0] if method.startswith("wina") else "teal"
+            prefix = "wina-" if score == "wina" else ""
             for i, layer in enumerate(layers):
                 layer.mlp = MaskedMLP(
                     mlps[i],
-                    rec.threshold(i, "in", s_in),
+                    rec.threshold(i, prefix + "in", s_in),
                     rec.threshold(i, "gate", s_gate),
-                    rec.threshold(i, "mid", s_mid),
+                    rec.threshold(i, prefix + "mid", s_mid),
+                    score,
                 )
             q, _ = quality(llm, windows, dense_logits)
             masked = [layer.mlp for layer in layers]
@@ -176,10 +202,16 @@ def main() -> None:
     met = [r for r in rows if r["ppl_increase"] <= 0.01 and r["ffn_flops_skipped"] >= 0.4]
     print(f"{len(met)} configurations skip >= 40% of FFN FLOPs within +1% held-out perplexity")
     RESULTS.mkdir(exist_ok=True)
-    meta = {"quick": args.quick, "calibration_tokens": len(calib), "heldout_tokens": len(held)}
+    meta = {
+        "quick": args.quick,
+        "targets": args.targets,
+        "calibration_tokens": len(calib),
+        "heldout_tokens": len(held),
+    }
     blob = {"meta": meta, "dense": dense_q, "rows": rows}
-    (RESULTS / "ffn_frontier.json").write_text(json.dumps(blob, indent=2))
-    print(f"wrote {RESULTS / 'ffn_frontier.json'}")
+    name = "ffn_frontier.json" if args.targets == TARGETS else "ffn_frontier_low.json"
+    (RESULTS / name).write_text(json.dumps(blob, indent=2))
+    print(f"wrote {RESULTS / name}")
 
 
 if __name__ == "__main__":

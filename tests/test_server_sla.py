@@ -163,3 +163,29 @@ def _request(client, endpoint: str, value):
         max_tokens=4,
         extra_body={"max_latency_ms": value},
     )
+
+
+def test_a_step_runs_the_least_loss_level_of_its_requests(setup, tiny_checkpoint):
+    """A planned request batched with one that has no target (the default, dense level) runs
+    dense, and its report says so."""
+    from zcode.engine.request_output import RequestOutput
+    from zcode.sparsity.request_levels import RequestLevels
+    from zcode.sparsity.sparse_mlp import SparseMLP
+
+    llm = LLM(tiny_checkpoint("llama").path)
+    levels = RequestLevels(llm.model, setup.oracle.sparsity)
+    plan = levels.plan(setup.slow_ms - 0.1)
+    assert plan.level == LEVELS[1] and plan.target_met
+    levels.admit("a", plan)
+    levels.before_step(["a", "b"])
+    assert levels.current == LEVELS[0]
+    levels.after_step([RequestOutput("a", PROMPT, "", [1], False, delta_token_ids=[1])])
+    levels.before_step(["a"])  # b finished: a's own level
+    mlps = [layer.mlp for layer in llm.model.model.layers]
+    assert all(isinstance(m, SparseMLP) and m.thresh_mid == pytest.approx(0.05) for m in mlps)
+    last = RequestOutput("a", PROMPT, "", [1, 2], True, "length", delta_token_ids=[2])
+    levels.after_step([last])
+    assert last.plan["plan"] == SPARSE and last.plan["levels_run"] == [DENSE, SPARSE]
+    assert last.plan["measured_ms_per_step"] >= 0
+    levels.before_step(["c"])  # a request without a target: back to the default level
+    assert all(m.is_dense for m in mlps)
