@@ -125,18 +125,16 @@ class SparsityArtifact:
 
 
 def fingerprint(model: nn.Module) -> str:
-    """Identifies a model's weights: config shape plus a checksum of two weight tensors."""
+    """Identifies a model's weights: config shape plus the bytes of two weight slices (bytes, not
+    a float sum: a sum's rounding depends on the thread count, so the same model got another
+    fingerprint under --threads 1)."""
     c = model.config
     layer = model.model.layers[0]
-    probe = [
-        c.model_type,
-        c.num_hidden_layers,
-        c.hidden_size,
-        c.vocab_size,
-        float(model.model.embed_tokens.weight.detach().float()[:64].sum()),
-        float(layer.self_attn.q_proj.weight.detach().float()[:64].sum()),
-    ]
-    return hashlib.sha256(repr(probe).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(repr([c.model_type, c.num_hidden_layers, c.hidden_size]).encode())
+    digest.update(repr(c.vocab_size).encode())
+    for weight in (model.model.embed_tokens.weight, layer.self_attn.q_proj.weight):
+        digest.update(weight.detach()[:64].float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def default_path(model: nn.Module) -> Path:
