@@ -16,6 +16,7 @@ KL(dense || plan) per token. Writes bench/results/sla.json.
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -163,6 +164,7 @@ def main() -> None:
         "heldout_tokens": len(held),
         "repeats": repeats,
         "decode_tokens": decode_tokens,
+        "load_average_1_5_15_min": os.getloadavg(),  # others' work inflates measured ms
     }
     blob = {
         "meta": meta,
