@@ -1,15 +1,17 @@
 """generate(max_latency_ms=...) on SmolLM2-135M fp32 at batch 1: for several targets, the plan the
 planner picks, its predicted and measured decode ms/token, and its quality cost on held-out text.
 
-    .venv/bin/python bench/bench_sla.py [--quick] [--threads N] [--artifact PATH] [--refit]
+    .venv/bin/python bench/bench_sla.py [--quick] [--threads N] [--artifact PATH] [--no-refit]
 
 The artifact (default: the user cache's, written by `zcode calibrate`; calibrated here if there
-is none) gives the thresholds, the levels and the latency fit. --refit times the calibration's
-four fit levels again now and refits (load at calibration time need not be today's); either way
-the planner predicts the other levels out of sample, and the table marks which chosen levels
-were fit points. Targets are spread between the fastest predicted level and dense. Each target
-runs `repeats` times, interleaved with the others: measured ms/token is each run's median step,
-min and median over runs; the ratio is measured / predicted. Quality on held-out text only
+is none) gives the thresholds, the levels and the latency fit. By default the calibration's four
+fit levels are timed again now and the fit redone (the load during calibration need not be
+today's; the table also shows what the calibration's own fit predicted); --no-refit plans with
+the calibration's fit. Either way the planner predicts the other levels out of sample, and the
+table marks which chosen levels were fit points. Targets are spread between the fastest
+predicted level and dense. Each target runs `repeats` times, interleaved with the others:
+measured ms/token is each run's median step, min and median over runs; the ratio is measured /
+predicted. Quality on held-out text only
 (teacher-forced 512-token windows): perplexity change, greedy-token agreement and mean
 KL(dense || plan) per token. Writes bench/results/sla.json.
 """
@@ -33,7 +35,11 @@ from zcode.sampling_params import SamplingParams  # noqa: E402
 from zcode.sparsity.apply import set_ffn_level  # noqa: E402
 from zcode.sparsity.artifact import SparsityArtifact, default_path  # noqa: E402
 from zcode.sparsity.calibrate import LATENCY_LEVELS, calibrate  # noqa: E402
-from zcode.sparsity.latency import fit_latency, measure_latency_points  # noqa: E402
+from zcode.sparsity.latency import (  # noqa: E402
+    fit_latency,
+    kernel_mb_per_token,
+    measure_latency_points,
+)
 from zcode.sparsity.planner import level_name, predicted_ms  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -44,7 +50,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens, targets and repeats")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--artifact", help="a zcode calibrate artifact (default: the user cache's)")
-    ap.add_argument("--refit", action="store_true", help="refit the latency model in this run")
+    ap.add_argument(
+        "--no-refit",
+        dest="refit",
+        action="store_false",
+        help="plan with the calibration's latency fit instead of refitting in this run",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -67,6 +78,7 @@ def main() -> None:
     fit_levels = [
         lv for lv in artifact.levels if (lv.sparsity_in, lv.sparsity_mid) in LATENCY_LEVELS
     ]
+    calibration_fit = artifact.latency
     if args.refit:
         points = measure_latency_points(llm, artifact, fit_levels, prompt, repeats, decode_tokens)
         artifact.latency = fit_latency(points)
@@ -110,6 +122,9 @@ def main() -> None:
             {
                 **report,
                 "fit_point": lv in fit_levels,
+                "calibration_fit_predicted_ms": calibration_fit.predict_ms(
+                    *kernel_mb_per_token(llm.model, lv.sparsity_in, lv.sparsity_mid)
+                ),
                 "measured_ms_min": min(ms),
                 "measured_ms_median": statistics.median(ms),
                 "ratio_min": min(ms) / report["predicted_ms_per_step"],
@@ -131,6 +146,7 @@ def main() -> None:
             "fit pt",
             "FFN skip",
             "pred ms",
+            "calib pred",
             "meas min/med",
             "meas/pred",
             "held-out +ppl",
@@ -144,6 +160,7 @@ def main() -> None:
                 "yes" if r["fit_point"] else "no",
                 f"{r['ffn_flops_skipped']:.1%}",
                 f"{r['predicted_ms_per_step']:.1f}",
+                f"{r['calibration_fit_predicted_ms']:.1f}",
                 f"{r['measured_ms_min']:.1f}/{r['measured_ms_median']:.1f}",
                 f"{r['ratio_min']:.3f}/{r['ratio_median']:.3f}",
                 f"{100 * r['heldout_ppl_increase']:+.2f}%",
@@ -169,6 +186,7 @@ def main() -> None:
     blob = {
         "meta": meta,
         "latency_fit": vars(fit),
+        "calibration_latency_fit": vars(calibration_fit),
         "predicted_ms": {level_name(lv): ms for lv, ms in predicted.items()},
         "targets": rows,
     }
