@@ -115,7 +115,7 @@ def configs(target: float) -> list[tuple[str, float, float, float]]:
     out = [("teal-in", 1.5 * target, 0.0, 0.0), ("cats", 0.0, 1.5 * target, 0.0)]
     out.append(("teal-mid", 0.0, 0.0, 3 * target))
     for s_mid in (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
-        s_in = (3 * target - s_mid) / 2
+        s_in = round((3 * target - s_mid) / 2, 6)  # 3 * 0.1 - 0.3 is 4e-17, not 0
         if 0 < s_in < 0.95:
             out += [("teal-in+mid", s_in, 0.0, s_mid), ("wina-in+mid", s_in, 0.0, s_mid)]
     return [c for c in out if max(c[1:]) < 0.99]
