@@ -49,6 +49,27 @@ def padded_attention(
     return out[batch.token_index]
 
 
+def decode_attention(
+    q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per sequence, written as products and sums for inductor to fuse.
+
+    q: [B, H, D]; kv: [B, L, 2, KVH, D] (keys, values); mask: [B, 1, 1, L] bool -> [B, H, D].
+    In a compiled decode step inductor turns the context gather, q.k, the softmax and p.v into a
+    few loops of generated C++; SDPA is one extern call per layer whose set-up costs more than
+    its arithmetic at decode context lengths. Same math as `padded_attention`, in fp32.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv.shape[3]
+    q = q.float().view(num_seqs, 1, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    keys = kv[:, :, 0, :, None, :].float()  # [B, L, KVH, 1, D]
+    scores = (q * keys).sum(-1) * scale  # [B, L, KVH, G]
+    scores = scores.masked_fill(~mask.view(num_seqs, -1, 1, 1), float("-inf"))
+    probs = scores.softmax(dim=1)[..., None]  # [B, L, KVH, G, 1]
+    out = (probs * kv[:, :, 1, :, None, :].float()).sum(1)  # [B, KVH, G, D]
+    return out.view(num_seqs, num_heads, head_dim).to(kv.dtype)
+
+
 class Attention(nn.Module):
     """Multi-head attention with GQA, optional partial RoPE, QK-norm and qkv bias."""
 
@@ -93,7 +114,11 @@ class Attention(nn.Module):
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         write_cache(self.cache["kv"], torch.stack([k, v], dim=1), batch.slot_mapping)
         kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]
-        out = padded_attention(q, kv[:, :, 0], kv[:, :, 1], batch, self.scale)  # [T, H, D]
+        if torch.compiler.is_compiling() and batch.query_index.shape[1] == 1:  # compiled decode
+            out = decode_attention(q[batch.query_index[:, 0]], kv, batch.attn_mask, self.scale)
+            out = out[batch.token_index]
+        else:
+            out = padded_attention(q, kv[:, :, 0], kv[:, :, 1], batch, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, num_heads * self.head_dim))
 
     @classmethod
