@@ -238,7 +238,9 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, help="sensitivity profile JSON to plan from")
     parser.add_argument("--profile-tokens", type=int, default=512)
     parser.add_argument("--heldout-tokens", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="decode timings per config; 0 skips speed"
+    )
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
@@ -350,8 +352,11 @@ def main() -> None:
     dense_ppl = results[0]["ppl"]
     for row in results:
         row["ppl_delta"] = row["ppl"] - dense_ppl
-        row["decode_tok_s_best"] = (args.decode_tokens - 1) / min(row["decode_s"])
-        row["decode_tok_s_median"] = (args.decode_tokens - 1) / statistics.median(row["decode_s"])
+        timed = row["decode_s"]  # empty with --repeats 0
+        row["decode_tok_s_best"] = (args.decode_tokens - 1) / min(timed) if timed else None
+        row["decode_tok_s_median"] = (
+            (args.decode_tokens - 1) / statistics.median(timed) if timed else None
+        )
         row["decode_tok_s"] = row["decode_tok_s_median"]
     planned = [r for r in results if r["kind"] == "planned" and r["method"] == "rtn"]
     rho_kl = spearmanr([r["predicted_kl"] for r in planned], [r["measured_kl"] for r in planned])
@@ -378,8 +383,10 @@ def main() -> None:
                 f"{r['ppl_delta']:+.4f}",
                 "-" if r["predicted_kl"] is None else f"{r['predicted_kl']:.5f}",
                 f"{r['measured_kl']:.5f}",
-                f"{r['decode_tok_s_best']:.1f}",
-                f"{r['decode_tok_s_median']:.1f}",
+                *(
+                    "-" if r[key] is None else f"{r[key]:.1f}"
+                    for key in ("decode_tok_s_best", "decode_tok_s_median")
+                ),
             )
             for r in results
         ],
