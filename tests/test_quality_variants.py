@@ -111,3 +111,20 @@ def test_cap_too_small_for_any_variant(tiny_checkpoint):
     )
     with pytest.raises(ValidationError, match="holds no unit"):
         attach_variants(llm, profile, "4.5bits", "1B")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--quality", "max"], "needs --profile"),
+        (["--quality", "max", "--profile", "/nonexistent.json", "--budget", "4.5bits"], "no such"),
+        (["--quality", "max", "--profile", "p", "--budget", "4.5bits", "--stream"], "--stream"),
+    ],
+)
+def test_cli_quality_errors_before_loading(argv, message, capsys):
+    from zcode import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "Hi", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
