@@ -123,7 +123,7 @@ def bytes_per_token(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
             total += module.weight_bytes
-        elif type(module) is nn.Linear:
+        elif isinstance(module, nn.Linear):  # zcode.layers.Linear too
             total += module.weight.numel() * module.weight.element_size()
         elif name.endswith("norm"):
             total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
