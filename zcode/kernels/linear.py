@@ -11,7 +11,7 @@ import torch
 
 from zcode.kernels import gemv
 from zcode.kernels.registry import define_op, register
-from zcode.quant.formats import Bf16Weight, PackedWeight
+from zcode.quant.formats import Bf16Weight, PackedWeight, gemv_available
 from zcode.quant.int4 import Int4Weight, W4A8Weight
 from zcode.quant.int8 import Int8Weight
 
@@ -97,7 +97,7 @@ def _gemv_fits(packed: PackedWeight, x: torch.Tensor) -> bool:
 
 @register("linear", "gemv-cpp", supports=_gemv_fits)
 def gemv_kernel(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
-    if not gemv.available():
+    if not gemv_available():  # not gemv.available(): compiled graphs trace this function
         raise NotImplementedError("the C++ GEMV kernels do not build on this machine")
     if type(packed) is W4A8Weight:
         return packed.mm_gemv(x)
