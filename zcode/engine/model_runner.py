@@ -9,6 +9,7 @@ from zcode.engine.scheduler import ScheduledSeq
 from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
 from zcode.layers.moe import MoE
+from zcode.sparsity.sparse_mlp import SparseMLP
 
 
 class ModelRunner:
@@ -31,6 +32,11 @@ class ModelRunner:
             raise NotImplementedError(
                 "compiled decode of MoE models: expert dispatch has data-dependent shapes, "
                 "which a single static-shape graph cannot hold yet"
+            )
+        if compile and any(isinstance(m, SparseMLP) for m in model.modules()):
+            raise NotImplementedError(
+                "compiled decode with sparse FFNs: the row-skipping kernel is not a torch op "
+                "yet, and max_latency_ms changes FFN levels without a new plan signature"
             )
         self.graphs = GraphCache(model, max_num_seqs) if compile else None
         self.set_plan(ExecutionPlan())
