@@ -10,6 +10,7 @@ import torch
 from zcode.kernels import gemv
 from zcode.layers.linear import Linear
 from zcode.quant.int4 import W4A8Weight
+from zcode.quant.int8 import W8A8Weight
 
 
 def test_kernels_build_here():
@@ -47,6 +48,17 @@ def test_w4a8_gemv_matches_reference(group, rows, in_features, out_features):
     got = packed.mm_gemv(x)
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     assert packed.linear_fast(x).equal(got)  # decode row counts take the GEMV
+
+
+@pytest.mark.parametrize("rows,in_features,out_features", [(1, 101, 33), (3, 576, 48), (4, 64, 1)])
+def test_w8a8_gemv_matches_reference(rows, in_features, out_features):
+    torch.manual_seed(rows)
+    packed = W8A8Weight.quantize(torch.randn(out_features, in_features) * in_features**-0.5)
+    x = torch.randn(rows, in_features) * 3
+    ref = packed.linear_reference(x)  # float64 math on the int8 codes
+    got = packed.mm_gemv(x)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert packed.linear_fast(x).equal(got)
 
 
 def test_gemv_rejects_too_many_rows():

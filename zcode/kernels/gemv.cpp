@@ -8,6 +8,8 @@
 //        sums 64 nibble x int8 products exactly in int32 lanes of 8 k each, so
 //        out = x_scale * (sum_g scale_g sum_{k in g} q_k xq_k + sum_g (zero_g - 8 scale_g) sum_{k in g} xq_k)
 //        is exact up to the fp32 sums over chunks. The kernel quantizes x itself (one call).
+// w8a8:  zcode.quant.int8's W8A8 format, int8 weights per row scale; vpdpbusd of the int8
+//        codes shifted to unsigned, the shift taken back with each row's code sum: exact.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -67,31 +69,38 @@ struct W4A8Activations {
   int64_t G_pad;
 };
 
-// x fp32 [M, K_in] -> int8 codes per token, as zcode.quant.formats.quantize_per_token does:
-// scale = max(amax / 127, min_scale), q = round-half-even(x / scale), zero-padded to K.
-W4A8Activations quantize_rows(const float* x, int64_t M, int64_t K_in, int64_t K, int64_t group,
-                              double min_scale, float* x_scale) {
-  const int64_t G_pad = (K / group + 15) / 16 * 16;
-  W4A8Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * G_pad, 0.f), G_pad};
-  std::vector<int8_t> codes(K);
+// x fp32 [M, K_in] -> int8 codes [M, K] per token, as zcode.quant.formats.quantize_per_token
+// does: scale = max(amax / 127, min_scale), q = round-half-even(x / scale), zero-padded to K.
+std::vector<int8_t> quantize_per_token(const float* x, int64_t M, int64_t K_in, int64_t K,
+                                       double min_scale, float* x_scale) {
+  std::vector<int8_t> codes(M * K, 0);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K_in;
     float amax = 0.f;
     for (int64_t k = 0; k < K_in; ++k) amax = std::max(amax, std::abs(xr[k]));
     const float scale = std::max(amax / 127.f, static_cast<float>(min_scale));
     x_scale[m] = scale;
-    std::fill(codes.begin(), codes.end(), 0);
     for (int64_t k = 0; k < K_in; ++k)
-      codes[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[k] / scale), -127.f, 127.f));
+      codes[m * K + k] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[k] / scale), -127.f, 127.f));
+  }
+  return codes;
+}
+
+W4A8Activations rearrange_for_w4a8(const std::vector<int8_t>& codes, int64_t M, int64_t K,
+                                   int64_t group) {
+  const int64_t G_pad = (K / group + 15) / 16 * 16;
+  W4A8Activations a{std::vector<int8_t>(M * K), std::vector<float>(M * G_pad, 0.f), G_pad};
+  for (int64_t m = 0; m < M; ++m) {
+    const int8_t* cr = codes.data() + m * K;
     int8_t* dr = a.deinterleaved.data() + m * K;
     for (int64_t c = 0; c < K; c += 128) {
       const int64_t half = std::min<int64_t>(128, K - c) / 2;
       for (int64_t j = 0; j < half; ++j) {
-        dr[c + j] = codes[c + 2 * j];
-        dr[c + half + j] = codes[c + 2 * j + 1];
+        dr[c + j] = cr[c + 2 * j];
+        dr[c + half + j] = cr[c + 2 * j + 1];
       }
     }
-    for (int64_t k = 0; k < K; ++k) a.group_sums[m * G_pad + k / group] += codes[k];
+    for (int64_t k = 0; k < K; ++k) a.group_sums[m * G_pad + k / group] += cr[k];
   }
   return a;
 }
@@ -150,6 +159,32 @@ void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_
   });
 }
 
+// W8A8: x codes shifted to unsigned (xq + 128) times int8 weights by vpdpbusd, 64 per
+// instruction; out = x_scale * scale_n * (sum_k (xq_k + 128) q_k - 128 * sum_k q_k).
+template <int M>
+void gemv_w8a8_rows(const std::vector<uint8_t>& xu, const float* x_scale, const int8_t* q,
+                    const uint16_t* scales, const int32_t* row_sums, float* out, int64_t K,
+                    int64_t N) {
+  at::parallel_for(0, N, GRAIN_ROWS, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* qr = q + n * K;
+      __m512i acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
+      for (int64_t k = 0; k < K; k += 64) {
+        const __mmask64 mask = K - k >= 64 ? ~0ull : (1ull << (K - k)) - 1;
+        const __m512i w = _mm512_maskz_loadu_epi8(mask, qr + k);
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(mask, xu.data() + m * K + k), w);
+      }
+      const float scale = bf16_to_float(scales[n]);
+      for (int m = 0; m < M; ++m) {
+        const int32_t dot = _mm512_reduce_add_epi32(acc[m]) - 128 * row_sums[n];
+        out[m * N + n] = x_scale[m] * scale * static_cast<float>(dot);
+      }
+    }
+  });
+}
+
 template <template <int> class Fn, typename... Args>
 void dispatch_rows(int64_t M, Args&&... args) {
   switch (M) {
@@ -166,6 +201,10 @@ template <int M> struct Bf16Rows {
 };
 template <int M> struct W4A8Rows {
   template <typename... A> static void run(A... a) { gemv_w4a8_rows<M>(a...); }
+};
+
+template <int M> struct W8A8Rows {
+  template <typename... A> static void run(A... a) { gemv_w8a8_rows<M>(a...); }
 };
 
 const uint16_t* bits(const torch::Tensor& t) {
@@ -203,11 +242,37 @@ torch::Tensor gemv_w4a8(const torch::Tensor& x, const torch::Tensor& qweight,
   TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
   auto xc = x.to(at::kFloat).contiguous();
   float x_scale[MAX_ROWS];
-  const W4A8Activations a =
-      quantize_rows(xc.data_ptr<float>(), M, K_in, K, group, min_scale, x_scale);
+  const W4A8Activations a = rearrange_for_w4a8(
+      quantize_per_token(xc.data_ptr<float>(), M, K_in, K, min_scale, x_scale), M, K, group);
   auto out = torch::empty({M, out_features}, x.options().dtype(at::kFloat));
   dispatch_rows<W4A8Rows>(M, a, x_scale, qweight.data_ptr<uint8_t>(), bits(sz),
                           out.data_ptr<float>(), K, out_features, group);
+  return out;
+}
+
+torch::Tensor gemv_w8a8(const torch::Tensor& x, const torch::Tensor& qweight,
+                        const torch::Tensor& scales, const torch::Tensor& row_sums,
+                        double min_scale) {
+  // x: [M, K_in] float, K_in <= K; qweight: int8 [N, K]; scales: bf16 [N];
+  // row_sums: int32 [N] (sum of each row's codes) -> [M, N] fp32
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "gemv_w8a8: x must be 2-D float");
+  const int64_t M = x.size(0), K_in = x.size(1), N = qweight.size(0), K = qweight.size(1);
+  TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == at::kChar && K_in <= K,
+              "gemv_w8a8: qweight shape");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
+                  scales.numel() == N && row_sums.is_contiguous() &&
+                  row_sums.scalar_type() == at::kInt && row_sums.numel() == N,
+              "gemv_w8a8: scales and row_sums");
+  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
+  auto xc = x.to(at::kFloat).contiguous();
+  float x_scale[MAX_ROWS];
+  const std::vector<int8_t> codes =
+      quantize_per_token(xc.data_ptr<float>(), M, K_in, K, min_scale, x_scale);
+  std::vector<uint8_t> xu(codes.size());
+  for (size_t i = 0; i < codes.size(); ++i) xu[i] = static_cast<uint8_t>(codes[i] + 128);
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  dispatch_rows<W8A8Rows>(M, xu, x_scale, qweight.data_ptr<int8_t>(), bits(scales),
+                          row_sums.data_ptr<int32_t>(), out.data_ptr<float>(), K, N);
   return out;
 }
 
@@ -216,9 +281,12 @@ TORCH_LIBRARY(zcode, m) {
   m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("gemv_w4a8(Tensor x, Tensor qweight, Tensor row_scales_and_zeros, int group, "
         "int out_features, float min_scale) -> Tensor");
+  m.def("gemv_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor row_sums, float min_scale) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zcode, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);
   m.impl("gemv_w4a8", &gemv_w4a8);
+  m.impl("gemv_w8a8", &gemv_w8a8);
 }

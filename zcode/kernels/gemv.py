@@ -6,8 +6,10 @@ its int4 kernel is compute-bound; these kernels stream each weight row once per 
 - `torch.ops.zcode.gemv_bf16(x, w)`: bf16 weight, activations rounded to bf16, fp32 sums;
 - `torch.ops.zcode.gemv_w4a8(x, qweight, row_scales_and_zeros, group, out_features, min_scale)`:
   zcode.quant.int4's W4A8 format, x quantized per token to int8 inside the call, exact integer
-  dot products.
-Both take 1 to MAX_ROWS rows and return fp32. They are registered with the dispatcher from C++
+  dot products;
+- `torch.ops.zcode.gemv_w8a8(x, qweight, scales, row_sums, min_scale)`: zcode.quant.int8's W8A8
+  format, likewise.
+All take 1 to MAX_ROWS rows and return fp32. They are registered with the dispatcher from C++
 (no Python per call) and have fake kernels here, so torch.compile keeps each as one call in a
 compiled decode graph.
 
@@ -79,3 +81,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("zcode::gemv_w4a8")
     def _(x, qweight, row_scales_and_zeros, group, out_features, min_scale):
         return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+
+    @torch.library.register_fake("zcode::gemv_w8a8")
+    def _(x, qweight, scales, row_sums, min_scale):
+        return x.new_empty(x.shape[0], qweight.shape[0], dtype=torch.float32)

@@ -4,7 +4,8 @@ Reference: the format's own `linear_reference` (dequantize, fp32 F.linear; float
 CPU variants: the format's `linear_fast` (its hand-set row threshold between kernels), and for
 the weight-only int formats each of the two kernels alone, so the autotuner finds the crossover
 on this machine per shape instead of the thresholds measured once on another; for bf16 and W4A8
-at decode row counts the C++ GEMV (zcode.kernels.gemv), and W4A8 on torch's int4 kernels.
+at decode row counts the C++ GEMV (zcode.kernels.gemv), W4A8 on torch's int4 kernels and W8A8
+on torch._int_mm at any row count.
 """
 
 import torch
@@ -13,7 +14,7 @@ from zcode.kernels import gemv
 from zcode.kernels.registry import define_op, register
 from zcode.quant.formats import Bf16Weight, PackedWeight, gemv_available
 from zcode.quant.int4 import Int4Weight, W4A8Weight
-from zcode.quant.int8 import Int8Weight
+from zcode.quant.int8 import Int8Weight, W8A8Weight
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOL = 2**-5  # elementwise, in units of ||x_m|| ||w_n|| / sqrt(K): see tests/test_quant_kernels.py
@@ -92,18 +93,23 @@ def dequantized_kernel(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gemv_fits(packed: PackedWeight, x: torch.Tensor) -> bool:
-    return type(packed) in (Bf16Weight, W4A8Weight) and x.shape[0] <= gemv.MAX_ROWS
+    return type(packed) in (Bf16Weight, W4A8Weight, W8A8Weight) and x.shape[0] <= gemv.MAX_ROWS
 
 
 @register("linear", "gemv-cpp", supports=_gemv_fits)
 def gemv_kernel(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     if not gemv_available():  # not gemv.available(): compiled graphs trace this function
         raise NotImplementedError("the C++ GEMV kernels do not build on this machine")
-    if type(packed) is W4A8Weight:
-        return packed.mm_gemv(x)
-    return gemv.gemv_bf16(x, packed.weight)
+    if type(packed) is Bf16Weight:
+        return gemv.gemv_bf16(x, packed.weight)
+    return packed.mm_gemv(x)
 
 
 @register("linear", "int4-kernels", supports=lambda packed, x: type(packed) is W4A8Weight)
 def w4a8_on_int4_kernels(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     return packed.mm_int4_kernels(x)
+
+
+@register("linear", "int-mm", supports=lambda packed, x: type(packed) is W8A8Weight)
+def w8a8_int_mm(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    return packed.mm_int_mm(x)

@@ -7,9 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from zcode.quant.formats import (
+    GEMV_MAX_ROWS,
     MIN_SCALE,
     PackedWeight,
     bf16_at_least,
+    gemv_available,
     linear_dequantized,
     pad_columns,
     quantize_per_token,
@@ -96,12 +98,18 @@ class Int8Weight(PackedWeight):
 class W8A8Weight(Int8Weight):
     """W8A8: the int8 weight times int8 activations quantized per token on the fly, int32 sums.
 
-    out[m, n] = x_scale[m] * scale[n] * sum_k xq[m, k] * q[n, k]. Fast path at every M:
+    out[m, n] = x_scale[m] * scale[n] * sum_k xq[m, k] * q[n, k]. Up to GEMV_MAX_ROWS rows the
+    C++ VNNI GEMV (zcode/kernels/gemv.cpp), which needs each row's code sum; past that
     torch._int_mm (oneDNN, AMX-int8 here), exact in int32; only the fp32 rescaling differs from
-    the float64 reference. At one row it trails the packed int8 kernel (85 vs 53 us at K=576,
-    N=1536, 1.4x fp32); at 8 rows it is the fastest format (3.5-3.8x fp32), at 64 on par with
-    bf16 (~3.2x), at 512 behind bf16 and int8 (2.6x vs 6.6x and 3.7x).
+    the float64 reference. _int_mm at one row trails the packed int8 kernel (85 vs 53 us at
+    K=576, N=1536, 1.4x fp32); at 8 rows it is the fastest format (3.5-3.8x fp32), at 64 on par
+    with bf16 (~3.2x), at 512 behind bf16 and int8 (2.6x vs 6.6x and 3.7x).
     """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        row_sums = self.qweight.sum(dim=1, dtype=torch.int32)  # [N]
+        self.register_buffer("row_sums", row_sums, persistent=False)
 
     def linear_reference(self, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_per_token(x)
@@ -109,6 +117,14 @@ class W8A8Weight(Int8Weight):
         return (acc * x_scale.double() * self.scales.double()).float()
 
     def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= GEMV_MAX_ROWS and gemv_available():
+            return self.mm_gemv(x)
+        return self.mm_int_mm(x)
+
+    def mm_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.zcode.gemv_w8a8(x, self.qweight, self.scales, self.row_sums, MIN_SCALE)
+
+    def mm_int_mm(self, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_per_token(x)
         acc = torch._int_mm(pad_columns(xq, self.qweight.shape[1]), self.qweight.t())  # [M, N]
         return acc.float() * x_scale * self.scales.float()
