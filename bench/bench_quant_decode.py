@@ -55,10 +55,12 @@ ENGINES = (
     "zcode-int4-g32",
     "zcode-int4-g128",
     "zcode-w4a8",
+    "zcode-w8a8",
     "zcode-bf16-compiled",
     "zcode-int8-compiled",
     "zcode-int4-g32-compiled",
     "zcode-w4a8-compiled",
+    "zcode-w8a8-compiled",
     "llama.cpp-Q4_1",
     "llama.cpp-Q8_0",
 )
