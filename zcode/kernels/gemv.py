@@ -42,7 +42,10 @@ def available() -> bool:
         load(
             name="zcode_gemv_v1",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native"],
+            # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers; without it every
+            # call would run on one thread.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
     except Exception as e:  # no compiler or no AVX-512 BF16/VNNI: an expected state
