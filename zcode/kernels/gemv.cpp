@@ -23,7 +23,11 @@
 namespace {
 
 constexpr int64_t MAX_ROWS = 4;
-constexpr int64_t GRAIN_ROWS = 16;  // weight rows per parallel_for task
+// A parallel_for task reads at least this many weight bytes: forking the second thread costs
+// microseconds, as much as streaming ~64 KB, so small matrices run on one thread.
+constexpr int64_t GRAIN_BYTES = 64 << 10;
+
+inline int64_t grain_rows(int64_t row_bytes) { return std::max<int64_t>(16, GRAIN_BYTES / row_bytes); }
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -52,7 +56,7 @@ inline float dot_bf16(const uint16_t* a, const uint16_t* b, int64_t K) {
 
 template <int M>
 void gemv_bf16_rows(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t N) {
-  at::parallel_for(0, N, GRAIN_ROWS, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_rows(2 * K), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint16_t* wr = w + n * K;
       for (int m = 0; m < M; ++m)
@@ -69,21 +73,50 @@ struct W4A8Activations {
   int64_t G_pad;
 };
 
-// x fp32 [M, K_in] -> int8 codes [M, K] per token, as zcode.quant.formats.quantize_per_token
-// does: scale = max(amax / 127, min_scale), q = round-half-even(x / scale), zero-padded to K.
-std::vector<int8_t> quantize_per_token(const float* x, int64_t M, int64_t K_in, int64_t K,
+// 16 activations as fp32 from fp32 or bf16 storage (masked past `count`).
+inline __m512 load_f32(const float* x, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, x); }
+inline __m512 load_f32(const at::BFloat16* x, __mmask16 mask) {
+  const __m256i h = _mm256_maskz_loadu_epi16(mask, x);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// x [M, K_in] -> int8 codes [M, K] per token, as zcode.quant.formats.quantize_per_token does:
+// scale = max(amax / 127, min_scale), q = round-half-even(x / scale) (IEEE division, as torch),
+// zero-padded to K.
+template <typename T>
+std::vector<int8_t> quantize_per_token(const T* x, int64_t M, int64_t K_in, int64_t K,
                                        double min_scale, float* x_scale) {
   std::vector<int8_t> codes(M * K, 0);
+  const __m512 qmax = _mm512_set1_ps(127.f), qmin = _mm512_set1_ps(-127.f);
   for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K_in;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K_in; ++k) amax = std::max(amax, std::abs(xr[k]));
-    const float scale = std::max(amax / 127.f, static_cast<float>(min_scale));
+    const T* xr = x + m * K_in;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K_in; k += 16) {
+      const __mmask16 mask = K_in - k >= 16 ? 0xFFFF : (1u << (K_in - k)) - 1;
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(load_f32(xr + k, mask)));
+    }
+    const float scale = std::max(_mm512_reduce_max_ps(amax) / 127.f, static_cast<float>(min_scale));
     x_scale[m] = scale;
-    for (int64_t k = 0; k < K_in; ++k)
-      codes[m * K + k] = static_cast<int8_t>(std::clamp(std::nearbyint(xr[k] / scale), -127.f, 127.f));
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t k = 0; k < K_in; k += 16) {
+      const __mmask16 mask = K_in - k >= 16 ? 0xFFFF : (1u << (K_in - k)) - 1;
+      __m512 q = _mm512_roundscale_ps(_mm512_div_ps(load_f32(xr + k, mask), sv),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q = _mm512_min_ps(_mm512_max_ps(q, qmin), qmax);
+      _mm512_mask_cvtepi32_storeu_epi8(codes.data() + m * K + k, mask, _mm512_cvtps_epi32(q));
+    }
   }
   return codes;
+}
+
+// x [M, K_in] fp32 or bf16 -> per-token int8 codes [M, K] and their scales.
+std::vector<int8_t> quantize_rows(const torch::Tensor& x, int64_t K, double min_scale,
+                                  float* x_scale) {
+  const int64_t M = x.size(0), K_in = x.size(1);
+  if (x.scalar_type() == at::kBFloat16)
+    return quantize_per_token(x.data_ptr<at::BFloat16>(), M, K_in, K, min_scale, x_scale);
+  auto xf = x.to(at::kFloat).contiguous();
+  return quantize_per_token(xf.data_ptr<float>(), M, K_in, K, min_scale, x_scale);
 }
 
 W4A8Activations rearrange_for_w4a8(const std::vector<int8_t>& codes, int64_t M, int64_t K,
@@ -100,7 +133,11 @@ W4A8Activations rearrange_for_w4a8(const std::vector<int8_t>& codes, int64_t M, 
         dr[c + half + j] = cr[c + 2 * j + 1];
       }
     }
-    for (int64_t k = 0; k < K; ++k) a.group_sums[m * G_pad + k / group] += cr[k];
+    for (int64_t g = 0; g < K / group; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) sum += cr[k];
+      a.group_sums[m * G_pad + g] = static_cast<float>(sum);
+    }
   }
   return a;
 }
@@ -116,7 +153,7 @@ void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_
   const __m512i lane_group = _mm512_load_si512(lane_group_idx);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i high16 = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  at::parallel_for(0, N, GRAIN_ROWS, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_rows(K / 2), [&](int64_t n0, int64_t n1) {
     std::vector<float> scales(a.G_pad + 4, 0.f);  // + 4: a chunk reads up to 4 groups
     for (int64_t n = n0; n < n1; ++n) {
       // One (scale, zero) bf16 pair per group is one 32-bit word: scale low, zero high.
@@ -165,7 +202,7 @@ template <int M>
 void gemv_w8a8_rows(const std::vector<uint8_t>& xu, const float* x_scale, const int8_t* q,
                     const uint16_t* scales, const int32_t* row_sums, float* out, int64_t K,
                     int64_t N) {
-  at::parallel_for(0, N, GRAIN_ROWS, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, grain_rows(K), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* qr = q + n * K;
       __m512i acc[M];
@@ -240,10 +277,9 @@ torch::Tensor gemv_w4a8(const torch::Tensor& x, const torch::Tensor& qweight,
                   sz.size(1) == K / group && out_features <= N_pad,
               "gemv_w4a8: row_scales_and_zeros shape");
   TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
-  auto xc = x.to(at::kFloat).contiguous();
   float x_scale[MAX_ROWS];
-  const W4A8Activations a = rearrange_for_w4a8(
-      quantize_per_token(xc.data_ptr<float>(), M, K_in, K, min_scale, x_scale), M, K, group);
+  const W4A8Activations a =
+      rearrange_for_w4a8(quantize_rows(x.contiguous(), K, min_scale, x_scale), M, K, group);
   auto out = torch::empty({M, out_features}, x.options().dtype(at::kFloat));
   dispatch_rows<W4A8Rows>(M, a, x_scale, qweight.data_ptr<uint8_t>(), bits(sz),
                           out.data_ptr<float>(), K, out_features, group);
@@ -264,10 +300,8 @@ torch::Tensor gemv_w8a8(const torch::Tensor& x, const torch::Tensor& qweight,
                   row_sums.scalar_type() == at::kInt && row_sums.numel() == N,
               "gemv_w8a8: scales and row_sums");
   TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
-  auto xc = x.to(at::kFloat).contiguous();
   float x_scale[MAX_ROWS];
-  const std::vector<int8_t> codes =
-      quantize_per_token(xc.data_ptr<float>(), M, K_in, K, min_scale, x_scale);
+  const std::vector<int8_t> codes = quantize_rows(x.contiguous(), K, min_scale, x_scale);
   std::vector<uint8_t> xu(codes.size());
   for (size_t i = 0; i < codes.size(); ++i) xu[i] = static_cast<uint8_t>(codes[i] + 128);
   auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
