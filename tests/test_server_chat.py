@@ -7,15 +7,13 @@ uvicorn (in a thread of this process), the chat parsers, and the official `opena
 """
 
 import json
-import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import openai
 import pytest
-import uvicorn
-from remote_server import free_port
+from remote_server import InThreadServer
 
 from zcode.engine.request_output import RequestOutput
 from zcode.llm import LLM
@@ -152,17 +150,9 @@ class ParrotLLM:
 def server():
     llm = ParrotLLM()
     state = ServerState(llm, AsyncEngine(llm.engine, Metrics("parrot")), "parrot", "parrot", 0)
-    port = free_port()
-    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", state=state)
-    uv.should_exit = True
-    thread.join(10)
+    served = InThreadServer(build_app(state))
+    yield SimpleNamespace(url=served.url, state=state)
+    served.stop()
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,12 @@ and reported per choice as `zcode_plan`, with the official client against an in-
 on a tiny random llama (token-id prompts: the tiny checkpoint has no tokenizer)."""
 
 import http.client
-import threading
-import time
 from types import SimpleNamespace
 
 import openai
 import pytest
 import torch
-import uvicorn
-from remote_server import free_port
+from remote_server import InThreadServer
 
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
@@ -39,16 +36,9 @@ def _artifact(model) -> SparsityArtifact:
 
 
 def _serve(state):
-    port = free_port()
-    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started and time.monotonic() < deadline:
-        time.sleep(0.01)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
-    return uv, thread, client, ("127.0.0.1", port)
+    served = InThreadServer(build_app(state))
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0)
+    return served, client, ("127.0.0.1", served.port)
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +53,14 @@ def setup(tiny_checkpoint, tmp_path_factory):
     servers = [_serve(planned), _serve(plain)]
     slow = predicted_ms(oracle.model, oracle.sparsity, LEVELS[0])
     yield SimpleNamespace(
-        client=servers[0][2],
-        address=servers[0][3],
-        plain_client=servers[1][2],
+        client=servers[0][1],
+        address=servers[0][2],
+        plain_client=servers[1][1],
         oracle=oracle,
         slow_ms=slow,
     )
-    for uv, thread, *_ in servers:
-        uv.should_exit = True
-        thread.join(10)
+    for served, *_ in servers:
+        served.stop()
 
 
 def _complete(client, **extra):
