@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_sparsity import WINDOW, quality  # noqa: E402
+from bench_sparsity import WINDOW, quality, run_sizes  # noqa: E402
 from table_format import print_rows  # noqa: E402
 
 from zcode import LLM  # noqa: E402
@@ -57,12 +57,8 @@ def main() -> None:
         help="plan with the calibration's latency fit instead of refitting in this run",
     )
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     quick = args.quick
-    heldout_tokens = 1024 if quick else 4096
-    repeats = 3 if quick else 5
-    decode_tokens = 12 if quick else 24
+    heldout_tokens, repeats, decode_tokens = run_sizes(args)
     num_targets = 4 if quick else 6
 
     llm = LLM(None, dtype="float32", enable_prefix_caching=False)

@@ -146,18 +146,21 @@ def _restore_heads(llm: LLM) -> None:
             layer.self_attn = _ORIGINAL_ATTN[i]
 
 
+def run_sizes(args: argparse.Namespace) -> tuple[int, int, int]:
+    """Applies --threads; (held-out tokens, timing repeats, decode tokens) for --quick or not."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return (1024, 3, 12) if args.quick else (4096, 5, 24)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer tokens, levels and repeats")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     ap.add_argument("--artifact", help="a zcode calibrate artifact (default: calibrate here)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     quick = args.quick
-    heldout_tokens = 1024 if quick else 4096
-    repeats = 3 if quick else 5
-    decode_tokens = 12 if quick else 24
+    heldout_tokens, repeats, decode_tokens = run_sizes(args)
 
     llm = LLM(None, dtype="float32", enable_prefix_caching=False)
     _restore_heads(llm)

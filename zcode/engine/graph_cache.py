@@ -86,18 +86,19 @@ class GraphCache:
 
 
 CONFIG_PATCHES = {"cpp_wrapper": True}
-GEMV_MAX_ROWS = 2
-GEMV_DTYPES = (torch.bfloat16, torch.float16)
+REDUCTION_MAX_ROWS = 2
+REDUCTION_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _gemv_as_reduction(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """x @ w_t for a few rows of 16-bit floats as multiply + sum, which inductor turns into one
-    vectorised loop that widens the weights in registers. aten's bf16 matrix-vector product
+    """x @ w_t for a few rows of 16-bit floats as multiply + sum (where the C++ GEMV of
+    zcode.kernels.gemv does not build, or for matmuls outside its linears), which inductor turns
+    into one vectorised loop that widens the weights in registers. aten's bf16 matrix-vector product
     streams weights at about half its fp32 rate (SmolLM2's 211 GEMVs on one thread here: 7.5
     against 13.3 GB/s); bench_decode_overhead.py shows the effect on whole decode steps.
     """
     # x: [M, K]; w_t: [K, N] (a transposed [N, K] weight) -> [M, N]
-    if x.shape[0] > GEMV_MAX_ROWS or x.dtype not in GEMV_DTYPES:
+    if x.shape[0] > REDUCTION_MAX_ROWS or x.dtype not in REDUCTION_DTYPES:
         return NotImplemented
     products = x[:, None, :].float() * w_t.t()[None].float()  # [M, N, K]
     return products.sum(-1).to(x.dtype)
