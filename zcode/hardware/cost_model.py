@@ -54,8 +54,9 @@ _SCHEMA_VERSION = 1  # bump when the features change, so old fits are not read
 DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
 
-# Part of the cache key: bump when a kernel change makes fitted costs stale (2: C++ decode GEMV).
-KERNELS_VERSION = 2
+# Part of the cache key: bump when a kernel change makes fitted costs stale (2: C++ decode GEMV;
+# 3: its software prefetch).
+KERNELS_VERSION = 3
 
 
 # --- features --------------------------------------------------------------------------------

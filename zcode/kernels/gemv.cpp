@@ -36,32 +36,45 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// a . b over K bf16 values (K % 32 tail masked), four independent accumulators.
-inline float dot_bf16(const uint16_t* a, const uint16_t* b, int64_t K) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-  int64_t k = 0;
-  for (; k + 128 <= K; k += 128)
-    for (int i = 0; i < 4; ++i)
-      acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(a + k + 32 * i),
-                                (__m512bh)_mm512_loadu_si512(b + k + 32 * i));
-  for (; k < K; k += 32) {
+// Weight rows are streamed with software prefetches this far ahead into L2: one core's hardware
+// prefetchers alone keep too few misses in flight (SmolLM2's bf16 linears in model order, 2
+// threads: 19 GB/s without, 27 GB/s with, the rate of a plain fp32 sum here).
+constexpr int64_t PREFETCH_BYTES = 12 << 10;
+inline void prefetch_l2(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
+}
+
+// out[m * N + n + r] = w[n + r] . x[m] for R weight rows from n, 32 k per vdpbf16ps (K % 32
+// tail masked); the R rows share each activation load.
+template <int M, int R>
+void dot_bf16_rows(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t N,
+                   int64_t n) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  const uint16_t* wn = w + n * K;
+  for (int64_t k = 0; k < K; k += 32) {
     const __mmask32 mask = K - k >= 32 ? 0xFFFFFFFFu : (1u << (K - k)) - 1;
-    acc[0] = _mm512_dpbf16_ps(acc[0], (__m512bh)_mm512_maskz_loadu_epi16(mask, a + k),
-                              (__m512bh)_mm512_maskz_loadu_epi16(mask, b + k));
+    __m512bh xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      prefetch_l2(wn + r * K + k);
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, wn + r * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
+    }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]),
-                                            _mm512_add_ps(acc[2], acc[3])));
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 template <int M>
 void gemv_bf16_rows(const uint16_t* x, const uint16_t* w, float* out, int64_t K, int64_t N) {
-  at::parallel_for(0, N, grain_rows(2 * K), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint16_t* wr = w + n * K;
-      for (int m = 0; m < M; ++m)
-        out[m * N + n] = dot_bf16(wr, x + m * K, K);
-    }
+  constexpr int R = 2;  // rows per step: 5% faster than one, no faster at four
+  at::parallel_for(0, (N + R - 1) / R, grain_rows(2 * K * R), [&](int64_t b0, int64_t b1) {
+    const int64_t n1 = std::min(N, b1 * R);
+    int64_t n = b0 * R;
+    for (; n + R <= n1; n += R) dot_bf16_rows<M, R>(x, w, out, K, N, n);
+    for (; n < n1; ++n) dot_bf16_rows<M, 1>(x, w, out, K, N, n);
   });
 }
 
@@ -162,6 +175,7 @@ void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_
       for (int m = 0; m < M; ++m) bias[m] = _mm512_setzero_ps();
       for (int64_t g = 0; g < G; g += 16) {
         const __mmask16 mask = G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1;
+        prefetch_l2(pairs + g);
         const __m512i v = _mm512_maskz_loadu_epi32(mask, pairs + g);
         const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
         const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
@@ -177,6 +191,7 @@ void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_
       for (int64_t c = 0; c < K; c += 128) {
         const int64_t half = std::min<int64_t>(128, K - c) / 2;  // bytes of nibbles: 64, 32 or 16
         const __mmask64 mask = half == 64 ? ~0ull : (1ull << half) - 1;
+        prefetch_l2(qr + c / 2);
         const __m512i bytes = _mm512_maskz_loadu_epi8(mask, qr + c / 2);
         const __m512i lo = _mm512_and_si512(bytes, low4);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
@@ -209,6 +224,7 @@ void gemv_w8a8_rows(const std::vector<uint8_t>& xu, const float* x_scale, const 
       for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
       for (int64_t k = 0; k < K; k += 64) {
         const __mmask64 mask = K - k >= 64 ? ~0ull : (1ull << (K - k)) - 1;
+        prefetch_l2(qr + k);
         const __m512i w = _mm512_maskz_loadu_epi8(mask, qr + k);
         for (int m = 0; m < M; ++m)
           acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(mask, xu.data() + m * K + k), w);
