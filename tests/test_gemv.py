@@ -35,6 +35,20 @@ def test_bf16_linear_matches_float64(rows, in_features, out_features):
     assert torch.allclose(raw.double(), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("in_features,out_features", [(576, 1536), (101, 33), (17, 1)])
+def test_fp32_linear_matches_float64(rows, in_features, out_features):
+    torch.manual_seed(rows)
+    layer = Linear(in_features, out_features, bias=True).requires_grad_(False)
+    x = torch.randn(rows, in_features)
+    exact = x.double() @ layer.weight.double().T + layer.bias.double()  # [rows, N]
+    got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5)
+    raw = torch.ops.zcode.gemv_f32(x, layer.weight)  # the path Linear took at these row counts
+    assert torch.allclose(got, raw + layer.bias, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize(
     "rows,in_features,out_features", [(1, 101, 33), (3, 576, 48), (4, 200, 17)]
@@ -59,6 +73,13 @@ def test_w8a8_gemv_matches_reference(rows, in_features, out_features):
     got = packed.mm_gemv(x)
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     assert packed.linear_fast(x).equal(got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_of_no_rows_is_empty(dtype):
+    # A step can ask for no logits (a prefill chunk that does not complete its prompt).
+    layer = Linear(32, 8).to(dtype).requires_grad_(False)
+    assert layer(torch.randn(0, 32).to(dtype)).shape == (0, 8)
 
 
 def test_gemv_rejects_too_many_rows():

@@ -13,7 +13,8 @@ class Sampler:
         self, logits: torch.Tensor, seqs: list[Sequence]
     ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [B, V] fp32 -> (token ids [B], per-sequence {token: logprob} or None)."""
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = self._penalise_repetition(logits, seqs)
         greedy = logits.argmax(dim=-1)
         tokens = []
@@ -24,6 +25,8 @@ class Sampler:
                 probs = self._filtered_probs(logits[i], seq)
                 generator = self._generator(seq)
                 tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+        if raw_logprobs is None:
+            return tokens, [None] * len(seqs)
         return tokens, [
             top_logprobs(raw_logprobs[i], tokens[i], seq.params.logprobs)
             for i, seq in enumerate(seqs)

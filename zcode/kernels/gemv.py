@@ -4,6 +4,7 @@ At decode a linear layer multiplies one to a few rows by the whole weight, so it
 reading the weight. torch's bf16 F.linear at one row reads ~2x slower than fp32 on this CPU, and
 its int4 kernel is compute-bound; these kernels stream each weight row once per call:
 - `torch.ops.zcode.gemv_bf16(x, w)`: bf16 weight, activations rounded to bf16, fp32 sums;
+- `torch.ops.zcode.gemv_f32(x, w)`: fp32 weight and activations;
 - `torch.ops.zcode.gemv_w4a8(x, qweight, row_scales_and_zeros, group, out_features, min_scale)`:
   zcode.quant.int4's W4A8 format, x quantized per token to int8 inside the call, exact integer
   dot products;
@@ -60,6 +61,11 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.zcode.gemv_bf16(x, w)
 
 
+def gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] fp32, w: [N, K] fp32 contiguous -> [M, N] fp32; M <= MAX_ROWS."""
+    return torch.ops.zcode.gemv_f32(x, w)
+
+
 def gemv_w4a8(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -78,6 +84,10 @@ def gemv_w4a8(
 def _register_fakes() -> None:
     # Output shapes for tracing (torch.compile): the kernels themselves never run on fakes.
     @torch.library.register_fake("zcode::gemv_bf16")
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
+
+    @torch.library.register_fake("zcode::gemv_f32")
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
 
