@@ -117,6 +117,7 @@ def test_compiled_decode_matches_eager_and_transformers(tiny, compiled):
     compiles_before = compiled.stats()["num_graph_compiles"]
     tokens, logits = _generate(compiled, _prompts())
     assert compiled.stats()["num_graph_compiles"] > compiles_before  # the graph really ran
+    assert compiled.runner.graphs.direct  # later steps called it without dynamo
     assert tokens == eager_tokens
     assert tokens == [_oracle_tokens(oracle, p) for p in _prompts()]
     for step_eager, step_compiled in zip(eager_logits, logits, strict=True):
@@ -147,6 +148,33 @@ def test_new_plan_signature_compiles_its_own_graph(compiled):
         assert compiled.stats()["num_graph_compiles"] == before + 1
     finally:
         runner.set_plan(ExecutionPlan())
+
+
+@pytest.mark.slow
+def test_direct_steps_read_tensors_swapped_before_set_plan(tiny, compiled):
+    """A direct (dynamo-free) step holds the model's tensors; set_plan makes it re-read them,
+    and a KV cache replaced by another engine on the same model is noticed by itself."""
+    net, _ = tiny
+    _generate(compiled, _prompts())  # every key this batch needs is compiled and direct
+    mlp = net.model.layers[0].mlp
+    original = mlp.down_proj.weight
+    eager = LLMEngine(net, None, EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4))
+    try:
+        mlp.down_proj.weight = torch.nn.Parameter(original * -3.0, requires_grad=False)
+        compiled.runner.set_plan(ExecutionPlan())  # same signature: the same graphs serve
+        before = compiled.stats()["num_graph_compiles"]
+        # Prompts no test used: a cached prefix would hold KV computed with the old weight.
+        prompts = [[(7 * t) % 250 + 3 for t in p] for p in _prompts()]
+        tokens, logits = _generate(compiled, prompts)
+        eager_tokens, eager_logits = _generate(eager, prompts)
+    finally:
+        mlp.down_proj.weight = original
+        compiled.runner.set_plan(ExecutionPlan())
+    assert compiled.stats()["num_graph_compiles"] == before
+    assert tokens == eager_tokens
+    for step_eager, step_compiled in zip(eager_logits, logits, strict=True):
+        for a, b in zip(step_eager, step_compiled, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -45,6 +45,8 @@ class ModelRunner:
         """Declares the plan the model now runs (after its modules were changed to follow it);
         compiled decode steps are looked up by its signature."""
         self.plan, self.plan_signature = plan, plan.signature()
+        if self.graphs is not None:
+            self.graphs.model_changed()
 
     @property
     def num_graph_compiles(self) -> int:
