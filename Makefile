@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(VENV)/bin/zcode generate "Explain in one sentence what a KV cache is." --max-tokens 64
+	$(VENV)/bin/zcode generate --chat "Explain in one sentence what a KV cache is." --max-tokens 64
 
 test: install
 	$(PY) -m pytest -q
