@@ -3,8 +3,8 @@
 // of weight rows exactly once and keeps all M activation rows in L1.
 //
 // bf16:  x, w bf16 [N, K]; vdpbf16ps multiplies 32 pairs exactly and sums them in fp32.
-// fp32:  x, w fp32 [N, K]; FMA, 16 per instruction (as fast as MKL's sgemv, which lacks the
-//        prefetch below: 2-3% slower over SmolLM2's linears).
+// fp32:  x, w fp32 [N, K]; FMA, 16 per instruction (2-3% faster than MKL's sgemv over SmolLM2's
+//        linears, from the prefetch below).
 // w4a8:  zcode.quant.int4's W4A8 format: w = (q - 8) * scale + zero per group of k (qweight uint8
 //        [N_pad, K / 2], low nibble = even k), x = xq * x_scale with int8 codes per token. vpdpbusd
 //        sums 64 nibble x int8 products exactly in int32 lanes of 8 k each, so

@@ -61,11 +61,6 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.ops.zcode.gemv_bf16(x, w)
 
 
-def gemv_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] fp32, w: [N, K] fp32 contiguous -> [M, N] fp32; M <= MAX_ROWS."""
-    return torch.ops.zcode.gemv_f32(x, w)
-
-
 def gemv_w4a8(
     x: torch.Tensor,
     qweight: torch.Tensor,
