@@ -31,7 +31,7 @@ def test_bf16_linear_matches_float64(rows, in_features, out_features):
     tolerance = 2**-7 * (expected.abs() + exact.abs()) + 1e-6
     assert ((got.double() - expected).abs() <= tolerance).all()
     # The bias-free part is the exact sum to fp32 accuracy: the kernel ran, not a bf16 F.linear.
-    raw = torch.ops.zcode.gemv_bf16(x, layer.weight)
+    raw = torch.ops.zcode.gemv_bf16(x, [layer.weight])
     assert torch.allclose(raw.double(), exact, rtol=1e-5, atol=1e-5)
 
 
@@ -45,7 +45,7 @@ def test_fp32_linear_matches_float64(rows, in_features, out_features):
     got = layer(x)
     assert got.dtype == torch.float32 and got.shape == (rows, out_features)
     assert torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5)
-    raw = torch.ops.zcode.gemv_f32(x, layer.weight)  # the path Linear took at these row counts
+    raw = torch.ops.zcode.gemv_f32(x, [layer.weight])  # the path Linear took at these row counts
     assert torch.allclose(got, raw + layer.bias, rtol=0, atol=0)
 
 
@@ -84,7 +84,7 @@ def test_linear_of_no_rows_is_empty(dtype):
 
 def test_gemv_rejects_too_many_rows():
     with pytest.raises(RuntimeError, match="rows"):
-        torch.ops.zcode.gemv_bf16(torch.randn(5, 32), torch.randn(8, 32).to(torch.bfloat16))
+        torch.ops.zcode.gemv_bf16(torch.randn(5, 32), [torch.randn(8, 32).to(torch.bfloat16)])
 
 
 def test_compiled_graph_calls_the_kernel_once_per_layer():
@@ -106,3 +106,71 @@ def test_autograd_keeps_torch_linear():
     layer = Linear(32, 8).to(torch.bfloat16)  # parameters require grad: F.linear runs
     layer(torch.randn(1, 32).to(torch.bfloat16)).float().sum().backward()
     assert layer.weight.grad is not None
+
+
+# Sibling linears of uneven widths (k/v narrower than q; W4A8 pads rows to 16, so a matrix's
+# padding rows must not shift its neighbours' columns), over odd input widths.
+GROUP_WIDTHS = (33, 7, 1)
+
+
+def _group_modules(kind: str, in_features: int) -> list[torch.nn.Module]:
+    from zcode.quant.linear import QuantizedLinear
+
+    modules = []
+    for n in GROUP_WIDTHS:
+        layer = Linear(in_features, n, bias=True).requires_grad_(False)
+        if kind == "bf16-linear":
+            layer = layer.to(torch.bfloat16)
+        elif kind != "fp32-linear":
+            layer = QuantizedLinear.from_linear(layer, kind)
+        modules.append(layer)
+    return modules
+
+
+@pytest.mark.parametrize("kind", ["fp32-linear", "bf16-linear", "bf16", "w4a8", "w4a8-g64", "w8a8"])
+@pytest.mark.parametrize("rows,in_features", [(1, 576), (2, 101), (4, 128)])
+def test_linear_group_is_one_call_equal_to_each_module(kind, rows, in_features, monkeypatch):
+    from zcode.layers.linear import linear_group
+
+    torch.manual_seed(rows)
+    in_features = 128 if kind == "w4a8-g64" else in_features  # K_pad: a multiple of 64
+    modules = _group_modules(kind, in_features)
+    dtype = torch.bfloat16 if kind == "bf16-linear" else torch.float32
+    x = torch.randn(rows, in_features).to(dtype)
+    # Each module's GEMV alone, checked against float64 above. (A QuantizedLinear alone takes
+    # its autotuned kernel, which for a matrix this small may be another; a group takes the GEMV.)
+    separate = [
+        m(x) if isinstance(m, Linear) else (m.packed.mm_gemv(x) + m.bias).to(dtype)
+        for m in modules
+    ]
+    for m in modules:  # the group must not call the modules
+        monkeypatch.setattr(m, "forward", lambda *_: pytest.fail("module ran on its own"))
+    grouped = linear_group(x, modules)
+    assert [g.shape for g in grouped] == [(rows, n) for n in GROUP_WIDTHS]
+    for g, s in zip(grouped, separate):
+        assert g.dtype == s.dtype and g.equal(s)
+
+
+def test_linear_group_runs_modules_alone_when_they_cannot_share_a_call():
+    from zcode.layers.linear import linear_group
+    from zcode.quant.linear import QuantizedLinear
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 64)
+    mixed = _group_modules("w4a8", 64)[:2] + [
+        QuantizedLinear.from_linear(Linear(64, 5), "w8a8")
+    ]
+    calls = []
+    hooked = _group_modules("fp32-linear", 64)
+    hooked[1].register_forward_pre_hook(lambda *_: calls.append(1))
+    many_rows = torch.randn(gemv.MAX_ROWS + 1, 64)
+    for modules, inputs in [(mixed, x), (hooked, x), (_group_modules("w4a8", 64), many_rows)]:
+        expected = [m(inputs) for m in modules]
+        assert all(g.equal(e) for g, e in zip(linear_group(inputs, modules), expected))
+    assert calls == [1, 1]  # the hook saw both calls: the group went module by module
+
+
+def test_gemv_rejects_weights_of_different_widths():
+    weights = [torch.randn(8, 32), torch.randn(8, 33)]
+    with pytest.raises(RuntimeError, match=r"\[N, 32\]"):
+        torch.ops.zcode.gemv_f32(torch.randn(1, 32), weights)

@@ -12,6 +12,11 @@
 //        is exact up to the fp32 sums over chunks. The kernel quantizes x itself (one call).
 // w8a8:  zcode.quant.int8's W8A8 format, int8 weights per row scale; vpdpbusd of the int8
 //        codes shifted to unsigned, the shift taken back with each row's code sum: exact.
+//
+// Each op takes a list of weights that share the input (q/k/v, gate/up) and returns their
+// outputs side by side, [M, N_0 + N_1 + ...]: one call, one activation quantization and one
+// parallel region for the group. Per call each op pays ~3 us (dispatch, set-up, waking the
+// second thread), and a 192-row k or v matrix alone is too small to split across threads.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -30,6 +35,31 @@ constexpr int64_t MAX_ROWS = 4;
 constexpr int64_t GRAIN_BYTES = 64 << 10;
 
 inline int64_t grain_rows(int64_t row_bytes) { return std::max<int64_t>(16, GRAIN_BYTES / row_bytes); }
+
+// The rows of a list of weight matrices numbered one after another: matrix s's row r is output
+// column offsets[s] + r.
+struct Rows {
+  std::vector<int64_t> offsets;  // [S + 1]: each matrix's first output column, then the total
+
+  explicit Rows(const std::vector<int64_t>& rows_per_matrix) : offsets{0} {
+    for (int64_t n : rows_per_matrix) offsets.push_back(offsets.back() + n);
+  }
+  int64_t total() const { return offsets.back(); }
+
+  // Splits rows [n0, n1) over threads (at::parallel_for, `grain` rows at least per task) and
+  // calls fn(s, r0, r1) for each matrix s's rows r0..r1 (indices within s) in a task.
+  template <typename Fn>
+  void parallel(int64_t grain, const Fn& fn) const {
+    at::parallel_for(0, total(), grain, [&](int64_t n0, int64_t n1) {
+      size_t s = std::upper_bound(offsets.begin(), offsets.end(), n0) - offsets.begin() - 1;
+      for (; n0 < n1; ++s) {
+        const int64_t end = std::min(n1, offsets[s + 1]);
+        if (end > n0) fn(s, n0 - offsets[s], end - offsets[s]);
+        n0 = end;
+      }
+    });
+  }
+};
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -68,15 +98,13 @@ struct F32 {
   static __m512 madd(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
 };
 
-// out[m * N + n + r] = w[n + r] . x[m] for R weight rows from n (K tail masked); the R rows
-// share each activation load.
+// out[m * N + r] = wn[r] . x[m] for R weight rows from wn (K tail masked); the R rows share
+// each activation load.
 template <typename F, int M, int R>
-void dot_rows(const typename F::T* x, const typename F::T* w, float* out, int64_t K, int64_t N,
-              int64_t n) {
+void dot_rows(const typename F::T* x, const typename F::T* wn, float* out, int64_t K, int64_t N) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  const typename F::T* wn = w + n * K;
   for (int64_t k = 0; k < K; k += F::LANES) {
     typename F::V xv[M];
     for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
@@ -87,19 +115,21 @@ void dot_rows(const typename F::T* x, const typename F::T* w, float* out, int64_
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) out[m * N + n + r] = _mm512_reduce_add_ps(acc[r][m]);
+    for (int m = 0; m < M; ++m) out[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 template <typename F, int M>
-void gemv_float_rows(const typename F::T* x, const typename F::T* w, float* out, int64_t K,
-                     int64_t N) {
+void gemv_float_rows(const typename F::T* x, const std::vector<const typename F::T*>& ws,
+                     const Rows& rows, float* out, int64_t K) {
   constexpr int R = 2;  // rows per step: 5% faster than one, no faster at four
+  const int64_t N = rows.total();
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(typename F::T));
-  at::parallel_for(0, (N + R - 1) / R, grain_rows(row_bytes * R), [&](int64_t b0, int64_t b1) {
-    const int64_t n1 = std::min(N, b1 * R);
-    int64_t n = b0 * R;
-    for (; n + R <= n1; n += R) dot_rows<F, M, R>(x, w, out, K, N, n);
-    for (; n < n1; ++n) dot_rows<F, M, 1>(x, w, out, K, N, n);
+  rows.parallel(grain_rows(row_bytes), [&](size_t s, int64_t r0, int64_t r1) {
+    const typename F::T* w = ws[s];
+    float* o = out + rows.offsets[s];
+    int64_t r = r0;
+    for (; r + R <= r1; r += R) dot_rows<F, M, R>(x, w + r * K, o + r, K, N);
+    for (; r < r1; ++r) dot_rows<F, M, 1>(x, w + r * K, o + r, K, N);
   });
 }
 
@@ -181,9 +211,10 @@ W4A8Activations rearrange_for_w4a8(const std::vector<int8_t>& codes, int64_t M, 
 }
 
 template <int M>
-void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_t* q,
-                    const uint16_t* sz, float* out, int64_t K, int64_t N, int64_t group) {
-  const int64_t G = K / group;
+void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale,
+                    const std::vector<const uint8_t*>& qs, const std::vector<const uint16_t*>& szs,
+                    const Rows& rows, float* out, int64_t K, int64_t group) {
+  const int64_t G = K / group, N = rows.total();
   const int group_shift = __builtin_ctzll(group / 32);  // group = 32 << group_shift
   // Lane i of a 128-k chunk sums k in [c + 8i, c + 8i + 8): group c / group + (i / 4 >> shift).
   alignas(64) int32_t lane_group_idx[16];
@@ -191,11 +222,11 @@ void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_
   const __m512i lane_group = _mm512_load_si512(lane_group_idx);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i high16 = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  at::parallel_for(0, N, grain_rows(K / 2), [&](int64_t n0, int64_t n1) {
+  rows.parallel(grain_rows(K / 2), [&](size_t s, int64_t r0, int64_t r1) {
     std::vector<float> scales(a.G_pad + 4, 0.f);  // + 4: a chunk reads up to 4 groups
-    for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t n = r0; n < r1; ++n) {
       // One (scale, zero) bf16 pair per group is one 32-bit word: scale low, zero high.
-      const int32_t* pairs = reinterpret_cast<const int32_t*>(sz + n * G * 2);
+      const int32_t* pairs = reinterpret_cast<const int32_t*>(szs[s] + n * G * 2);
       __m512 bias[M];
       for (int m = 0; m < M; ++m) bias[m] = _mm512_setzero_ps();
       for (int64_t g = 0; g < G; g += 16) {
@@ -210,7 +241,7 @@ void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_
           bias[m] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(a.group_sums.data() + m * a.G_pad + g),
                                     bias[m]);
       }
-      const uint8_t* qr = q + n * (K / 2);
+      const uint8_t* qr = qs[s] + n * (K / 2);
       __m512 acc[M];
       for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
       for (int64_t c = 0; c < K; c += 128) {
@@ -230,8 +261,9 @@ void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_
           acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
         }
       }
+      float* o = out + rows.offsets[s] + n;
       for (int m = 0; m < M; ++m)
-        out[m * N + n] = x_scale[m] * _mm512_reduce_add_ps(_mm512_add_ps(acc[m], bias[m]));
+        o[m * N] = x_scale[m] * _mm512_reduce_add_ps(_mm512_add_ps(acc[m], bias[m]));
     }
   });
 }
@@ -239,12 +271,14 @@ void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale, const uint8_
 // W8A8: x codes shifted to unsigned (xq + 128) times int8 weights by vpdpbusd, 64 per
 // instruction; out = x_scale * scale_n * (sum_k (xq_k + 128) q_k - 128 * sum_k q_k).
 template <int M>
-void gemv_w8a8_rows(const std::vector<uint8_t>& xu, const float* x_scale, const int8_t* q,
-                    const uint16_t* scales, const int32_t* row_sums, float* out, int64_t K,
-                    int64_t N) {
-  at::parallel_for(0, N, grain_rows(K), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* qr = q + n * K;
+void gemv_w8a8_rows(const std::vector<uint8_t>& xu, const float* x_scale,
+                    const std::vector<const int8_t*>& qs, const std::vector<const uint16_t*>& scales,
+                    const std::vector<const int32_t*>& row_sums, const Rows& rows, float* out,
+                    int64_t K) {
+  const int64_t N = rows.total();
+  rows.parallel(grain_rows(K), [&](size_t s, int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      const int8_t* qr = qs[s] + n * K;
       __m512i acc[M];
       for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_si512();
       for (int64_t k = 0; k < K; k += 64) {
@@ -254,10 +288,11 @@ void gemv_w8a8_rows(const std::vector<uint8_t>& xu, const float* x_scale, const 
         for (int m = 0; m < M; ++m)
           acc[m] = _mm512_dpbusd_epi32(acc[m], _mm512_maskz_loadu_epi8(mask, xu.data() + m * K + k), w);
       }
-      const float scale = bf16_to_float(scales[n]);
+      const float scale = bf16_to_float(scales[s][n]);
+      float* o = out + rows.offsets[s] + n;
       for (int m = 0; m < M; ++m) {
-        const int32_t dot = _mm512_reduce_add_epi32(acc[m]) - 128 * row_sums[n];
-        out[m * N + n] = x_scale[m] * scale * static_cast<float>(dot);
+        const int32_t dot = _mm512_reduce_add_epi32(acc[m]) - 128 * row_sums[s][n];
+        o[m * N] = x_scale[m] * scale * static_cast<float>(dot);
       }
     }
   });
@@ -275,17 +310,17 @@ void dispatch_rows(int64_t M, Args&&... args) {
 }
 
 template <int M> struct Bf16Rows {
-  template <typename... A> static void run(A... a) { gemv_float_rows<Bf16, M>(a...); }
+  template <typename... A> static void run(const A&... a) { gemv_float_rows<Bf16, M>(a...); }
 };
 template <int M> struct F32Rows {
-  template <typename... A> static void run(A... a) { gemv_float_rows<F32, M>(a...); }
+  template <typename... A> static void run(const A&... a) { gemv_float_rows<F32, M>(a...); }
 };
 template <int M> struct W4A8Rows {
-  template <typename... A> static void run(A... a) { gemv_w4a8_rows<M>(a...); }
+  template <typename... A> static void run(const A&... a) { gemv_w4a8_rows<M>(a...); }
 };
 
 template <int M> struct W8A8Rows {
-  template <typename... A> static void run(A... a) { gemv_w8a8_rows<M>(a...); }
+  template <typename... A> static void run(const A&... a) { gemv_w8a8_rows<M>(a...); }
 };
 
 const uint16_t* bits(const torch::Tensor& t) {
@@ -294,86 +329,138 @@ const uint16_t* bits(const torch::Tensor& t) {
 
 }  // namespace
 
-torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
-  // x: [M, K] float (rounded to bf16), w: [N, K] bf16 -> [M, N] fp32
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: shapes");
-  TORCH_CHECK(x.is_floating_point() && w.scalar_type() == at::kBFloat16, "gemv_bf16: bf16 weight");
-  TORCH_CHECK(w.is_contiguous(), "gemv_bf16: weight must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+namespace {
+
+// Checks a list of weights sharing the input: each [N_s, K] contiguous of `dtype`.
+void check_weights(const char* op, const std::vector<torch::Tensor>& ws, int64_t K,
+                   at::ScalarType dtype) {
+  TORCH_CHECK(!ws.empty(), op, ": needs at least one weight");
+  for (const auto& w : ws)
+    TORCH_CHECK(w.dim() == 2 && w.size(1) == K && w.scalar_type() == dtype && w.is_contiguous(),
+                op, ": each weight must be a contiguous [N, ", K, "] ", dtype, " matrix, got ",
+                w.sizes(), " ", w.scalar_type());
+}
+
+void check_rows(int64_t M) {
+  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
+}
+
+template <typename T>
+std::vector<const T*> pointers(const std::vector<torch::Tensor>& ts) {
+  std::vector<const T*> out;
+  for (const auto& t : ts) out.push_back(static_cast<const T*>(t.data_ptr()));
+  return out;
+}
+
+std::vector<int64_t> num_rows(const std::vector<torch::Tensor>& ws) {
+  std::vector<int64_t> n;
+  for (const auto& w : ws) n.push_back(w.size(0));
+  return n;
+}
+
+}  // namespace
+
+torch::Tensor gemv_bf16(const torch::Tensor& x, const std::vector<torch::Tensor>& ws) {
+  // x: [M, K] float (rounded to bf16), ws: bf16 [N_s, K] -> [M, sum N_s] fp32
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "gemv_bf16: x must be 2-D float");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_rows(M);
+  check_weights("gemv_bf16", ws, K, at::kBFloat16);
+  const Rows rows(num_rows(ws));
   auto xc = x.to(at::kBFloat16).contiguous();
-  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  dispatch_rows<Bf16Rows>(M, bits(xc), bits(w), out.data_ptr<float>(), K, N);
+  auto out = torch::empty({M, rows.total()}, x.options().dtype(at::kFloat));
+  dispatch_rows<Bf16Rows>(M, bits(xc), pointers<uint16_t>(ws), rows, out.data_ptr<float>(), K);
   return out;
 }
 
-torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w) {
-  // x: [M, K] fp32, w: [N, K] fp32 -> [M, N] fp32
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_f32: shapes");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "gemv_f32: fp32");
-  TORCH_CHECK(w.is_contiguous(), "gemv_f32: weight must be contiguous");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+torch::Tensor gemv_f32(const torch::Tensor& x, const std::vector<torch::Tensor>& ws) {
+  // x: [M, K] fp32, ws: fp32 [N_s, K] -> [M, sum N_s] fp32
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "gemv_f32: x must be 2-D fp32");
+  const int64_t M = x.size(0), K = x.size(1);
+  check_rows(M);
+  check_weights("gemv_f32", ws, K, at::kFloat);
+  const Rows rows(num_rows(ws));
   auto xc = x.contiguous();
-  auto out = torch::empty({M, N}, x.options());
-  dispatch_rows<F32Rows>(M, xc.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), K, N);
+  auto out = torch::empty({M, rows.total()}, x.options());
+  dispatch_rows<F32Rows>(M, xc.data_ptr<float>(), pointers<float>(ws), rows, out.data_ptr<float>(),
+                         K);
   return out;
 }
 
-torch::Tensor gemv_w4a8(const torch::Tensor& x, const torch::Tensor& qweight,
-                        const torch::Tensor& row_scales_and_zeros, int64_t group,
-                        int64_t out_features, double min_scale) {
-  // x: [M, K_in] float, K_in <= K; qweight: uint8 [N_pad, K / 2];
-  // row_scales_and_zeros: bf16 [N_pad, K / group, 2] -> [M, out_features] fp32
+torch::Tensor gemv_w4a8(const torch::Tensor& x, const std::vector<torch::Tensor>& qweights,
+                        const std::vector<torch::Tensor>& row_scales_and_zeros, int64_t group,
+                        at::IntArrayRef out_features, double min_scale) {
+  // x: [M, K_in] float, K_in <= K; per matrix s: qweight uint8 [N_pad_s, K / 2],
+  // row_scales_and_zeros bf16 [N_pad_s, K / group, 2], out_features N_s <= N_pad_s
+  // -> [M, sum N_s] fp32
   TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "gemv_w4a8: x must be 2-D float");
-  const int64_t M = x.size(0), K_in = x.size(1), N_pad = qweight.size(0), K = qweight.size(1) * 2;
-  TORCH_CHECK(qweight.is_contiguous() && K_in <= K, "gemv_w4a8: qweight shape");
+  TORCH_CHECK(!qweights.empty() && qweights.size() == row_scales_and_zeros.size() &&
+                  qweights.size() == out_features.size(),
+              "gemv_w4a8: one qweight, scale tensor and out_features per matrix");
+  const int64_t M = x.size(0), K_in = x.size(1), K = qweights[0].size(1) * 2;
+  check_rows(M);
+  TORCH_CHECK(K_in <= K, "gemv_w4a8: x has ", K_in, " columns, the weight ", K);
   TORCH_CHECK(group >= 32 && (group & (group - 1)) == 0 && K % group == 0,
               "gemv_w4a8: group must be a power of two >= 32 dividing K");
-  const auto& sz = row_scales_and_zeros;
-  TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == at::kBFloat16 && sz.size(0) == N_pad &&
-                  sz.size(1) == K / group && out_features <= N_pad,
-              "gemv_w4a8: row_scales_and_zeros shape");
-  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
+  check_weights("gemv_w4a8", qweights, K / 2, at::kByte);
+  for (size_t s = 0; s < qweights.size(); ++s) {
+    const auto& sz = row_scales_and_zeros[s];
+    TORCH_CHECK(sz.is_contiguous() && sz.scalar_type() == at::kBFloat16 && sz.dim() == 3 &&
+                    sz.size(0) == qweights[s].size(0) && sz.size(1) == K / group &&
+                    sz.size(2) == 2 && out_features[s] >= 0 &&
+                    out_features[s] <= qweights[s].size(0),
+                "gemv_w4a8: row_scales_and_zeros or out_features of matrix ", s);
+  }
+  const Rows rows(out_features.vec());
   float x_scale[MAX_ROWS];
   const W4A8Activations a =
       rearrange_for_w4a8(quantize_rows(x.contiguous(), K, min_scale, x_scale), M, K, group);
-  auto out = torch::empty({M, out_features}, x.options().dtype(at::kFloat));
-  dispatch_rows<W4A8Rows>(M, a, x_scale, qweight.data_ptr<uint8_t>(), bits(sz),
-                          out.data_ptr<float>(), K, out_features, group);
+  auto out = torch::empty({M, rows.total()}, x.options().dtype(at::kFloat));
+  dispatch_rows<W4A8Rows>(M, a, x_scale, pointers<uint8_t>(qweights),
+                          pointers<uint16_t>(row_scales_and_zeros), rows, out.data_ptr<float>(), K,
+                          group);
   return out;
 }
 
-torch::Tensor gemv_w8a8(const torch::Tensor& x, const torch::Tensor& qweight,
-                        const torch::Tensor& scales, const torch::Tensor& row_sums,
-                        double min_scale) {
-  // x: [M, K_in] float, K_in <= K; qweight: int8 [N, K]; scales: bf16 [N];
-  // row_sums: int32 [N] (sum of each row's codes) -> [M, N] fp32
+torch::Tensor gemv_w8a8(const torch::Tensor& x, const std::vector<torch::Tensor>& qweights,
+                        const std::vector<torch::Tensor>& scales,
+                        const std::vector<torch::Tensor>& row_sums, double min_scale) {
+  // x: [M, K_in] float, K_in <= K; per matrix s: qweight int8 [N_s, K], scales bf16 [N_s],
+  // row_sums int32 [N_s] (sum of each row's codes) -> [M, sum N_s] fp32
   TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "gemv_w8a8: x must be 2-D float");
-  const int64_t M = x.size(0), K_in = x.size(1), N = qweight.size(0), K = qweight.size(1);
-  TORCH_CHECK(qweight.is_contiguous() && qweight.scalar_type() == at::kChar && K_in <= K,
-              "gemv_w8a8: qweight shape");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kBFloat16 &&
-                  scales.numel() == N && row_sums.is_contiguous() &&
-                  row_sums.scalar_type() == at::kInt && row_sums.numel() == N,
-              "gemv_w8a8: scales and row_sums");
-  TORCH_CHECK(M >= 1 && M <= MAX_ROWS, "gemv takes 1 to ", MAX_ROWS, " rows, got ", M);
+  TORCH_CHECK(!qweights.empty() && qweights.size() == scales.size() &&
+                  qweights.size() == row_sums.size(),
+              "gemv_w8a8: one qweight, scale and row-sum tensor per matrix");
+  const int64_t M = x.size(0), K_in = x.size(1), K = qweights[0].size(1);
+  check_rows(M);
+  TORCH_CHECK(K_in <= K, "gemv_w8a8: x has ", K_in, " columns, the weight ", K);
+  check_weights("gemv_w8a8", qweights, K, at::kChar);
+  for (size_t s = 0; s < qweights.size(); ++s) {
+    const int64_t N = qweights[s].size(0);
+    TORCH_CHECK(scales[s].is_contiguous() && scales[s].scalar_type() == at::kBFloat16 &&
+                    scales[s].numel() == N && row_sums[s].is_contiguous() &&
+                    row_sums[s].scalar_type() == at::kInt && row_sums[s].numel() == N,
+                "gemv_w8a8: scales and row_sums of matrix ", s);
+  }
+  const Rows rows(num_rows(qweights));
   float x_scale[MAX_ROWS];
   const std::vector<int8_t> codes = quantize_rows(x.contiguous(), K, min_scale, x_scale);
   std::vector<uint8_t> xu(codes.size());
   for (size_t i = 0; i < codes.size(); ++i) xu[i] = static_cast<uint8_t>(codes[i] + 128);
-  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  dispatch_rows<W8A8Rows>(M, xu, x_scale, qweight.data_ptr<int8_t>(), bits(scales),
-                          row_sums.data_ptr<int32_t>(), out.data_ptr<float>(), K, N);
+  auto out = torch::empty({M, rows.total()}, x.options().dtype(at::kFloat));
+  dispatch_rows<W8A8Rows>(M, xu, x_scale, pointers<int8_t>(qweights), pointers<uint16_t>(scales),
+                          pointers<int32_t>(row_sums), rows, out.data_ptr<float>(), K);
   return out;
 }
 
 // Registered with the dispatcher (no Python on the call path): torch.ops.zcode.gemv_*.
 TORCH_LIBRARY(zcode, m) {
-  m.def("gemv_bf16(Tensor x, Tensor w) -> Tensor");
-  m.def("gemv_f32(Tensor x, Tensor w) -> Tensor");
-  m.def("gemv_w4a8(Tensor x, Tensor qweight, Tensor row_scales_and_zeros, int group, "
-        "int out_features, float min_scale) -> Tensor");
-  m.def("gemv_w8a8(Tensor x, Tensor qweight, Tensor scales, Tensor row_sums, float min_scale) "
-        "-> Tensor");
+  m.def("gemv_bf16(Tensor x, Tensor[] ws) -> Tensor");
+  m.def("gemv_f32(Tensor x, Tensor[] ws) -> Tensor");
+  m.def("gemv_w4a8(Tensor x, Tensor[] qweights, Tensor[] row_scales_and_zeros, int group, "
+        "int[] out_features, float min_scale) -> Tensor");
+  m.def("gemv_w8a8(Tensor x, Tensor[] qweights, Tensor[] scales, Tensor[] row_sums, "
+        "float min_scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zcode, CPU, m) {

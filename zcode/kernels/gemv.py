@@ -3,16 +3,17 @@
 At decode a linear layer multiplies one to a few rows by the whole weight, so it is bound by
 reading the weight. torch's bf16 F.linear at one row reads ~2x slower than fp32 on this CPU, and
 its int4 kernel is compute-bound; these kernels stream each weight row once per call:
-- `torch.ops.zcode.gemv_bf16(x, w)`: bf16 weight, activations rounded to bf16, fp32 sums;
-- `torch.ops.zcode.gemv_f32(x, w)`: fp32 weight and activations;
-- `torch.ops.zcode.gemv_w4a8(x, qweight, row_scales_and_zeros, group, out_features, min_scale)`:
+- `torch.ops.zcode.gemv_bf16(x, ws)`: bf16 weights, activations rounded to bf16, fp32 sums;
+- `torch.ops.zcode.gemv_f32(x, ws)`: fp32 weights and activations;
+- `torch.ops.zcode.gemv_w4a8(x, qweights, row_scales_and_zeros, group, out_features, min_scale)`:
   zcode.quant.int4's W4A8 format, x quantized per token to int8 inside the call, exact integer
   dot products;
-- `torch.ops.zcode.gemv_w8a8(x, qweight, scales, row_sums, min_scale)`: zcode.quant.int8's W8A8
+- `torch.ops.zcode.gemv_w8a8(x, qweights, scales, row_sums, min_scale)`: zcode.quant.int8's W8A8
   format, likewise.
-All take 1 to MAX_ROWS rows and return fp32. They are registered with the dispatcher from C++
-(no Python per call) and have fake kernels here, so torch.compile keeps each as one call in a
-compiled decode graph.
+Each takes a list of weights that share the input and returns their outputs side by side,
+[M, N_0 + N_1 + ...] fp32 (zcode.layers.linear.linear_group: q/k/v or gate/up in one call), for 1
+to MAX_ROWS rows. They are registered with the dispatcher from C++ (no Python per call) and have
+fake kernels here, so torch.compile keeps each as one call in a compiled decode graph.
 
 Built once with torch.utils.cpp_extension.load and -march=native (cached by torch under
 $TORCH_EXTENSIONS_DIR); `available()` is False where the ISA or the compiler is missing, and the
@@ -56,40 +57,23 @@ def available() -> bool:
     return True
 
 
-def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] float, w: [N, K] bf16 contiguous -> [M, N] fp32; M <= MAX_ROWS."""
-    return torch.ops.zcode.gemv_bf16(x, w)
-
-
-def gemv_w4a8(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    row_scales_and_zeros: torch.Tensor,
-    group_size: int,
-    out_features: int,
-    min_scale: float,
-) -> torch.Tensor:
-    """x: [M, K_in] float; qweight: uint8 [N_pad, K / 2]; row_scales_and_zeros: bf16
-    [N_pad, K / group, 2] -> [M, out_features] fp32; M <= MAX_ROWS."""
-    return torch.ops.zcode.gemv_w4a8(
-        x, qweight, row_scales_and_zeros, group_size, out_features, min_scale
-    )
-
-
 def _register_fakes() -> None:
     # Output shapes for tracing (torch.compile): the kernels themselves never run on fakes.
+    def side_by_side(x, num_rows):
+        return x.new_empty(x.shape[0], sum(num_rows), dtype=torch.float32)
+
     @torch.library.register_fake("zcode::gemv_bf16")
-    def _(x, w):
-        return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    def _(x, ws):
+        return side_by_side(x, [w.shape[0] for w in ws])
 
     @torch.library.register_fake("zcode::gemv_f32")
-    def _(x, w):
-        return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    def _(x, ws):
+        return side_by_side(x, [w.shape[0] for w in ws])
 
     @torch.library.register_fake("zcode::gemv_w4a8")
-    def _(x, qweight, row_scales_and_zeros, group, out_features, min_scale):
-        return x.new_empty(x.shape[0], out_features, dtype=torch.float32)
+    def _(x, qweights, row_scales_and_zeros, group, out_features, min_scale):
+        return side_by_side(x, out_features)
 
     @torch.library.register_fake("zcode::gemv_w8a8")
-    def _(x, qweight, scales, row_sums, min_scale):
-        return x.new_empty(x.shape[0], qweight.shape[0], dtype=torch.float32)
+    def _(x, qweights, scales, row_sums, min_scale):
+        return side_by_side(x, [q.shape[0] for q in qweights])

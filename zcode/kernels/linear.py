@@ -100,8 +100,6 @@ def _gemv_fits(packed: PackedWeight, x: torch.Tensor) -> bool:
 def gemv_kernel(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     if not gemv_available():  # not gemv.available(): compiled graphs trace this function
         raise NotImplementedError("the C++ GEMV kernels do not build on this machine")
-    if type(packed) is Bf16Weight:
-        return gemv.gemv_bf16(x, packed.weight)
     return packed.mm_gemv(x)
 
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zcode.forward_batch import ForwardBatch
-from zcode.layers.linear import Linear
+from zcode.layers.linear import Linear, linear_group
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import apply_rotary
 
@@ -105,9 +105,10 @@ class Attention(nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         num_tokens, num_heads = x.shape[0], self.num_heads
-        q = self.q_proj(x).view(num_tokens, num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = linear_group(x, (self.q_proj, self.k_proj, self.v_proj))
+        q = q.view(num_tokens, num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         qk = apply_rotary(torch.cat([q, k], dim=1), *rope, interleaved=self.interleaved_rope)

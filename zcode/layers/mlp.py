@@ -2,7 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zcode.layers.linear import Linear
+from zcode.layers.linear import Linear, linear_group
 
 
 class GatedMLP(nn.Module):
@@ -15,4 +15,5 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linear_group(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(F.silu(gate) * up)

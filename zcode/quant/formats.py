@@ -16,7 +16,7 @@ bf16 value keeps the round-to-nearest error bound |w - dequantize(w)| <= scale /
 """
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,13 @@ class PackedWeight(nn.Module, ABC):
         """x: [M, K] float -> [M, N] fp32."""
         return F.linear(x.float(), self.dequantize())
 
+    @classmethod
+    def gemv_group(cls, x: torch.Tensor, weights: Sequence["PackedWeight"]) -> torch.Tensor | None:
+        """x [M, K] (1 <= M <= GEMV_MAX_ROWS) times several weights of this format in one C++ GEMV
+        call (zcode.kernels.gemv) -> [M, N_0 + N_1 + ...] fp32; None where the format has no such
+        kernel or the weights cannot share a call. The caller checks gemv_available()."""
+        return None
+
     @property
     @abstractmethod
     def weight_bytes(self) -> int:
@@ -87,8 +94,15 @@ class Bf16Weight(PackedWeight):
 
     def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= GEMV_MAX_ROWS and gemv_available():
-            return torch.ops.zcode.gemv_bf16(x, self.weight)
+            return self.mm_gemv(x)
         return F.linear(x.to(torch.bfloat16), self.weight)
+
+    @classmethod
+    def gemv_group(cls, x: torch.Tensor, weights: Sequence["Bf16Weight"]) -> torch.Tensor:
+        return torch.ops.zcode.gemv_bf16(x, [w.weight for w in weights])
+
+    def mm_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemv_group(x, [self])
 
     @property
     def weight_bytes(self) -> int:

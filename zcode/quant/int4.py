@@ -13,6 +13,8 @@ bits per weight; `weight_bytes` counts only what a decode step reads. A custom k
 `qweight` directly would drop the second copy.
 """
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -208,15 +210,22 @@ class W4A8Weight(Int4Weight):
             return self.mm_gemv(x)
         return self.mm_int4_kernels(x)
 
-    def mm_gemv(self, x: torch.Tensor) -> torch.Tensor:
+    @classmethod
+    def gemv_group(cls, x: torch.Tensor, weights: Sequence["W4A8Weight"]) -> torch.Tensor | None:
+        group_size, padded_cols = weights[0].group_size, weights[0].qweight.shape[1]
+        if any(w.group_size != group_size or w.qweight.shape[1] != padded_cols for w in weights):
+            return None
         return torch.ops.zcode.gemv_w4a8(
             x,
-            self.qweight,
-            self.row_scales_and_zeros,
-            self.group_size,
-            self.out_features,
+            [w.qweight for w in weights],
+            [w.row_scales_and_zeros for w in weights],
+            group_size,
+            [w.out_features for w in weights],
             MIN_SCALE,
         )
+
+    def mm_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemv_group(x, [self])
 
     def mm_int4_kernels(self, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_per_token(x)

@@ -3,6 +3,8 @@
 w[n, k] = q[n, k] * scale[n], q in [-127, 127], scale = amax(|w[n]|) / 127 rounded up to bf16.
 """
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -121,8 +123,20 @@ class W8A8Weight(Int8Weight):
             return self.mm_gemv(x)
         return self.mm_int_mm(x)
 
+    @classmethod
+    def gemv_group(cls, x: torch.Tensor, weights: Sequence["W8A8Weight"]) -> torch.Tensor | None:
+        if len({w.qweight.shape[1] for w in weights}) > 1:
+            return None
+        return torch.ops.zcode.gemv_w8a8(
+            x,
+            [w.qweight for w in weights],
+            [w.scales for w in weights],
+            [w.row_sums for w in weights],
+            MIN_SCALE,
+        )
+
     def mm_gemv(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.zcode.gemv_w8a8(x, self.qweight, self.scales, self.row_sums, MIN_SCALE)
+        return self.gemv_group(x, [self])
 
     def mm_int_mm(self, x: torch.Tensor) -> torch.Tensor:
         xq, x_scale = quantize_per_token(x)
