@@ -178,6 +178,28 @@ def test_direct_steps_read_tensors_swapped_before_set_plan(tiny, compiled):
 
 
 @pytest.mark.slow
+def test_a_model_tensor_of_another_shape_recompiles(tmp_path):
+    """Compiled graphs carry no size asserts: a tensor that changed shape (here the KV cache,
+    replaced by a larger engine's on the same model) must send the step back through dynamo's
+    guards and a recompile, not into a graph built for the old shape."""
+    make_checkpoint("llama", tmp_path)
+    net, _ = load_model(tmp_path)  # its own model: the engines below replace its KV cache
+    config = EngineConfig(kv_cache_bytes=1 << 20, compile=True, max_num_seqs=1)
+    engine = LLMEngine(net, None, config)
+    _generate(engine, _prompts()[:1])  # compiles bucket 1; later steps are direct
+    before = engine.stats()["num_graph_compiles"]
+    larger = LLMEngine(net, None, EngineConfig(kv_cache_bytes=2 << 20, max_num_seqs=1))
+    prompts = [[(11 * t) % 250 + 3 for t in _prompts()[1]]]  # nothing cached
+    tokens, logits = _generate(engine, prompts)
+    eager_tokens, eager_logits = _generate(larger, prompts)
+    assert engine.stats()["num_graph_compiles"] == before + 1
+    assert tokens == eager_tokens
+    for step_eager, step_compiled in zip(eager_logits, logits, strict=True):
+        for a, b in zip(step_eager, step_compiled, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
 def test_smollm2_compiled_decode_matches_eager():
     from zcode import LLM
 

@@ -12,7 +12,7 @@ After its first call a key's graph is called directly (`DirectStep`), without dy
 evaluation, guards or argument-gathering bytecode (~1 ms a step: W4A8 decode 135 -> 157 tok/s).
 Its model tensors are taken once and again at each `model_changed()`, which ModelRunner.set_plan
 calls; so code that swaps model tensors must call set_plan, as code that changes what a step
-computes already had to (the skipped guards would not notice).
+computes already had to (a direct step does not look for them otherwise).
 """
 
 import dataclasses
@@ -62,26 +62,21 @@ class GraphCache:
             if direct.is_current() or direct.refresh(self.model):
                 return direct(input_ids, batch)
             del self.direct[key]
-        graph = self.graphs.get(key)
-        if graph is not None:
-            # Guards are skipped: each key has its own code object with one compiled entry, and
-            # what they would check (the plan, the bucket) is the key itself. Evaluating them
-            # cost ~2 ms a step, one guard per parameter and module attribute the graph reads.
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return graph(self.model, input_ids, batch)
         # Without automatic dynamic shapes, a dimension is symbolic only if marked below: dynamo
         # would otherwise make dims dynamic from shapes other graphs (other buckets, models, even
         # earlier processes through its on-disk profile) saw under the same function name.
         with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-            graph = self.graphs[key] = self._new_graph()
-            # Only the context axis varies between steps of one key.
+            if (graph := self.graphs.get(key)) is None:
+                graph = self.graphs[key] = self._new_graph()
+            # Only the context axis varies between steps of one key (marked for recompiles too).
             torch._dynamo.mark_dynamic(batch.context_slots, 1)
             torch._dynamo.mark_dynamic(batch.attn_mask, 3)
+            # With dynamo's guards: a changed tensor (the graph has no size asserts) recompiles.
             start = time.perf_counter()
             self._compiled = None
             logits = graph(self.model, input_ids, batch)
-        self.compile_s += time.perf_counter() - start
-        if self._compiled is not None:
+        if self._compiled is not None:  # a (re)compile: the rest of this key's steps are direct
+            self.compile_s += time.perf_counter() - start
             direct = DirectStep.capture(*self._compiled, self.model, input_ids, batch)
             if direct is not None:
                 self.direct[key] = direct
@@ -89,7 +84,7 @@ class GraphCache:
 
     def model_changed(self) -> None:
         """Re-reads the model tensors every direct step passes (modules may have been swapped);
-        a step whose tensors are gone goes back to dynamo."""
+        a step whose tensors are gone or changed shape goes back to dynamo."""
         self.direct = {key: d for key, d in self.direct.items() if d.refresh(self.model)}
 
     def _new_graph(self) -> Callable:
@@ -113,7 +108,11 @@ class GraphCache:
         return compiled
 
 
-CONFIG_PATCHES = {"cpp_wrapper": True}
+# The C++ wrapper calls kernels without Python in between. Inductor's asserts of every input's
+# size, stride and alignment on every call (~500 inputs, model tensors included) cost ~0.4 ms a
+# W4A8 decode step; dynamo's guards check inputs where dynamo runs, and DirectStep checks the
+# model tensors when it (re)reads them.
+CONFIG_PATCHES = {"cpp_wrapper": True, "size_asserts": False, "alignment_asserts": False}
 REDUCTION_MAX_ROWS = 2
 REDUCTION_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -145,6 +144,7 @@ class DirectStep:
 
     compiled: Callable
     sources: list[tuple[str, str]]  # per graph input: (kind, name)
+    layouts: dict[str, tuple]  # model tensor name -> (shape, stride, dtype) it was compiled for
     args: list = dataclasses.field(default_factory=list)  # model tensors; the rest per call
     per_call: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
     in_dicts: list[tuple[int, nn.Module, str, str]] = dataclasses.field(default_factory=list)
@@ -174,14 +174,22 @@ class DirectStep:
             else:
                 logger.debug("decode graph input %s has no known source", type(x).__name__)
                 return None
-        step = cls(compiled, sources)
+        layouts = {
+            name: _layout(x) for x, (kind, name) in zip(example_inputs, sources) if kind == "model"
+        }
+        step = cls(compiled, sources, layouts)
         step.per_call = [(i, k, n) for i, (k, n) in enumerate(sources) if k != "model"]
         return step if step.refresh(model) else None
 
     def refresh(self, model: nn.Module) -> bool:
-        """Re-reads the model tensors; False if one of them no longer exists."""
+        """Re-reads the model tensors; False if one of them no longer exists or has another
+        shape, stride or dtype than the graph was compiled for (the graph does not check: it is
+        built without inductor's per-call size asserts, ~0.4 ms a step)."""
         tensors = {name: (t, holder) for name, t, holder in _model_tensors(model)}
-        if any(kind == "model" and name not in tensors for kind, name in self.sources):
+        if any(
+            name not in tensors or _layout(tensors[name][0]) != layout
+            for name, layout in self.layouts.items()
+        ):
             return False
         self.args = [tensors[name][0] if kind == "model" else None for kind, name in self.sources]
         self.in_dicts = [
@@ -205,6 +213,10 @@ class DirectStep:
                 args[i] = batch.context_slots.shape[1]
         (logits,) = self.compiled(*args)
         return logits
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
 
 
 def _model_tensors(model: nn.Module):
