@@ -140,8 +140,7 @@ def test_linear_group_is_one_call_equal_to_each_module(kind, rows, in_features, 
     # Each module's GEMV alone, checked against float64 above. (A QuantizedLinear alone takes
     # its autotuned kernel, which for a matrix this small may be another; a group takes the GEMV.)
     separate = [
-        m(x) if isinstance(m, Linear) else (m.packed.mm_gemv(x) + m.bias).to(dtype)
-        for m in modules
+        m(x) if isinstance(m, Linear) else (m.packed.mm_gemv(x) + m.bias).to(dtype) for m in modules
     ]
     for m in modules:  # the group must not call the modules
         monkeypatch.setattr(m, "forward", lambda *_: pytest.fail("module ran on its own"))
@@ -157,9 +156,7 @@ def test_linear_group_runs_modules_alone_when_they_cannot_share_a_call():
 
     torch.manual_seed(0)
     x = torch.randn(2, 64)
-    mixed = _group_modules("w4a8", 64)[:2] + [
-        QuantizedLinear.from_linear(Linear(64, 5), "w8a8")
-    ]
+    mixed = _group_modules("w4a8", 64)[:2] + [QuantizedLinear.from_linear(Linear(64, 5), "w8a8")]
     calls = []
     hooked = _group_modules("fp32-linear", 64)
     hooked[1].register_forward_pre_hook(lambda *_: calls.append(1))
