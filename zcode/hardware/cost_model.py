@@ -55,8 +55,8 @@ DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
 
 # Part of the cache key: bump when a kernel change makes fitted costs stale (2: C++ decode GEMV;
-# 3: its software prefetch).
-KERNELS_VERSION = 3
+# 3: its software prefetch; 4: sibling linears in one GEMV call, no size asserts in graphs).
+KERNELS_VERSION = 4
 
 
 # --- features --------------------------------------------------------------------------------
