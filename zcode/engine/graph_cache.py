@@ -221,8 +221,8 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def _model_tensors(model: nn.Module):
     """(dotted name, tensor, holder) for every parameter, buffer and tensor attribute of every
-    module, and every tensor in a dict attribute (the KV cache: `attention.cache[name]`), whose
-    holder is (module, attribute, key); holder is None otherwise."""
+    module, and every tensor in a public dict attribute (the KV cache: `attention.cache[name]`),
+    whose holder is (module, attribute, key); holder is None otherwise."""
     for prefix, module in model.named_modules():
         attrs = itertools.chain(
             module._parameters.items(), module._buffers.items(), vars(module).items()
@@ -231,7 +231,9 @@ def _model_tensors(model: nn.Module):
             name = f"{prefix}.{attr}" if prefix else attr
             if isinstance(value, torch.Tensor):
                 yield name, value, None
-            elif isinstance(value, dict):
+            elif isinstance(value, dict) and not attr.startswith("_"):
+                # Public dicts only: vars() also holds nn.Module's own _parameters and _buffers,
+                # whose tensors are yielded above; as dict entries each would be checked per call.
                 for key, item in value.items():
                     if isinstance(item, torch.Tensor):
                         yield f"{name}[{key}]", item, (module, attr, key)
