@@ -216,61 +216,91 @@ W4A8Activations rearrange_for_w4a8(const std::vector<int8_t>& codes, int64_t M, 
   return a;
 }
 
+// out[m * N + r] for R consecutive W4A8 rows from row n of one matrix (pairs: its scale and
+// zero words, q: its nibbles): R rows at a time share the activation loads and give the core
+// independent chains to overlap.
+template <int M, int R>
+inline void w4a8_dot_rows(const W4A8Activations& a, const float* x_scale, const int32_t* pairs,
+                          const uint8_t* q, float* out, int64_t K, int64_t N, int64_t G,
+                          int group_shift, __m512i lane_group, float* scales) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i high16 = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  __m512 bias[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) bias[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 mask = G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1;
+    for (int r = 0; r < R; ++r) {
+      prefetch_l2(pairs + r * G + g);
+      const __m512i v = _mm512_maskz_loadu_epi32(mask, pairs + r * G + g);
+      const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
+      _mm512_storeu_ps(scales + r * (a.G_pad + 4) + g, scale);
+      const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // zero - 8 scale
+      for (int m = 0; m < M; ++m)
+        bias[r][m] = _mm512_fmadd_ps(
+            offset, _mm512_loadu_ps(a.group_sums.data() + m * a.G_pad + g), bias[r][m]);
+    }
+  }
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K; c += 128) {
+    const int64_t half = std::min<int64_t>(128, K - c) / 2;  // bytes of nibbles: 64, 32 or 16
+    const __mmask64 mask = half == 64 ? ~0ull : (1ull << half) - 1;
+    __m512i xlo[M], xhi[M];
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xr = a.deinterleaved.data() + m * K + c;
+      xlo[m] = _mm512_maskz_loadu_epi8(mask, xr);
+      xhi[m] = _mm512_maskz_loadu_epi8(mask, xr + half);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* qr = q + r * (K / 2) + c / 2;
+      prefetch_l2(qr);
+      const __m512i bytes = _mm512_maskz_loadu_epi8(mask, qr);
+      const __m512i lo = _mm512_and_si512(bytes, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      const __m512 scale = _mm512_permutexvar_ps(
+          lane_group, _mm512_castps128_ps512(
+                          _mm_loadu_ps(scales + r * (a.G_pad + 4) + (c >> 5 >> group_shift))));
+      for (int m = 0; m < M; ++m) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[m]);
+        dot = _mm512_dpbusd_epi32(dot, hi, xhi[m]);
+        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m)
+      out[m * N + r] = x_scale[m] * _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], bias[r][m]));
+}
+
 template <int M>
 void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale,
                     const std::vector<const uint8_t*>& qs, const std::vector<const uint16_t*>& szs,
                     const Rows& rows, float* out, int64_t K, int64_t group) {
+  // Weight rows per step: at one activation row 8 (L2-resident 3072 x 576, one thread: 24.2 ns a
+  // row one at a time, 19.8 by 2, 17.4 by 4, 16.4 by 8); fewer as M's accumulators take registers.
+  constexpr int R = M == 1 ? 8 : (M == 2 ? 4 : 2);
   const int64_t G = K / group, N = rows.total();
   const int group_shift = __builtin_ctzll(group / 32);  // group = 32 << group_shift
   // Lane i of a 128-k chunk sums k in [c + 8i, c + 8i + 8): group c / group + (i / 4 >> shift).
   alignas(64) int32_t lane_group_idx[16];
   for (int i = 0; i < 16; ++i) lane_group_idx[i] = (i / 4) >> group_shift;
   const __m512i lane_group = _mm512_load_si512(lane_group_idx);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i high16 = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   rows.parallel(grain_rows(K / 2), [&](size_t s, int64_t r0, int64_t r1) {
-    std::vector<float> scales(a.G_pad + 4, 0.f);  // + 4: a chunk reads up to 4 groups
-    for (int64_t n = r0; n < r1; ++n) {
-      // One (scale, zero) bf16 pair per group is one 32-bit word: scale low, zero high.
-      const int32_t* pairs = reinterpret_cast<const int32_t*>(szs[s] + n * G * 2);
-      __m512 bias[M];
-      for (int m = 0; m < M; ++m) bias[m] = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; g += 16) {
-        const __mmask16 mask = G - g >= 16 ? 0xFFFF : (1u << (G - g)) - 1;
-        prefetch_l2(pairs + g);
-        const __m512i v = _mm512_maskz_loadu_epi32(mask, pairs + g);
-        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
-        _mm512_storeu_ps(scales.data() + g, scale);
-        const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // zero - 8 scale
-        for (int m = 0; m < M; ++m)
-          bias[m] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(a.group_sums.data() + m * a.G_pad + g),
-                                    bias[m]);
-      }
-      const uint8_t* qr = qs[s] + n * (K / 2);
-      __m512 acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < K; c += 128) {
-        const int64_t half = std::min<int64_t>(128, K - c) / 2;  // bytes of nibbles: 64, 32 or 16
-        const __mmask64 mask = half == 64 ? ~0ull : (1ull << half) - 1;
-        prefetch_l2(qr + c / 2);
-        const __m512i bytes = _mm512_maskz_loadu_epi8(mask, qr + c / 2);
-        const __m512i lo = _mm512_and_si512(bytes, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
-        const __m512 scale = _mm512_permutexvar_ps(
-            lane_group, _mm512_castps128_ps512(_mm_loadu_ps(scales.data() + (c >> 5 >> group_shift))));
-        for (int m = 0; m < M; ++m) {
-          const int8_t* xr = a.deinterleaved.data() + m * K + c;
-          __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,
-                                            _mm512_maskz_loadu_epi8(mask, xr));
-          dot = _mm512_dpbusd_epi32(dot, hi, _mm512_maskz_loadu_epi8(mask, xr + half));
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
-        }
-      }
-      float* o = out + rows.offsets[s] + n;
-      for (int m = 0; m < M; ++m)
-        o[m * N] = x_scale[m] * _mm512_reduce_add_ps(_mm512_add_ps(acc[m], bias[m]));
-    }
+    // + 4 per row: a chunk reads up to 4 groups' scales
+    std::vector<float> scales(R * (a.G_pad + 4), 0.f);
+    // One (scale, zero) bf16 pair per group is one 32-bit word: scale low, zero high.
+    const int32_t* pairs = reinterpret_cast<const int32_t*>(szs[s]);
+    float* o = out + rows.offsets[s];
+    int64_t n = r0;
+    for (; n + R <= r1; n += R)
+      w4a8_dot_rows<M, R>(a, x_scale, pairs + n * G, qs[s] + n * (K / 2), o + n, K, N, G,
+                          group_shift, lane_group, scales.data());
+    for (; n < r1; ++n)
+      w4a8_dot_rows<M, 1>(a, x_scale, pairs + n * G, qs[s] + n * (K / 2), o + n, K, N, G,
+                          group_shift, lane_group, scales.data());
   });
 }
 
