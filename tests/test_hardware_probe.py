@@ -25,7 +25,7 @@ def fake_measure(monkeypatch) -> list[int]:
 
     def measure(buffer_bytes: int, gemm_seconds: float) -> probe_mod.Measurements:
         calls.append(buffer_bytes)
-        return probe_mod.Measurements(10.0, 8.0, buffer_bytes, 50.0, None, 20.0)
+        return probe_mod.Measurements(10.0, 8.0, buffer_bytes, 50.0, None, 20.0, 0.0)
 
     monkeypatch.setattr(probe_mod, "measure", measure)
     return calls
@@ -152,3 +152,12 @@ def test_format_report_mentions_bandwidth_and_every_flag(measured):
     for flag in probe_mod.ISA_FLAGS_OF_INTEREST:
         assert flag in report
     assert "absent" not in report
+
+
+def test_report_says_when_the_probe_ran_on_a_busy_machine(measured):
+    idle = dataclasses.replace(measured, load_average=0.0, num_logical_cores=2)
+    busy = dataclasses.replace(idle, load_average=1.9)
+    unknown = dataclasses.replace(idle, load_average=None)
+    assert "zcode hw --refresh" in format_report(busy)
+    assert "load 1.9 on 2 cores" in format_report(busy)
+    assert "refresh" not in format_report(idle) and "refresh" not in format_report(unknown)
