@@ -145,6 +145,9 @@ struct W4A8Activations {
   std::vector<int8_t> deinterleaved;  // [M, K]
   std::vector<float> group_sums;      // [M, G_pad]: G rounded up to 16 for masked vector reads
   int64_t G_pad;
+  // Floats per weight row in a kernel's scratch of unpacked scales: + 4, as a chunk reads up to
+  // 4 groups' scales.
+  int64_t scales_stride() const { return G_pad + 4; }
 };
 
 // 16 activations as fp32 from fp32 or bf16 storage (masked past `count`).
@@ -235,7 +238,7 @@ inline void w4a8_dot_rows(const W4A8Activations& a, const float* x_scale, const 
       const __m512i v = _mm512_maskz_loadu_epi32(mask, pairs + r * G + g);
       const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(v, high16));
-      _mm512_storeu_ps(scales + r * (a.G_pad + 4) + g, scale);
+      _mm512_storeu_ps(scales + r * a.scales_stride() + g, scale);
       const __m512 offset = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), scale, zero);  // zero - 8 scale
       for (int m = 0; m < M; ++m)
         bias[r][m] = _mm512_fmadd_ps(
@@ -262,7 +265,7 @@ inline void w4a8_dot_rows(const W4A8Activations& a, const float* x_scale, const 
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
       const __m512 scale = _mm512_permutexvar_ps(
           lane_group, _mm512_castps128_ps512(
-                          _mm_loadu_ps(scales + r * (a.G_pad + 4) + (c >> 5 >> group_shift))));
+                          _mm_loadu_ps(scales + r * a.scales_stride() + (c >> 5 >> group_shift))));
       for (int m = 0; m < M; ++m) {
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[m]);
         dot = _mm512_dpbusd_epi32(dot, hi, xhi[m]);
@@ -289,8 +292,7 @@ void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale,
   for (int i = 0; i < 16; ++i) lane_group_idx[i] = (i / 4) >> group_shift;
   const __m512i lane_group = _mm512_load_si512(lane_group_idx);
   rows.parallel(grain_rows(K / 2), [&](size_t s, int64_t r0, int64_t r1) {
-    // + 4 per row: a chunk reads up to 4 groups' scales
-    std::vector<float> scales(R * (a.G_pad + 4), 0.f);
+    std::vector<float> scales(R * a.scales_stride(), 0.f);
     // One (scale, zero) bf16 pair per group is one 32-bit word: scale low, zero high.
     const int32_t* pairs = reinterpret_cast<const int32_t*>(szs[s]);
     float* o = out + rows.offsets[s];
@@ -362,10 +364,6 @@ template <int M> struct W8A8Rows {
 const uint16_t* bits(const torch::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
 }
-
-}  // namespace
-
-namespace {
 
 // Checks a list of weights sharing the input: each [N_s, K] contiguous of `dtype`.
 void check_weights(const char* op, const std::vector<torch::Tensor>& ws, int64_t K,

@@ -49,10 +49,8 @@ def _gemv_group(x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor |
     if any(m._forward_hooks or m._forward_pre_hooks for m in linears):
         return None
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    if all(type(m) is Linear and _takes_gemv(m, x) for m in linears):
-        if len({m.weight.dtype for m in linears}) == 1:
-            return _GEMV[linears[0].weight.dtype](rows, [m.weight for m in linears])
-        return None
+    if all(type(m) is Linear and _takes_gemv(m, x) for m in linears):  # all of x's dtype
+        return _GEMV[x.dtype](rows, [m.weight for m in linears])
     if not all(isinstance(m, QuantizedLinear) and m.kernel == "fast" for m in linears):
         return None
     packed = [m.packed for m in linears]
