@@ -14,6 +14,7 @@ so a compiled graph sees the same shapes (up to the context length) and structur
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -87,29 +88,30 @@ class ForwardBatch:
         Padding rows and padding context read and write block `pad_block`, which no sequence
         owns; their outputs are dropped. The context axis is rounded up to whole blocks.
         """
+        # Built with numpy and handed to torch without copies: a dozen torch ops on these
+        # few-element tensors cost ~45 us a step on the CPU, numpy ~18.
         num_seqs = len(context_lens)
-        max_blocks = max(len(t) for t in block_tables)
-        tables = torch.full((num_padded, max_blocks), pad_block, dtype=torch.int64)
+        tables = np.full((num_padded, max(map(len, block_tables))), pad_block, dtype=np.int64)
         for b, table in enumerate(block_tables):
-            tables[b, : len(table)] = torch.tensor(table, dtype=torch.int64)
-        offsets = torch.arange(block_size, dtype=torch.int64)
+            tables[b, : len(table)] = table
+        offsets = np.arange(block_size, dtype=np.int64)
         # tables: [B, blocks] -> context_slots: [B, blocks * block_size]
         context_slots = (tables[:, :, None] * block_size + offsets).reshape(num_padded, -1)
-        lens = torch.ones(num_padded, dtype=torch.int64)
-        lens[:num_seqs] = torch.tensor(context_lens, dtype=torch.int64)
+        lens = np.ones(num_padded, dtype=np.int64)
+        lens[:num_seqs] = context_lens
         positions = lens - 1
-        rows = torch.arange(num_padded)
+        rows = np.arange(num_padded, dtype=np.int64)
         slot_mapping = context_slots[rows, positions]
         slot_mapping[num_seqs:] = pad_block * block_size
-        mask = torch.arange(context_slots.shape[1])[None, :] < lens[:, None]
+        mask = np.arange(context_slots.shape[1])[None, :] < lens[:, None]  # [B, L]
         return cls(
-            positions=positions,
-            slot_mapping=slot_mapping,
-            query_index=rows[:, None].clone(),
-            token_index=rows,
-            context_slots=context_slots,
-            attn_mask=mask[:, None, None, :],  # [B, 1, 1, L]
-            logits_index=rows.clone(),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            query_index=torch.from_numpy(rows[:, None].copy()),
+            token_index=torch.from_numpy(rows),
+            context_slots=torch.from_numpy(context_slots),
+            attn_mask=torch.from_numpy(mask)[:, None, None, :],  # [B, 1, 1, L]
+            logits_index=torch.from_numpy(rows.copy()),
         )
 
 

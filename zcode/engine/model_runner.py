@@ -88,8 +88,8 @@ class ModelRunner:
             num_padded,
             self.pad_block,
         )
-        input_ids = torch.zeros(num_padded, dtype=torch.int64)
-        input_ids[:num_seqs] = torch.tensor([s.seq.token_ids[-1] for s in scheduled])
+        last_tokens = [s.seq.token_ids[-1] for s in scheduled]
+        input_ids = torch.tensor(last_tokens + [0] * (num_padded - num_seqs), dtype=torch.int64)
         logits = self.graphs.run(self.plan_signature, input_ids, batch)  # [B_padded, V]
         return logits[:num_seqs]
 
