@@ -150,10 +150,7 @@ class LLMEngine:
         self, items: list[tuple[Sequence, torch.Tensor]]
     ) -> list[tuple[int, dict[int, float] | None]]:
         seqs = [seq for seq, _ in items]
-        rows = [logits for _, logits in items]
-        # One row (batch-1 decode) is viewed, not copied: torch's copy of a 49152-float row
-        # forks threads, ~70 us in a decode step.
-        logits = rows[0][None] if len(rows) == 1 else torch.stack(rows)  # [B, V]
+        logits = torch.stack([logits for _, logits in items])  # [B, V]
         for row, seq in zip(logits, seqs):
             if seq.grammar is not None:
                 seq.grammar.mask_(row)
