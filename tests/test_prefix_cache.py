@@ -15,6 +15,7 @@ from zcode.engine.block_manager import BlockManager
 from zcode.engine.kv_cache import kv_bytes_per_token
 from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.sequence import Sequence
+from zcode.errors import ValidationError
 from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
 
@@ -100,6 +101,17 @@ def test_prompt_logprob_requests_skip_the_cache_and_the_counters():
     compute_and_free(bm, seq_of(ids(10, 20)))
     assert compute_and_free(bm, seq_of(ids(10, 20), prompt_logprobs=1)) == ()
     assert bm.prefix_cache_queries == 20 and bm.prefix_cache_hits == 0
+
+
+def test_blocks_are_shared_under_equal_salts_only():
+    bm = BlockManager(num_blocks=16, block_size=BLOCK)
+    p = ids(10, 9)
+    compute_and_free(bm, Sequence(p, SamplingParams(), None, cache_salt="tenant a"))
+    assert bm.cached_prefix(seq_of(p)) == ()
+    assert bm.cached_prefix(Sequence(p, SamplingParams(), None, cache_salt="tenant b")) == ()
+    assert len(bm.cached_prefix(Sequence(p, SamplingParams(), None, cache_salt="tenant a"))) == 2
+    compute_and_free(bm, seq_of(p))
+    assert len(bm.cached_prefix(seq_of(p))) == 2  # unsalted requests share among themselves
 
 
 def test_disabled_caching_keeps_nothing():
@@ -226,6 +238,27 @@ def test_second_request_computes_only_its_uncached_tokens(nets):
     assert [c for c in recorder.calls if c[0] == "b"][0] == ("b", 16, 5)
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 16
     assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == 21
+
+
+def test_engine_salts_keep_prefixes_apart(nets):
+    engine = make_engine(nets("llama"))
+    p = prompt(4 * BLOCK + 1, seed=9)
+
+    def hits_of(cache_salt: str | None = None) -> int:
+        before = engine.stats()["prefix_cache_hits"]
+        engine.add_request(p, GREEDY, cache_salt=cache_salt)
+        while engine.has_unfinished():
+            engine.step()
+        return engine.stats()["prefix_cache_hits"] - before
+
+    assert hits_of() == 0
+    assert hits_of("a") == 0 and hits_of("a") == 16
+    engine.kv_salt = "another plan"  # what generate_within and quality variants set
+    assert hits_of() == 0 and hits_of("a") == 0 and hits_of() == 16
+    engine.kv_salt = ""
+    assert hits_of() == 16
+    with pytest.raises(ValidationError, match="cache_salt must be a string"):
+        engine.add_request(p, GREEDY, cache_salt=b"a")
 
 
 @pytest.mark.parametrize("length", [16, 18])

@@ -88,6 +88,21 @@ def test_base_plan_and_prefix_cache_come_back(tiny):
     assert llm.engine.block_manager.enable_prefix_caching
 
 
+def test_a_variant_shares_prefix_blocks_with_its_own_requests_only(tiny):
+    _, llm, _, _ = tiny
+    prompt = list(range(3, 3 + 2 * llm.engine.config.block_size + 1))
+    stats = llm.engine.stats
+
+    def hits_of(quality: str | None) -> int:
+        before = stats()["prefix_cache_hits"]
+        llm.generate(prompt, PARAMS, quality=quality)
+        return stats()["prefix_cache_hits"] - before
+
+    blocks = 2 * llm.engine.config.block_size
+    assert hits_of(None) == 0 and hits_of("max") == 0
+    assert hits_of("max") == blocks and hits_of(None) == blocks and hits_of("balanced") == 0
+
+
 def test_bad_quality_requests(tiny):
     _, llm, _, _ = tiny
     with pytest.raises(ValidationError, match="quality must be one of"):

@@ -99,7 +99,7 @@ class ParrotEngine:
     def scheduler(self):
         return SimpleNamespace(running=[SimpleNamespace(request_id=r) for r in self.requests])
 
-    def add_request(self, prompt_ids, params, request_id):
+    def add_request(self, prompt_ids, params, request_id, cache_salt=None):
         prompt = "".join(map(chr, prompt_ids))
         answer = prompt.rsplit("<|user|>", 1)[1].split("<|", 1)[0]
         self.requests[request_id] = _Request(prompt_ids, answer, params.max_tokens)

@@ -58,15 +58,16 @@ def setup(tiny_checkpoint, tmp_path_factory):
         plain_client=servers[1][1],
         oracle=oracle,
         slow_ms=slow,
+        planned=planned,
     )
     for served, *_ in servers:
         served.stop()
 
 
-def _complete(client, **extra):
+def _complete(client, prompt=PROMPT, **extra):
     """logprobs=0 names each sampled token ("token_id:N": the tiny model has no tokenizer)."""
     return client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0, extra_body=extra
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, logprobs=0, extra_body=extra
     )
 
 
@@ -178,3 +179,32 @@ def test_a_step_runs_the_least_loss_level_of_its_requests(setup, tiny_checkpoint
     assert last.plan["measured_ms_per_step"] >= 0
     levels.before_step(["c"])  # a request without a target: back to the default level
     assert all(m.is_dense for m in mlps)
+
+
+def test_a_plan_level_and_the_default_level_do_not_share_prefix_blocks(setup):
+    prompt = list(range(3, 40))  # 37 tokens: full blocks to cache
+    stats = setup.planned.engine.engine.stats
+    sparse = _complete(setup.client, prompt, max_latency_ms=setup.slow_ms - 0.1)
+    hits = stats()["prefix_cache_hits"]
+    dense = _complete(setup.client, prompt)
+    assert stats()["prefix_cache_hits"] == hits  # the sparse level's KV was not reused
+    params = SamplingParams(max_tokens=6, temperature=0)
+    assert _token_ids(dense) == setup.oracle.generate(prompt, params)[0].token_ids
+    again = _complete(setup.client, prompt, max_latency_ms=setup.slow_ms - 0.1)
+    assert stats()["prefix_cache_hits"] > hits and _token_ids(again) == _token_ids(sparse)
+
+
+def test_cache_salt_keeps_clients_prefixes_apart(setup):
+    prompt = list(range(50, 90))
+    stats = setup.planned.engine.engine.stats
+
+    def new_hits(**extra) -> int:
+        before = stats()["prefix_cache_hits"]
+        _complete(setup.client, prompt, **extra)
+        return stats()["prefix_cache_hits"] - before
+
+    assert new_hits(cache_salt="tenant a") == 0
+    assert new_hits() == 0 and new_hits(cache_salt="tenant b") == 0
+    assert new_hits(cache_salt="tenant a") > 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        _complete(setup.client, prompt, cache_salt="")

@@ -328,3 +328,14 @@ def test_generate_with_max_latency_reports_the_plan(tiny_checkpoint):
     assert out.plan["plan"] == "ffn in 0 / mid 0.5" and out.plan["target_met"]
     assert out.plan["predicted_ms_per_step"] < slow
     assert llm.generate(prompt, params)[0].token_ids == dense  # the level is undone after
+
+    # The prefix cache keeps a sparse level's KV apart from the dense requests' KV.
+    long_prompt = list(range(3, 40))  # full blocks to cache
+    dense_long = llm.generate(long_prompt, params)[0].token_ids
+    stats = llm.engine.stats
+    hits = stats()["prefix_cache_hits"]
+    sparse_long = llm.generate(long_prompt, params, max_latency_ms=slow - 0.1)[0].token_ids
+    assert stats()["prefix_cache_hits"] == hits
+    assert llm.generate(long_prompt, params, max_latency_ms=slow - 0.1)[0].token_ids == sparse_long
+    assert stats()["prefix_cache_hits"] > hits  # shared among the sparse level's requests
+    assert llm.generate(long_prompt, params)[0].token_ids == dense_long

@@ -13,6 +13,11 @@ got a hash goes straight back to the free list.
 
 Blocks are published to the cache only once their KV has been computed (`cache_full_blocks`),
 never at allocation, so a failed or preempted step cannot leave a findable block of garbage.
+
+A sequence's cache salt (vLLM's `cache_salt`) roots its chain of hashes: requests share blocks
+only under equal salts. The engine salts what computes KV differently from the model it was
+built with (an FFN sparsity level), and a server client may salt its requests so that no other
+tenant can reuse, or time, its prefixes.
 """
 
 import hashlib
@@ -25,6 +30,11 @@ from zcode.engine.sequence import Sequence
 def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     # sha256 rather than hash(): a collision would hand one request another request's KV.
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+def root_hash(cache_salt: str) -> bytes:
+    """The parent hash of a sequence's first block: empty unsalted, as before salts existed."""
+    return hashlib.sha256(b"cache salt\0" + cache_salt.encode()).digest() if cache_salt else b""
 
 
 class BlockManager:
@@ -158,6 +168,6 @@ class BlockManager:
         hashes, size = seq.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else root_hash(seq.cache_salt)
             hashes.append(hash_block(parent, seq.token_ids[i * size : (i + 1) * size]))
         return hashes

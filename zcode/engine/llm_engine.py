@@ -1,5 +1,6 @@
 """The engine: a request queue and a step loop of schedule -> run -> update."""
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -52,11 +53,23 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer)
         self.eos_token_ids = _eos_ids(hf, tokenizer)
         self.sequences: dict[str, Sequence] = {}
+        # What computes KV differently from the model this engine was built with (an FFN level
+        # of generate_within, a precision variant): salts the prefix cache of requests added while
+        # it is set, so they neither reuse other KV nor publish theirs to other requests.
+        self.kv_salt = ""
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> Sequence:
+        """cache_salt: this request shares prefix-cache blocks only with requests of the same
+        salt (and of the same `kv_salt`)."""
         self._validate(prompt_token_ids, params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValidationError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.matcher(params.structured_outputs)
@@ -65,7 +78,8 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
             )
-        seq = Sequence(prompt_token_ids, params, detokenizer, request_id)
+        salt = json.dumps([self.kv_salt, cache_salt]) if self.kv_salt or cache_salt else ""
+        seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt)
         seq.grammar = grammar
         if seq.request_id in self.sequences:
             raise ValidationError(f"request id {seq.request_id!r} is already in use")

@@ -23,6 +23,7 @@ class Sequence:
         params: SamplingParams,
         detokenizer: IncrementalDetokenizer | None,
         request_id: str | None = None,
+        cache_salt: str = "",
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
@@ -31,6 +32,7 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []
+        self.cache_salt = cache_salt  # prefix-cache blocks are shared under equal salts only
         self.block_hashes: list[bytes] = []  # chained content hash of each full block of tokens
         self.num_hashed_blocks = 0  # leading blocks of block_table already offered to the cache
         self.num_cached_tokens = 0  # tokens reused from the prefix cache at the latest admission

@@ -15,8 +15,8 @@ to the memory the variant weights take (both variants of each kept unit, as stor
 A request with a quality swaps the variant modules in (a module swap, as sparsity does), declares
 the variant's ExecutionPlan to the model runner (so the plan cache keys its compiled graphs), and
 puts the base back afterwards. KV computed under one plan is not another plan's KV: while a
-variant runs, prefix caching is off, so it neither reuses the base plan's cached blocks nor
-publishes its own. Each output's `plan` names the plan that ran.
+variant runs, the engine's `kv_salt` names it, so its requests reuse and publish prefix-cache
+blocks among themselves only. Each output's `plan` names the plan that ran.
 """
 
 from collections.abc import Iterator
@@ -232,7 +232,7 @@ class PrecisionVariants:
     @contextmanager
     def running(self, engine, quality: str) -> Iterator[None]:
         """`quality`'s modules swapped into the engine's model and its plan declared; the base
-        put back on exit. Prefix caching is off in between (see the module docstring)."""
+        put back on exit. The prefix cache is salted in between (see the module docstring)."""
         if quality not in QUALITIES:
             raise ValidationError(f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
         if quality == "fast":
@@ -242,15 +242,14 @@ class PrecisionVariants:
             raise ValidationError(
                 "quality= switches the model's precision: finish or abort running requests first"
             )
-        model, runner, blocks = engine.model, engine.runner, engine.block_manager
-        caching = blocks.enable_prefix_caching
+        model, runner, salt = engine.model, engine.runner, engine.kv_salt
         swap(model, self.levels[quality].modules)
         runner.set_plan(self.levels[quality].plan)
-        blocks.enable_prefix_caching = False
+        engine.kv_salt = f"precision plan: {runner.plan_signature}"
         try:
             yield
         finally:
-            blocks.enable_prefix_caching = caching
+            engine.kv_salt = salt
             swap(model, self.levels["fast"].modules)
             runner.set_plan(self.levels["fast"].plan)
 

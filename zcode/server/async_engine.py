@@ -9,6 +9,7 @@ raise, the requests of that batch fail and the loop goes on.
 """
 
 import asyncio
+import json
 import logging
 import queue
 import threading
@@ -21,6 +22,7 @@ from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.request_output import RequestOutput
 from zcode.sampling_params import SamplingParams
 from zcode.server.metrics import Metrics
+from zcode.sparsity.planner import level_name
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,7 @@ class RequestStream:
     num_prompt_tokens: int
     loop: asyncio.AbstractEventLoop
     ffn_plan: object = None  # a sparsity RequestPlan (max_latency_ms), run by `levels`
+    cache_salt: str | None = None  # of the prefix cache: the client's, and the FFN plan's
     arrival_time: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted: asyncio.Future | None = None
@@ -121,9 +124,16 @@ class AsyncEngine:
 
     @asynccontextmanager
     async def requests(
-        self, jobs: list[tuple[list[int], SamplingParams, str]], ffn_plan=None
+        self,
+        jobs: list[tuple[list[int], SamplingParams, str]],
+        ffn_plan=None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[list[RequestStream]]:
         """Admits (prompt_token_ids, params, request_id) jobs together and yields their streams.
+
+        Requests share prefix-cache blocks only with requests of the same `cache_salt` and FFN
+        plan level: `levels` runs a planned request at its level or a denser one, so KV cached
+        under a level is at least as good as that level's own.
 
         Raises the first error `LLMEngine.add_request` raised (a ValidationError for bad input),
         after aborting the others; leaving the block early aborts every unfinished request.
@@ -132,8 +142,10 @@ class AsyncEngine:
             raise EngineError("the engine is not running")
         loop = asyncio.get_running_loop()
         streams = []
+        if ffn_plan is not None:
+            cache_salt = json.dumps([cache_salt, f"ffn level: {level_name(ffn_plan.level)}"])
         for prompt_token_ids, params, request_id in jobs:
-            stream = RequestStream(request_id, len(prompt_token_ids), loop, ffn_plan)
+            stream = RequestStream(request_id, len(prompt_token_ids), loop, ffn_plan, cache_salt)
             stream.admitted = loop.create_future()
             self._commands.put(("add", stream, list(prompt_token_ids), params))
             streams.append(stream)
@@ -196,7 +208,7 @@ class AsyncEngine:
 
     def _add(self, stream: RequestStream, prompt_token_ids: list[int], params) -> None:
         try:
-            self.engine.add_request(prompt_token_ids, params, stream.request_id)
+            self.engine.add_request(prompt_token_ids, params, stream.request_id, stream.cache_salt)
         except Exception as e:  # ValidationError for bad input; anything else fails this request
             stream.loop.call_soon_threadsafe(_resolve, stream.admitted, e)
             return

@@ -113,7 +113,9 @@ class Chat:
             return ChoiceOutput(self.reasoning, starts_in_reasoning, tools, call_prefix)
 
         stack = AsyncExitStack()
-        streams = await stack.enter_async_context(state.engine.requests(jobs, ffn_plan))
+        streams = await stack.enter_async_context(
+            state.engine.requests(jobs, ffn_plan, req.cache_salt)
+        )
         view = _View(state, req, request_id, len(prompt_ids), parser)
         if req.stream:
             return _stream(view, streams, stack)

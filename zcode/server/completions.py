@@ -74,7 +74,9 @@ class Completions:
                 params = req.sampling_params(max(max_tokens, 1), i, num_logprobs, prompt_logprobs)
                 jobs.append((prompt.token_ids, params, f"{request_id}-{p_index}-{i}"))
         stack = AsyncExitStack()
-        streams = await stack.enter_async_context(state.engine.requests(jobs, ffn_plan))
+        streams = await stack.enter_async_context(
+            state.engine.requests(jobs, ffn_plan, req.cache_salt)
+        )
         view = _View(state, req, request_id, prompts)
         if req.stream:
             return _stream(view, streams, stack)

@@ -66,6 +66,8 @@ class _GenerateRequest(_Body):
     user: str | None = None
     # zcode: the FFN sparsity level whose predicted decode ms/token meets this (needs --sparsity)
     max_latency_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+    # vLLM's: prefix-cache blocks are shared only among requests with the same salt
+    cache_salt: str | None = Field(None, min_length=1)
 
     def check(self) -> None:
         """Checks across fields, and fields we cannot honour; raises ApiError naming the field."""

@@ -52,6 +52,10 @@ def generate_within(
     level, target_met = choose_level(model, artifact, max_latency_ms)
     set_ffn_level(model, artifact, level.sparsity_in, level.sparsity_mid)
     engine = llm.engine
+    previous_salt = engine.kv_salt
+    if _current_thresholds(model) != previous:
+        # This level's KV is not the usual one: the prefix cache keeps the two apart.
+        engine.kv_salt = f"ffn level: {level_name(level)}"
     try:
         seqs = [engine.add_request(ids, params) for ids in token_lists]
         finished: dict[str, RequestOutput] = {}
@@ -67,6 +71,7 @@ def generate_within(
                     finished[out.request_id] = out
     finally:
         _restore_thresholds(model, previous)
+        engine.kv_salt = previous_salt
     report = {
         "plan": level_name(level),
         "ffn_flops_skipped": round(level.flops_skipped, 4),
