@@ -97,7 +97,8 @@ class ParrotEngine:
 
     @property
     def scheduler(self):
-        return SimpleNamespace(running=[SimpleNamespace(request_id=r) for r in self.requests])
+        running = [SimpleNamespace(request_id=r) for r in self.requests]
+        return SimpleNamespace(running=running, waiting=[])
 
     def add_request(self, prompt_ids, params, request_id, cache_salt=None):
         prompt = "".join(map(chr, prompt_ids))

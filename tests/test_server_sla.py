@@ -208,3 +208,17 @@ def test_cache_salt_keeps_clients_prefixes_apart(setup):
     assert new_hits(cache_salt="tenant a") > 0
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         _complete(setup.client, prompt, cache_salt="")
+
+
+def test_a_failed_step_fails_its_requests_and_forgets_their_plans(setup, monkeypatch):
+    served = setup.planned.engine
+
+    def broken_step():
+        raise RuntimeError("a bug in a kernel")
+
+    monkeypatch.setattr(served.engine, "step", broken_step)
+    with pytest.raises(openai.InternalServerError, match="a bug in a kernel"):
+        _complete(setup.client, max_latency_ms=setup.slow_ms - 0.1)
+    monkeypatch.undo()
+    assert not served.levels._running
+    assert _token_ids(_complete(setup.client)) == _oracle_tokens(setup)  # the server carries on

@@ -237,9 +237,14 @@ class AsyncEngine:
                 self.levels.after_step(outputs)
         except Exception as e:
             logger.exception("engine step failed; failing the requests it ran")
-            running = [seq.request_id for seq in self.engine.scheduler.running]
-            for request_id in running:
+            scheduler = self.engine.scheduler
+            # A step that failed before running anything would fail again on the same queue:
+            # then the waiting requests fail too, rather than the loop retrying them forever.
+            failed = [seq.request_id for seq in scheduler.running or scheduler.waiting]
+            for request_id in failed:
                 self.engine.abort(request_id)
+                if self.levels is not None:
+                    self.levels.forget(request_id)
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     self._send(stream, EngineError(f"the engine failed on this request: {e}"))
