@@ -21,6 +21,7 @@ tenant can reuse, or time, its prefixes.
 """
 
 import hashlib
+import json
 from array import array
 from collections import OrderedDict, deque
 
@@ -30,6 +31,11 @@ from zcode.engine.sequence import Sequence
 def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     # sha256 rather than hash(): a collision would hand one request another request's KV.
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+def join_salts(*salts: str | None) -> str:
+    """One salt naming all of these (order matters); empty when none is set."""
+    return json.dumps(salts) if any(salts) else ""
 
 
 def root_hash(cache_salt: str) -> bytes:

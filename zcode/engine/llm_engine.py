@@ -1,6 +1,5 @@
 """The engine: a request queue and a step loop of schedule -> run -> update."""
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -9,7 +8,7 @@ import torch
 from torch import nn
 
 from zcode.config import EngineConfig
-from zcode.engine.block_manager import BlockManager
+from zcode.engine.block_manager import BlockManager, join_salts
 from zcode.engine.detokenizer import IncrementalDetokenizer
 from zcode.engine.kv_cache import KVCache
 from zcode.engine.model_runner import ModelRunner
@@ -78,7 +77,7 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
             )
-        salt = json.dumps([self.kv_salt, cache_salt]) if self.kv_salt or cache_salt else ""
+        salt = join_salts(self.kv_salt, cache_salt)
         seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt)
         seq.grammar = grammar
         if seq.request_id in self.sequences:

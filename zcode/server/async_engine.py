@@ -9,7 +9,6 @@ raise, the requests of that batch fail and the loop goes on.
 """
 
 import asyncio
-import json
 import logging
 import queue
 import threading
@@ -18,11 +17,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
+from zcode.engine.block_manager import join_salts
 from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.request_output import RequestOutput
 from zcode.sampling_params import SamplingParams
 from zcode.server.metrics import Metrics
-from zcode.sparsity.planner import level_name
+from zcode.sparsity.planner import level_salt
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         streams = []
         if ffn_plan is not None:
-            cache_salt = json.dumps([cache_salt, f"ffn level: {level_name(ffn_plan.level)}"])
+            cache_salt = join_salts(cache_salt, level_salt(ffn_plan.level))
         for prompt_token_ids, params, request_id in jobs:
             stream = RequestStream(request_id, len(prompt_token_ids), loop, ffn_plan, cache_salt)
             stream.admitted = loop.create_future()

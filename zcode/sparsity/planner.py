@@ -31,6 +31,11 @@ def level_name(level: FFNLevel) -> str:
     return f"ffn in {level.sparsity_in:g} / mid {level.sparsity_mid:g}"
 
 
+def level_salt(level: FFNLevel) -> str:
+    """The prefix-cache salt of KV computed at this FFN level."""
+    return f"ffn level: {level_name(level)}"
+
+
 def choose_level(model, artifact: SparsityArtifact, max_latency_ms: float) -> tuple[FFNLevel, bool]:
     """(level, whether its prediction meets the target)."""
     if max_latency_ms <= 0:
@@ -55,7 +60,7 @@ def generate_within(
     previous_salt = engine.kv_salt
     if _current_thresholds(model) != previous:
         # This level's KV is not the usual one: the prefix cache keeps the two apart.
-        engine.kv_salt = f"ffn level: {level_name(level)}"
+        engine.kv_salt = level_salt(level)
     try:
         seqs = [engine.add_request(ids, params) for ids in token_lists]
         finished: dict[str, RequestOutput] = {}
