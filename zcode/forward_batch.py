@@ -13,9 +13,13 @@ so a compiled graph sees the same shapes (up to the context length) and structur
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from zcode.engine.page_pool import LayerPaging
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,9 @@ class ForwardBatch:
     context_slots: torch.Tensor  # [B, L_max] int64 cache slots of each sequence's context
     attn_mask: torch.Tensor | None  # [B, 1, S_max, L_max] bool, True = may attend; None = all
     logits_index: torch.Tensor  # [N] int64, packed tokens whose logits are wanted
+    # Per-layer KV pages and per-request skipped layers (engine with per_request_depth); None:
+    # every layer runs every row and all layers share the slots above.
+    paging: "LayerPaging | None" = None
 
     @property
     def num_seqs(self) -> int:

@@ -16,8 +16,12 @@ never at allocation, so a failed or preempted step cannot leave a findable block
 
 A sequence's cache salt (vLLM's `cache_salt`) roots its chain of hashes: requests share blocks
 only under equal salts. The engine salts what computes KV differently from the model it was
-built with (an FFN sparsity level), and a server client may salt its requests so that no other
-tenant can reuse, or time, its prefixes.
+built with (an FFN sparsity level, skipped layers), and a server client may salt its requests so
+that no other tenant can reuse, or time, its prefixes.
+
+With a PagePool (per-request layer skipping) a block is a logical block that holds one KV page
+per layer its sequence runs, taken when the block is taken and given back when the block is
+freed or evicted; capacity is then counted in pages as well as in blocks.
 """
 
 import hashlib
@@ -25,6 +29,7 @@ import json
 from array import array
 from collections import OrderedDict, deque
 
+from zcode.engine.page_pool import PagePool
 from zcode.engine.sequence import Sequence
 
 
@@ -44,9 +49,17 @@ def root_hash(cache_salt: str) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        pages: PagePool | None = None,
+    ):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.pages = pages
+        self.evictable_pages = 0  # pages held by evictable blocks
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.hash_to_block_id: dict[bytes, int] = {}
@@ -66,8 +79,23 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks held by sequences; evictable cached blocks count as free."""
+        """Fraction of blocks (of pages, with a page pool) held by sequences; evictable cached
+        blocks count as free."""
+        if self.pages is not None:
+            free = self.pages.num_free_pages + self.evictable_pages
+            return 1.0 - free / (self.pages.num_pages - 1)
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def kv_layers(self, seq: Sequence) -> list[int]:
+        """The layers whose KV `seq` keeps (all of them without a page pool)."""
+        num_layers = self.pages.num_layers if self.pages is not None else 0
+        return [i for i in range(num_layers) if i not in seq.skip_layers]
+
+    def max_blocks(self, seq: Sequence) -> int:
+        """The most blocks `seq` could hold in an otherwise empty cache."""
+        if self.pages is None:
+            return self.num_blocks
+        return (self.pages.num_pages - 1) // len(self.kv_layers(seq))
 
     def uses_prefix_cache(self, seq: Sequence) -> bool:
         # Prompt log-probabilities need the logits of every prompt token: nothing may be skipped.
@@ -98,9 +126,15 @@ class BlockManager:
         self, seq: Sequence, num_new_tokens: int, prefix_block_ids: tuple[int, ...] = ()
     ) -> bool:
         # Evictable blocks reused as a prefix stop being free once taken.
-        reclaimed = sum(1 for b in prefix_block_ids if self.ref_counts[b] == 0)
+        reclaimed = [b for b in prefix_block_ids if self.ref_counts[b] == 0]
         needed = self.blocks_needed(seq, num_new_tokens, len(prefix_block_ids))
-        return needed <= self.num_free_blocks - reclaimed
+        if needed > self.num_free_blocks - len(reclaimed):
+            return False
+        if self.pages is None:
+            return True
+        free_pages = self.pages.num_free_pages + self.evictable_pages
+        free_pages -= sum(self.pages.held(b) for b in reclaimed)
+        return needed * len(self.kv_layers(seq)) <= free_pages
 
     def allocate(
         self, seq: Sequence, num_new_tokens: int, prefix_block_ids: tuple[int, ...] = ()
@@ -118,7 +152,7 @@ class BlockManager:
                 self.prefix_cache_hits += len(prefix_block_ids) * self.block_size
             for block_id in prefix_block_ids:
                 if self.ref_counts[block_id] == 0:
-                    del self.evictable[block_id]
+                    self._unmark_evictable(block_id)
                 self.ref_counts[block_id] += 1
             seq.block_table = list(prefix_block_ids)
             seq.num_hashed_blocks = len(prefix_block_ids)
@@ -126,7 +160,7 @@ class BlockManager:
         else:
             assert not prefix_block_ids, "a cached prefix is only taken on admission"
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self._take_free_block(seq))
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publishes `seq`'s full blocks whose KV is computed, so later requests can reuse them."""
@@ -152,22 +186,44 @@ class BlockManager:
             assert self.ref_counts[block_id] >= 0, f"block {block_id} freed more than taken"
             if self.ref_counts[block_id] == 0:
                 if self.block_hashes[block_id] is None:
-                    self.free_block_ids.append(block_id)
+                    self._release(block_id)
                 else:
                     self.evictable[block_id] = None
+                    if self.pages is not None:
+                        self.evictable_pages += self.pages.held(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
-    def _take_free_block(self) -> int:
-        if self.free_block_ids:
-            block_id = self.free_block_ids.popleft()
-        else:
-            block_id, _ = self.evictable.popitem(last=False)
-            del self.hash_to_block_id[self.block_hashes[block_id]]
-            self.block_hashes[block_id] = None
+    def _take_free_block(self, seq: Sequence) -> int:
+        if not self.free_block_ids:
+            self._evict_oldest()
+        block_id = self.free_block_ids.popleft()
+        if self.pages is not None:
+            layers = self.kv_layers(seq)
+            while self.pages.num_free_pages < len(layers):
+                self._evict_oldest()
+            self.pages.assign(block_id, layers)
         self.ref_counts[block_id] = 1
         return block_id
+
+    def _evict_oldest(self) -> None:
+        block_id = next(iter(self.evictable))
+        self._unmark_evictable(block_id)
+        del self.hash_to_block_id[self.block_hashes[block_id]]
+        self.block_hashes[block_id] = None
+        self._release(block_id)
+
+    def _unmark_evictable(self, block_id: int) -> None:
+        del self.evictable[block_id]
+        if self.pages is not None:
+            self.evictable_pages -= self.pages.held(block_id)
+
+    def _release(self, block_id: int) -> None:
+        """A block nobody holds and the cache does not name goes back to the free list."""
+        if self.pages is not None:
+            self.pages.release(block_id)
+        self.free_block_ids.append(block_id)
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """`seq.block_hashes`, extended to cover at least its first `num_blocks` full blocks."""

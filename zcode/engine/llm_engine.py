@@ -2,7 +2,7 @@
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from zcode.engine.block_manager import BlockManager, join_salts
 from zcode.engine.detokenizer import IncrementalDetokenizer
 from zcode.engine.kv_cache import KVCache
 from zcode.engine.model_runner import ModelRunner
+from zcode.engine.page_pool import PagePool
 from zcode.engine.request_output import RequestOutput
 from zcode.engine.sampler import Sampler, top_logprobs
 from zcode.engine.scheduler import ScheduledSeq, Scheduler
@@ -33,6 +34,12 @@ class LLMEngine:
         num_blocks = KVCache.num_blocks_for(
             config.kv_cache_bytes, layers, config.block_size, config.torch_dtype
         )
+        pages = None
+        if config.per_request_depth:  # the same memory as pages of one layer each
+            num_pages = num_blocks * len(layers)
+            pages = PagePool(len(layers), num_pages + 1, num_blocks=num_pages)
+            num_blocks = num_pages  # logical blocks: every one holds at least one page
+        # With pages, what fits depends on the layers a request skips: the scheduler checks that.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.runner = ModelRunner(
             model,
@@ -41,9 +48,10 @@ class LLMEngine:
             config.torch_dtype,
             compile=config.compile,
             max_num_seqs=config.max_num_seqs,
+            pages=pages,
         )
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching
+            num_blocks, config.block_size, config.enable_prefix_caching, pages
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -63,12 +71,15 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        skip_layers: Iterable[int] = (),
     ) -> Sequence:
         """cache_salt: this request shares prefix-cache blocks only with requests of the same
-        salt (and of the same `kv_salt`)."""
+        salt (and of the same `kv_salt`). skip_layers: decoder layers this request never runs
+        and keeps no KV for (needs `per_request_depth`)."""
         self._validate(prompt_token_ids, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValidationError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        skip = self._validate_skip(skip_layers)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.matcher(params.structured_outputs)
@@ -77,8 +88,9 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
             )
-        salt = join_salts(self.kv_salt, cache_salt)
-        seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt)
+        layers_salt = f"skip layers {sorted(skip)}" if skip else None
+        salt = join_salts(self.kv_salt, cache_salt, layers_salt)
+        seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt, skip)
         seq.grammar = grammar
         if seq.request_id in self.sequences:
             raise ValidationError(f"request id {seq.request_id!r} is already in use")
@@ -102,13 +114,35 @@ class LLMEngine:
                 f"{params.max_tokens} to generate)"
             )
 
+    def _validate_skip(self, skip_layers: Iterable[int]) -> frozenset[int]:
+        if isinstance(skip_layers, (str, bytes)):
+            raise ValidationError("skip_layers must be layer indices, not a string")
+        skip = frozenset(skip_layers)
+        if not skip:
+            return skip
+        if not self.config.per_request_depth:
+            raise ValidationError("skip_layers needs an engine built with per_request_depth=True")
+        num_layers = self.block_manager.pages.num_layers
+        bad = sorted(i for i in skip if not isinstance(i, int) or not 0 <= i < num_layers)
+        if bad:
+            raise ValidationError(f"skip_layers out of range (the model has {num_layers}): {bad}")
+        if len(skip) == num_layers:
+            raise ValidationError("skip_layers names every layer: a request runs at least one")
+        return skip
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def stats(self) -> dict:
         """A snapshot for metrics; the prefix-cache and preemption counts are running totals."""
         bm = self.block_manager
-        return {
+        pages = {}
+        if bm.pages is not None:
+            pages = {
+                "num_kv_pages": bm.pages.num_pages - 1,
+                "num_free_kv_pages": bm.pages.num_free_pages,
+            }
+        return pages | {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_usage": bm.usage,

@@ -1,14 +1,18 @@
 """Owns the model and its KV cache; turns a scheduled step into one forward pass."""
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from zcode.engine.graph_cache import GraphCache
 from zcode.engine.kv_cache import KVCache
+from zcode.engine.page_pool import LayerPaging, PagePool
 from zcode.engine.scheduler import ScheduledSeq
 from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
 from zcode.layers.moe import MoE
+from zcode.models.base import Backbone
 from zcode.sparsity.sparse_mlp import SparseMLP
 
 
@@ -21,13 +25,23 @@ class ModelRunner:
         dtype: torch.dtype,
         compile: bool = False,
         max_num_seqs: int = 64,
+        pages: PagePool | None = None,
     ):
+        """pages: per-layer KV pages, for requests that skip layers (num_blocks then counts the
+        pool's logical blocks)."""
         self.model = model
         self.block_size = block_size
         # One block past those the block manager hands out: padding rows of a compiled decode
-        # step write their KV there.
+        # step write their KV there (with pages: the null page).
         self.pad_block = num_blocks
-        self.kv_cache = KVCache(model.attention_layers(), num_blocks + 1, block_size, dtype)
+        self.pages = pages
+        if pages is None:
+            self.kv_cache = KVCache(model.attention_layers(), num_blocks + 1, block_size, dtype)
+        else:
+            self._check_paging(compile)
+            self.kv_cache = KVCache(
+                model.attention_layers(), pages.num_pages, block_size, dtype, shared_pages=True
+            )
         if compile and any(isinstance(m, MoE) for m in model.modules()):
             raise NotImplementedError(
                 "compiled decode of MoE models: expert dispatch has data-dependent shapes, "
@@ -40,6 +54,18 @@ class ModelRunner:
             )
         self.graphs = GraphCache(model, max_num_seqs) if compile else None
         self.set_plan(ExecutionPlan())
+
+    def _check_paging(self, compile: bool) -> None:
+        if compile:
+            raise NotImplementedError(
+                "compiled decode with per-request layer skipping: which layers a step runs "
+                "depends on its batch, which one static graph per bucket does not hold yet"
+            )
+        if type(self.model.model).forward is not Backbone.forward:
+            raise NotImplementedError(
+                f"per-request layer skipping for {type(self.model).__name__}: its layers pass "
+                "state to the next (DSA's shared index selections), which a skipped layer breaks"
+            )
 
     def set_plan(self, plan: ExecutionPlan) -> None:
         """Declares the plan the model now runs (after its modules were changed to follow it);
@@ -74,6 +100,10 @@ class ModelRunner:
             else:
                 num_logits.append(1 if s.completes_prompt else 0)
         batch = ForwardBatch.build(query_lens, context_lens, tables, self.block_size, num_logits)
+        if self.pages is not None:
+            skips = [s.seq.skip_layers for s in scheduled]
+            paging = LayerPaging.build(self.pages.table, self.block_size, skips, query_lens)
+            batch = dataclasses.replace(batch, paging=paging)
         logits = self.model(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
         return list(logits.split(num_logits))
 

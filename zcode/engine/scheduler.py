@@ -41,11 +41,12 @@ class Scheduler:
         # A sequence that cannot fit alone in the whole cache would wait (or preempt) forever.
         max_tokens = seq.num_prompt_tokens + seq.params.max_tokens
         bm = self.block_manager
-        if -(-max_tokens // bm.block_size) > bm.num_blocks:
+        max_blocks = bm.max_blocks(seq)
+        if -(-max_tokens // bm.block_size) > max_blocks:
             raise ValidationError(
                 f"{max_tokens} tokens ({seq.num_prompt_tokens} in the prompt, "
                 f"{seq.params.max_tokens} to generate) do not fit in the KV cache of "
-                f"{bm.num_blocks * bm.block_size} tokens"
+                f"{max_blocks * bm.block_size} tokens"
             )
         self.waiting.append(seq)
 

@@ -24,6 +24,7 @@ class Sequence:
         detokenizer: IncrementalDetokenizer | None,
         request_id: str | None = None,
         cache_salt: str = "",
+        skip_layers: frozenset[int] = frozenset(),
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
@@ -33,6 +34,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []
         self.cache_salt = cache_salt  # prefix-cache blocks are shared under equal salts only
+        self.skip_layers = skip_layers  # decoder layers it never runs, and keeps no KV for
         self.block_hashes: list[bytes] = []  # chained content hash of each full block of tokens
         self.num_hashed_blocks = 0  # leading blocks of block_table already offered to the cache
         self.num_cached_tokens = 0  # tokens reused from the prefix cache at the latest admission

@@ -40,8 +40,11 @@ class Backbone(nn.Module):
         # input_ids: [T] -> hidden: [T, D]
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary_emb(batch.positions)
-        for layer in self.layers:
-            hidden = layer(hidden, batch, rope)
+        for i, layer in enumerate(self.layers):
+            if batch.paging is None:
+                hidden = layer(hidden, batch, rope)
+            else:
+                hidden = batch.paging.run(i, layer, hidden, batch, rope)
         return self.norm(hidden)
 
 

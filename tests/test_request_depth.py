@@ -1,0 +1,189 @@
+"""Per-request layer skipping (EngineConfig.per_request_depth): a request that skips decoder
+layers runs as transformers' model without them, keeps no KV pages for them, and batches with
+requests that skip other layers or none.
+
+Oracle: transformers' model with the skipped layers removed from its ModuleList, as for the
+engine-wide skip plans in test_sparsity.
+"""
+
+import copy
+
+import pytest
+import torch
+from test_engine import GREEDY, PieceTokenizer, _prompt, _run
+from tiny_models import make_checkpoint
+
+from zcode.config import EngineConfig
+from zcode.engine.block_manager import BlockManager
+from zcode.engine.llm_engine import LLMEngine
+from zcode.engine.page_pool import PagePool
+from zcode.engine.sequence import Sequence
+from zcode.errors import ValidationError
+from zcode.loader import load_model
+from zcode.sampling_params import SamplingParams
+
+LOGPROBS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module", params=["llama", "glm4_moe"])
+def tiny(request, tmp_path_factory):
+    """(our model, transformers' model) sharing the same random weights."""
+    path = tmp_path_factory.mktemp(request.param)
+    oracle = make_checkpoint(request.param, path)
+    net, _ = load_model(path)
+    return net, oracle
+
+
+def _engine(net, **config) -> LLMEngine:
+    config.setdefault("kv_cache_bytes", 1 << 20)
+    return LLMEngine(net, PieceTokenizer(), EngineConfig(per_request_depth=True, **config))
+
+
+def _without_layers(oracle, skip: set[int]):
+    model = copy.deepcopy(oracle)
+    model.model.layers = torch.nn.ModuleList(
+        [layer for i, layer in enumerate(model.model.layers) if i not in skip]
+    )
+    model.config.num_hidden_layers = len(model.model.layers)
+    return model.eval()
+
+
+def _assert_matches(oracle, out) -> None:
+    """Every sampled token is the oracle's argmax, with the oracle's log-probability."""
+    tokens = out.prompt_token_ids + out.token_ids
+    with torch.no_grad():
+        logits = oracle(torch.tensor([tokens]), use_cache=False).logits[0].double()
+    expected = torch.log_softmax(logits, dim=-1)[len(out.prompt_token_ids) - 1 : -1]
+    assert out.token_ids == expected.argmax(-1).tolist()
+    for row, token, entry in zip(expected, out.token_ids, out.logprobs, strict=True):
+        assert entry[token] == pytest.approx(float(row[token]), abs=1e-4)
+
+
+def test_requests_skipping_different_layers_in_one_batch_match_their_oracles(tiny):
+    """Three requests in every step together (a short step budget mixes chunked prefill with
+    decode): one dense, two skipping different layers; each equals its own oracle."""
+    net, oracle = tiny
+    num_layers = len(net.model.layers)
+    skips = [set(), {1}, {0, num_layers - 1} if num_layers > 2 else {0}]
+    prompts = [_prompt(11, seed=20), _prompt(7, seed=21), _prompt(13, seed=22)]
+    engine = _engine(net, max_num_batched_tokens=8, block_size=4)
+    seqs = [engine.add_request(p, LOGPROBS, skip_layers=s) for p, s in zip(prompts, skips)]
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    for seq, skip in zip(seqs, skips, strict=True):
+        _assert_matches(_without_layers(oracle, skip), finished[seq.request_id])
+
+
+def test_a_skipped_layer_holds_no_pages(tiny):
+    net, _ = tiny
+    num_layers = len(net.model.layers)
+    engine = _engine(net, block_size=4)
+    pages = engine.block_manager.pages
+    free = pages.num_free_pages
+    dense = engine.add_request(_prompt(10, seed=23), GREEDY)
+    skipping = engine.add_request(_prompt(10, seed=24), GREEDY, skip_layers=[1])
+    engine.step()  # both prompts prefilled: 3 blocks each
+    assert len(dense.block_table) == len(skipping.block_table) == 3
+    assert free - pages.num_free_pages == 3 * num_layers + 3 * (num_layers - 1)
+    assert all(pages.table[1, b] == 0 for b in skipping.block_table)  # the null page
+    assert all(pages.table[1, b] > 0 for b in dense.block_table)
+
+
+def test_skipping_layers_fits_more_tokens_in_the_same_memory(tiny):
+    """A cache of 8 dense blocks (of 4 tokens) takes a 40-token request once it skips half the
+    layers of a 2-layer model, or a third of a 3-layer one, and refuses it dense."""
+    net, oracle = tiny
+    num_layers = len(net.model.layers)
+    dense_engine = _engine(net, block_size=4)
+    bytes_per_block = 4 * dense_engine.runner.kv_cache.bytes_per_token
+    engine = _engine(net, block_size=4, kv_cache_bytes=8 * bytes_per_block)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1)
+    prompt = _prompt(36, seed=25)
+    with pytest.raises(ValidationError, match="do not fit in the KV cache of 32 tokens"):
+        engine.add_request(prompt, params)
+    [out], _ = _run_skipping(engine, prompt, params, {num_layers - 1})
+    _assert_matches(_without_layers(oracle, {num_layers - 1}), out)
+
+
+def _run_skipping(engine, prompt, params, skip):
+    seq = engine.add_request(prompt, params, skip_layers=skip)
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    return [finished[seq.request_id]], seq
+
+
+def test_prefix_cache_is_shared_only_by_requests_skipping_the_same_layers(tiny):
+    net, _ = tiny
+    engine = _engine(net, block_size=4)
+    prompt = _prompt(17, seed=26)
+    bm = engine.block_manager
+    _run(engine, [prompt], GREEDY)  # dense: publishes 4 blocks
+    hits = bm.prefix_cache_hits
+    _run_skipping(engine, prompt, GREEDY, {1})
+    assert bm.prefix_cache_hits == hits  # dense KV is not this request's KV
+    _run_skipping(engine, prompt, GREEDY, {1})
+    assert bm.prefix_cache_hits == hits + 16
+
+
+def test_evicted_cached_blocks_give_back_their_pages():
+    """Two layers, pages for 4 dense blocks: cached blocks of finished requests are evicted for
+    the pages a new request needs, and every page comes back."""
+    pool = PagePool(num_layers=2, num_pages=9, num_blocks=8)
+    bm = BlockManager(8, block_size=2, pages=pool)
+    params = SamplingParams(max_tokens=1)
+    first = Sequence(list(range(8)), params, None)  # 4 blocks, all layers: every page
+    bm.allocate(first, 8)
+    first.num_computed_tokens = 8
+    bm.free(first)  # 4 cached blocks, 8 pages
+    assert pool.num_free_pages == 0 and bm.evictable_pages == 8 and bm.usage == 0.0
+    second = Sequence(list(range(100, 112)), params, None, skip_layers=frozenset({0}))
+    assert bm.can_allocate(second, 12)  # 6 blocks of one page each
+    bm.allocate(second, 12)
+    assert bm.evictable_pages == 2 and len(bm.evictable) == 1  # 3 of the 4 were evicted
+    assert bm.usage == pytest.approx(6 / 8)
+    third = Sequence(list(range(200, 206)), params, None)
+    assert not bm.can_allocate(third, 6)  # 3 blocks of 2 pages; 2 pages left
+    assert all(pool.table[0, b] == 0 for b in second.block_table)  # no pages in layer 0
+    second.num_computed_tokens = 12
+    bm.free(second)
+    assert pool.num_free_pages + bm.evictable_pages == 8
+
+
+@pytest.mark.parametrize(
+    "skip, match",
+    [
+        ([7], "out of range"),
+        ([-1], "out of range"),
+        ([0, 1, 2], "every layer"),
+        ("1", "not a string"),
+    ],
+)
+def test_bad_skip_layers_are_refused(tiny, skip, match):
+    net, _ = tiny
+    engine = _engine(net)
+    if match == "every layer":
+        skip = list(range(len(net.model.layers)))
+    with pytest.raises(ValidationError, match=match):
+        engine.add_request(_prompt(5, seed=27), GREEDY, skip_layers=skip)
+    assert not engine.has_unfinished()
+
+
+def test_skip_layers_needs_per_request_depth(tiny):
+    engine = LLMEngine(tiny[0], PieceTokenizer(), EngineConfig(kv_cache_bytes=1 << 20))
+    with pytest.raises(ValidationError, match="per_request_depth"):
+        engine.add_request(_prompt(5, seed=28), GREEDY, skip_layers=[1])
+
+
+def test_what_per_request_depth_does_not_do_yet(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dsa")
+    make_checkpoint("glm_moe_dsa", path)
+    net, _ = load_model(path)
+    with pytest.raises(NotImplementedError, match="shared index selections"):
+        _engine(net)
+    llama = tmp_path_factory.mktemp("llama_compiled")
+    make_checkpoint("llama", llama)
+    net, _ = load_model(llama)
+    with pytest.raises(NotImplementedError, match="compiled decode with per-request"):
+        _engine(net, compile=True)
