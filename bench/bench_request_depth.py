@@ -103,17 +103,16 @@ def quality(logits: list[torch.Tensor], dense: list[torch.Tensor], windows) -> d
 
 
 def kv_bytes_per_token(llm: LLM, prompt: list[int], skip: list[int]) -> float:
-    """Bytes of KV pages the request holds after its prefill, per token."""
+    """Bytes of the KV pages the request holds after its prefill, per token (its own blocks or
+    cached ones it shares)."""
     engine = llm.engine
     pages = engine.block_manager.pages
-    free = pages.num_free_pages
     seq = engine.add_request(prompt, SamplingParams(max_tokens=2), skip_layers=skip)
     engine.step()
-    held = free - pages.num_free_pages
+    held = sum(pages.held(b) for b in seq.block_table)
     while engine.has_unfinished():
         engine.step()
     layer_bytes_per_token = engine.runner.kv_cache.bytes_per_token / pages.num_layers
-    assert seq.is_finished
     return held * layer_bytes_per_token * engine.block_manager.block_size / len(prompt)
 
 

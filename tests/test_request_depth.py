@@ -187,3 +187,68 @@ def test_what_per_request_depth_does_not_do_yet(tmp_path_factory):
     net, _ = load_model(llama)
     with pytest.raises(NotImplementedError, match="compiled decode with per-request"):
         _engine(net, compile=True)
+
+
+def test_the_server_skip_layers_field(tiny_checkpoint):
+    """Completions with `skip_layers` (served --per-request-depth) give the oracle's tokens
+    without those layers; a bad value is a 400 naming the field, and a server without
+    per-layer pages refuses the field."""
+    import openai
+    from remote_server import InThreadServer
+
+    from zcode.server.app import build_app
+    from zcode.server.launch import build_state
+
+    ckpt = tiny_checkpoint("llama")
+    prompt = _prompt(9, seed=29)
+    served = [
+        InThreadServer(build_app(build_state(str(ckpt.path), "tiny", config)))
+        for config in ({"per_request_depth": True}, {})
+    ]
+    try:
+        paged, plain = (
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0) for s in served
+        )
+
+        def complete(client, **extra):
+            got = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=5,
+                temperature=0,
+                logprobs=0,
+                extra_body=extra,
+            )
+            return [int(t.removeprefix("token_id:")) for t in got.choices[0].logprobs.tokens]
+
+        tokens = complete(paged, skip_layers=[1])
+        oracle = _without_layers(ckpt.oracle, {1})
+        with torch.no_grad():
+            want = oracle.generate(
+                torch.tensor([prompt]), max_new_tokens=5, do_sample=False, use_cache=False
+            )[0, len(prompt) :].tolist()
+        assert tokens == want
+        assert complete(paged) == complete(plain)  # no field: the dense model
+        for client, bad, match in (
+            (paged, [5], "out of range"),
+            (paged, ["1"], "skip_layers"),
+            (plain, [1], "per_request_depth"),
+        ):
+            with pytest.raises(openai.BadRequestError, match=match):
+                complete(client, skip_layers=bad)
+    finally:
+        for s in served:
+            s.stop()
+
+
+def test_generate_skip_layers_is_all_or_none(tiny_checkpoint):
+    from zcode.llm import LLM
+
+    llm = LLM(tiny_checkpoint("llama").path, per_request_depth=True, kv_cache_bytes=1 << 20)
+    with pytest.raises(ValidationError, match="out of vocabulary"):
+        llm.generate([_prompt(5, seed=30), [10**6]], GREEDY, skip_layers=[1])
+    assert not llm.engine.has_unfinished()
+    with pytest.raises(ValidationError, match="cannot be combined"):
+        llm.generate(_prompt(5, seed=30), GREEDY, skip_layers=[1], max_latency_ms=5.0)
+    [out] = llm.generate(_prompt(5, seed=30), GREEDY, skip_layers=[1])
+    assert len(out.token_ids) == GREEDY.max_tokens

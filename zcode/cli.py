@@ -282,6 +282,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="do not reuse the KV cache of prompt prefixes shared between requests",
     )
     serve.add_argument(
+        "--per-request-depth",
+        action="store_true",
+        help="keep the KV cache as per-layer pages, so a request's skip_layers field skips "
+        "those decoder layers and holds no KV for them (eager decode steps)",
+    )
+    serve.add_argument(
         "--max-request-bytes",
         type=int,
         default=1 << 20,
@@ -721,6 +727,8 @@ def _serve(args: argparse.Namespace) -> None:
     )
     if args.no_prefix_caching:
         engine_args["enable_prefix_caching"] = False
+    if args.per_request_depth:
+        engine_args["per_request_depth"] = True
     engine_args.update(_sparsity_args(args))
     run_server(
         args.model,

@@ -51,6 +51,7 @@ class LLM:
         enable_thinking: bool | None = None,
         max_latency_ms: float | None = None,
         quality: str | None = None,
+        skip_layers: Sequence[int] = (),
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; a prompt is text, token ids or chat messages.
 
@@ -60,9 +61,13 @@ class LLM:
         predicted and measured ms per step. `quality` ("max", "balanced", "fast"; needs
         precision variants, zcode.quant.variants.attach_variants) runs the precision variant of
         that level for the most sensitive units; each output's `plan` names the plan that ran.
+        `skip_layers` (needs `per_request_depth=True`) names decoder layers these requests never
+        run and keep no KV for.
         """
         params = sampling_params or SamplingParams()
         token_lists = [self.encode(p, enable_thinking) for p in _as_batch(prompts)]
+        if skip_layers and (quality is not None or max_latency_ms is not None):
+            raise ValidationError("skip_layers cannot be combined with quality or max_latency_ms")
         if quality is not None:
             if max_latency_ms is not None:
                 raise ValidationError("pass quality or max_latency_ms, not both")
@@ -73,7 +78,14 @@ class LLM:
             from zcode.sparsity.planner import generate_within
 
             return generate_within(self, token_lists, params, max_latency_ms)
-        seqs = [self.engine.add_request(ids, params) for ids in token_lists]
+        seqs = []
+        try:
+            for ids in token_lists:
+                seqs.append(self.engine.add_request(ids, params, skip_layers=skip_layers))
+        except ValidationError:
+            for seq in seqs:  # all or none: a bad prompt leaves no request behind
+                self.engine.abort(seq.request_id)
+            raise
         finished: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():

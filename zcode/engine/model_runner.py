@@ -102,7 +102,7 @@ class ModelRunner:
         batch = ForwardBatch.build(query_lens, context_lens, tables, self.block_size, num_logits)
         if self.pages is not None:
             skips = [s.seq.skip_layers for s in scheduled]
-            paging = LayerPaging.build(self.pages.table, self.block_size, skips, query_lens)
+            paging = LayerPaging.build(self.pages, self.block_size, batch, skips, query_lens)
             batch = dataclasses.replace(batch, paging=paging)
         logits = self.model(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
         return list(logits.split(num_logits))

@@ -56,24 +56,25 @@ class PagePool:
 
 @dataclass(frozen=True)
 class LayerPaging:
-    """What a forward pass over per-layer pages needs: where each layer's KV lives, and which
-    rows skip which layers. Carried by ForwardBatch.paging; Backbone runs each layer through
-    `run`."""
+    """What a forward pass over per-layer pages needs: each layer's KV slots, and which rows skip
+    which layers. Carried by ForwardBatch.paging; Backbone runs each layer through `run`."""
 
-    table: torch.Tensor  # [L, blocks + 1] int64, PagePool.table
-    block_size: int
+    slot_mapping: torch.Tensor  # [L, T] int64, the batch's slot_mapping in each layer's pages
+    context_slots: torch.Tensor  # [L, B, L_max] int64, likewise for its context_slots
     skipped_by_all: frozenset[int]  # layers no sequence of the batch runs
     keep_rows: dict[int, torch.Tensor]  # layer -> [T] bool, rows of sequences that skip it
 
     @classmethod
     def build(
         cls,
-        table: torch.Tensor,
+        pool: PagePool,
         block_size: int,
+        batch,
         skip_layers: list[frozenset[int]],
         query_lens: list[int],
     ) -> "LayerPaging":
-        """skip_layers[b]: the layers sequence b skips; it brings query_lens[b] packed tokens."""
+        """skip_layers[b]: the layers sequence b of `batch` skips; it brings query_lens[b]
+        packed tokens."""
         union = frozenset().union(*skip_layers)
         by_all = frozenset(i for i in union if all(i in s for s in skip_layers))
         lens = torch.tensor(query_lens)
@@ -81,23 +82,24 @@ class LayerPaging:
             i: torch.tensor([i in s for s in skip_layers]).repeat_interleave(lens)
             for i in union - by_all
         }
-        return cls(table, block_size, by_all, keep_rows)
+        # Every layer's slots at once: one gather a step instead of a few small ops per layer.
+        slot_mapping = _physical(pool.table, batch.slot_mapping, block_size)
+        context_slots = _physical(pool.table, batch.context_slots, block_size)
+        return cls(slot_mapping, context_slots, by_all, keep_rows)
 
     def run(self, index: int, layer: nn.Module, x: torch.Tensor, batch, rope) -> torch.Tensor:
         """Decoder layer `index` on x [T, D] -> [T, D], with its own KV slots; rows of sequences
         that skip it come out as they went in."""
         if index in self.skipped_by_all:
             return x
-        pages = self.table[index]
         own = dataclasses.replace(
-            batch,
-            slot_mapping=self._physical(pages, batch.slot_mapping),
-            context_slots=self._physical(pages, batch.context_slots),
+            batch, slot_mapping=self.slot_mapping[index], context_slots=self.context_slots[index]
         )
         out = layer(x, own, rope)
         keep = self.keep_rows.get(index)
         return out if keep is None else torch.where(keep[:, None], x, out)
 
-    def _physical(self, pages: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        # logical slots (any shape) -> this layer's slots in the shared page pool
-        return pages[slots // self.block_size] * self.block_size + slots % self.block_size
+
+def _physical(table: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+    # table: [L, blocks + 1]; logical slots [*shape] -> each layer's slots [L, *shape]
+    return table[:, slots // block_size] * block_size + slots % block_size

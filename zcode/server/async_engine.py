@@ -40,6 +40,7 @@ class RequestStream:
     loop: asyncio.AbstractEventLoop
     ffn_plan: object = None  # a sparsity RequestPlan (max_latency_ms), run by `levels`
     cache_salt: str | None = None  # of the prefix cache: the client's, and the FFN plan's
+    skip_layers: tuple[int, ...] = ()  # decoder layers the request never runs
     arrival_time: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted: asyncio.Future | None = None
@@ -128,6 +129,7 @@ class AsyncEngine:
         jobs: list[tuple[list[int], SamplingParams, str]],
         ffn_plan=None,
         cache_salt: str | None = None,
+        skip_layers: tuple[int, ...] = (),
     ) -> AsyncIterator[list[RequestStream]]:
         """Admits (prompt_token_ids, params, request_id) jobs together and yields their streams.
 
@@ -145,7 +147,9 @@ class AsyncEngine:
         if ffn_plan is not None:
             cache_salt = join_salts(cache_salt, level_salt(ffn_plan.level))
         for prompt_token_ids, params, request_id in jobs:
-            stream = RequestStream(request_id, len(prompt_token_ids), loop, ffn_plan, cache_salt)
+            stream = RequestStream(
+                request_id, len(prompt_token_ids), loop, ffn_plan, cache_salt, skip_layers
+            )
             stream.admitted = loop.create_future()
             self._commands.put(("add", stream, list(prompt_token_ids), params))
             streams.append(stream)
@@ -208,7 +212,13 @@ class AsyncEngine:
 
     def _add(self, stream: RequestStream, prompt_token_ids: list[int], params) -> None:
         try:
-            self.engine.add_request(prompt_token_ids, params, stream.request_id, stream.cache_salt)
+            self.engine.add_request(
+                prompt_token_ids,
+                params,
+                stream.request_id,
+                stream.cache_salt,
+                skip_layers=stream.skip_layers,
+            )
         except Exception as e:  # ValidationError for bad input; anything else fails this request
             stream.loop.call_soon_threadsafe(_resolve, stream.admitted, e)
             return

@@ -8,7 +8,7 @@ silently dropped. Ranges are checked by pydantic, so a bad value names its field
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from zcode.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
@@ -68,6 +68,9 @@ class _GenerateRequest(_Body):
     max_latency_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
     # vLLM's: prefix-cache blocks are shared only among requests with the same salt
     cache_salt: str | None = Field(None, min_length=1)
+    # zcode: decoder layers this request never runs and keeps no KV for (needs
+    # --per-request-depth)
+    skip_layers: list[StrictInt] | None = Field(None, max_length=1024)
 
     def check(self) -> None:
         """Checks across fields, and fields we cannot honour; raises ApiError naming the field."""
