@@ -1,6 +1,8 @@
 """Sparsity modules against plain oracles: the masked dense SwiGLU for SparseMLP, a model with a
 layer's output zeroed for skipping, o_proj columns zeroed for head pruning."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,6 +145,51 @@ def test_pruned_heads_match_transformers_with_their_outputs_zeroed(tiny_checkpoi
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     per_kv_head = 2 * attn.head_dim * 4  # K and V, fp32
     assert kv_bytes_per_token(net.attention_layers(), torch.float32) == dense_kv - per_kv_head
+
+
+def test_group_ablation_scores_match_transformers_perplexities(tiny_checkpoint):
+    """Oracle: transformers' perplexity of the same windows with the group's o_proj columns
+    zeroed, over its dense perplexity."""
+    from zcode.llm import LLM
+    from zcode.sparsity.head_skip import ablation_scores
+
+    ckpt = tiny_checkpoint("llama")
+    llm = LLM(ckpt.path, kv_cache_bytes=1 << 20)
+    tokens = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    window = 16
+    calls = []
+    got = ablation_scores(llm, tokens, window, lambda: calls.append(1))
+
+    oracle = _copy_oracle(ckpt)
+
+    def oracle_ppl() -> float:
+        nll, count = 0.0, 0
+        for begin in range(0, len(tokens), window):
+            ids = tokens[begin : begin + window]
+            with torch.no_grad():
+                logits = oracle(torch.tensor([ids]), use_cache=False).logits[0].double()
+            logp = F.log_softmax(logits[:-1], -1)
+            nll -= logp.gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+            count += len(ids) - 1
+        return math.exp(nll / count)
+
+    dense = oracle_ppl()
+    config = oracle.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    width = config.num_attention_heads // config.num_key_value_heads * head_dim
+    want = torch.zeros_like(got)
+    for i, layer in enumerate(oracle.model.layers):
+        weight = layer.self_attn.o_proj.weight
+        for g in range(config.num_key_value_heads):
+            with torch.no_grad():
+                kept = weight[:, g * width : (g + 1) * width].clone()
+                weight[:, g * width : (g + 1) * width] = 0
+                want[i, g] = oracle_ppl() / dense
+                weight[:, g * width : (g + 1) * width] = kept
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert len(calls) == want.numel() and (want != 1).all()  # each group changed something
+    # the model is left as it was
+    assert ablation_scores(llm, tokens, window).equal(got)
 
 
 def test_artifact_round_trip_and_wrong_model(tmp_path, tiny_checkpoint):

@@ -49,7 +49,7 @@ class SparsityArtifact:
     table: ThresholdTable
     levels: list[FFNLevel]
     layer_scores: torch.Tensor  # [L] block influence
-    head_scores: torch.Tensor  # [L, KVH] group output norms
+    head_scores: torch.Tensor  # [L, KVH] perplexity ratio with each KV group removed
     latency: LatencyFit | None = None
     predictor: dict | None = None  # FFNPredictor.state() and its held-out metrics
     notes: dict = field(default_factory=dict)

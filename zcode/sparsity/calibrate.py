@@ -1,6 +1,7 @@
-"""`zcode calibrate`: one pass over calibration text records activation thresholds and layer /
-head importance, then every candidate FFN level is scored on a separate calibration slice and
-batch-1 decode latency is fitted; the result is a SparsityArtifact.
+"""`zcode calibrate`: one pass over calibration text records activation thresholds and layer
+importance, then KV-group importance (by ablation) and every candidate FFN level are scored on a
+separate calibration slice and batch-1 decode latency is fitted; the result is a
+SparsityArtifact.
 
 Held-out text is never touched here: quality claims are made on it by the bench.
 """
@@ -13,7 +14,7 @@ from zcode.ppl import perplexity
 from zcode.sampling_params import SamplingParams
 from zcode.sparsity.apply import remove_sparsity, set_ffn_level
 from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
-from zcode.sparsity.head_skip import HeadInfluence
+from zcode.sparsity.head_skip import ablation_scores, gqa_attentions
 from zcode.sparsity.latency import fit_latency, measure_latency_points
 from zcode.sparsity.layer_skip import BlockInfluence
 from zcode.sparsity.predictor import FFNInputRecorder, predictor_state, train_predictors
@@ -64,14 +65,15 @@ def calibrate(
         raise ValueError(f"the calibration split has only {len(tokens)} tokens")
     record, evaluate = tokens[:num_tokens], tokens[num_tokens:]
     windows = [record[i : i + WINDOW] for i in range(0, len(record) - 1, WINDOW)]
+    num_groups = sum(a.num_kv_heads for a in gqa_attentions(model).values())
     bar = tqdm(
-        total=len(windows) + len(levels) + 3 + len(PREDICTOR_KEEPS),
+        total=len(windows) + num_groups + len(levels) + 3 + len(PREDICTOR_KEEPS),
         desc="calibrate",
         disable=not progress,
     )
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     with ActivationRecorder(model, score) as acts, BlockInfluence(model) as bi:
-        with HeadInfluence(model) as heads, FFNInputRecorder(model) as ffn_inputs:
+        with FFNInputRecorder(model) as ffn_inputs:
             for window in windows:
                 llm.generate(window, params)
                 bar.update()
@@ -82,7 +84,7 @@ def calibrate(
         table=table,
         levels=[],
         layer_scores=bi.scores(),
-        head_scores=heads.scores(),
+        head_scores=ablation_scores(llm, evaluate, WINDOW, bar.update),
         notes={"calibration_tokens": num_tokens, "eval_tokens": num_eval_tokens},
     )
     artifact.predictor = {}

@@ -1,59 +1,57 @@
 """Static KV-head pruning: whole GQA groups (one KV head and the query heads that read it) a plan
 removes from a layer, so the layer computes fewer heads and caches fewer KV heads.
 
-Importance of a group on calibration text: the mean norm of what its heads add to the residual
-stream, ||o_proj[:, group] @ out[group]||, per token (the head-output norm of Michel et al. 2019
-with the output projection folded in). A pruned layer is a plain Attention with fewer heads and
-sliced weights, so every attention path (cache, RoPE, GQA) stays the dense code.
+Importance of a group: the perplexity ratio on calibration text with the group's output removed
+(its o_proj columns zeroed, which removes exactly what its heads add to the residual stream).
+An output-norm proxy (Michel et al. 2019, ||o_proj[:, group] @ out[group]||) ranked layer 0's
+groups among the least important; on SmolLM2-135M's held-out text its 10- and 20-group plans
+cost +31% and +182% perplexity, ablation's +16% and +48%. A pruned layer is a plain Attention
+with fewer heads and sliced weights, so every attention path (cache, RoPE, GQA) stays the dense
+code.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from zcode.layers.attention import Attention
+from zcode.ppl import perplexity
 
 
-class HeadInfluence:
-    """Forward pre-hooks on o_proj of every GQA attention: summed per-group output norms."""
+def gqa_attentions(model: nn.Module) -> dict[int, Attention]:
+    return {
+        i: layer.self_attn
+        for i, layer in enumerate(model.model.layers)
+        if type(getattr(layer, "self_attn", None)) is Attention
+    }
 
-    def __init__(self, model: nn.Module) -> None:
-        self.attns = {
-            i: layer.self_attn
-            for i, layer in enumerate(model.model.layers)
-            if type(getattr(layer, "self_attn", None)) is Attention
-        }
-        first = next(iter(self.attns.values()))
-        self.sums = torch.zeros(len(model.model.layers), first.num_kv_heads, dtype=torch.float64)
-        self.counts = torch.zeros(len(model.model.layers), dtype=torch.float64)
-        self._handles = []
 
-    def __enter__(self) -> "HeadInfluence":
-        for i, attn in self.attns.items():
-            self._handles.append(attn.o_proj.register_forward_pre_hook(self._hook(i, attn)))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def _hook(self, index: int, attn: Attention):
-        group = attn.num_heads // attn.num_kv_heads
-        width = group * attn.head_dim
-
-        def hook(module, args):
-            (x,) = args  # [T, H * Dh]
-            for g in range(attn.num_kv_heads):
-                cols = slice(g * width, (g + 1) * width)
-                part = x[:, cols].float() @ module.weight[:, cols].float().t()  # [T, D]
-                self.sums[index, g] += part.norm(dim=-1).sum().double()
-            self.counts[index] += x.shape[0]
-
-        return hook
-
-    def scores(self) -> torch.Tensor:
-        """[L, KVH] mean output norm per KV group (zeros for layers without GQA attention)."""
-        return (self.sums / self.counts.clamp(min=1).unsqueeze(1)).float()
+@torch.no_grad()
+def ablation_scores(
+    llm, tokens: list[int], window: int, on_group: Callable[[], None] = lambda: None
+) -> torch.Tensor:
+    """[L, KVH] perplexity of `tokens` with each KV group removed, over the dense perplexity
+    (higher: the group matters more); zeros for layers without GQA attention. Calls `on_group`
+    after each group (a progress bar)."""
+    model = llm.model
+    attns = gqa_attentions(model)
+    num_groups = max((a.num_kv_heads for a in attns.values()), default=1)
+    scores = torch.zeros(len(model.model.layers), num_groups)
+    dense = perplexity(llm, tokens, window, window).perplexity
+    for i, attn in attns.items():
+        width = attn.num_heads // attn.num_kv_heads * attn.head_dim
+        weight = attn.o_proj.weight  # [D, H * Dh]
+        for g in range(attn.num_kv_heads):
+            cols = slice(g * width, (g + 1) * width)
+            kept = weight[:, cols].clone()
+            weight[:, cols] = 0
+            try:
+                scores[i, g] = perplexity(llm, tokens, window, window).perplexity / dense
+            finally:
+                weight[:, cols] = kept
+            on_group()
+    return scores
 
 
 def prune_order(scores: torch.Tensor) -> list[tuple[int, int]]:
