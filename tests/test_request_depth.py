@@ -39,8 +39,16 @@ def _engine(net, **config) -> LLMEngine:
     return LLMEngine(net, PieceTokenizer(), EngineConfig(per_request_depth=True, **config))
 
 
-def _without_layers(oracle, skip: set[int]):
+def _without_layers(oracle, skip: set[int], skip_heads: set[tuple[int, int]] = frozenset()):
+    """transformers' model without the skipped layers, and with the skipped KV heads' o_proj
+    columns zeroed (which removes exactly what those heads add)."""
     model = copy.deepcopy(oracle)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    width = c.num_attention_heads // c.num_key_value_heads * head_dim
+    with torch.no_grad():
+        for i, g in skip_heads:
+            model.model.layers[i].self_attn.o_proj.weight[:, g * width : (g + 1) * width] = 0
     model.model.layers = torch.nn.ModuleList(
         [layer for i, layer in enumerate(model.model.layers) if i not in skip]
     )
@@ -59,35 +67,50 @@ def _assert_matches(oracle, out) -> None:
         assert entry[token] == pytest.approx(float(row[token]), abs=1e-4)
 
 
-def test_requests_skipping_different_layers_in_one_batch_match_their_oracles(tiny):
-    """Three requests in every step together (a short step budget mixes chunked prefill with
-    decode): one dense, two skipping different layers; each equals its own oracle."""
+def test_requests_skipping_different_layers_and_heads_in_one_batch_match_their_oracles(tiny):
+    """Five requests in every step together (a short step budget mixes chunked prefill with
+    decode): one dense, the others skipping different layers and KV heads; each equals its own
+    oracle."""
     net, oracle = tiny
     num_layers = len(net.model.layers)
-    skips = [set(), {1}, {0, num_layers - 1} if num_layers > 2 else {0}]
-    prompts = [_prompt(11, seed=20), _prompt(7, seed=21), _prompt(13, seed=22)]
-    engine = _engine(net, max_num_batched_tokens=8, block_size=4)
-    seqs = [engine.add_request(p, LOGPROBS, skip_layers=s) for p, s in zip(prompts, skips)]
+    skips = [
+        (set(), set()),
+        ({1}, set()),
+        ({0, num_layers - 1} if num_layers > 2 else {0}, set()),
+        (set(), {(0, 1), (1, 0)}),
+        ({0}, {(1, 1)}),
+    ]
+    prompts = [_prompt(11 + 2 * i, seed=20 + i) for i in range(len(skips))]
+    engine = _engine(net, max_num_batched_tokens=12, block_size=4)
+    seqs = [
+        engine.add_request(p, LOGPROBS, skip_layers=layers, skip_kv_heads=heads)
+        for p, (layers, heads) in zip(prompts, skips, strict=True)
+    ]
     finished = {}
     while engine.has_unfinished():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    for seq, skip in zip(seqs, skips, strict=True):
-        _assert_matches(_without_layers(oracle, skip), finished[seq.request_id])
+    for seq, (layers, heads) in zip(seqs, skips, strict=True):
+        _assert_matches(_without_layers(oracle, layers, heads), finished[seq.request_id])
 
 
-def test_a_skipped_layer_holds_no_pages(tiny):
+def test_skipped_layers_and_heads_hold_no_pages(tiny):
     net, _ = tiny
-    num_layers = len(net.model.layers)
     engine = _engine(net, block_size=4)
     pages = engine.block_manager.pages
+    heads = pages.heads_per_layer
     free = pages.num_free_pages
     dense = engine.add_request(_prompt(10, seed=23), GREEDY)
-    skipping = engine.add_request(_prompt(10, seed=24), GREEDY, skip_layers=[1])
-    engine.step()  # both prompts prefilled: 3 blocks each
-    assert len(dense.block_table) == len(skipping.block_table) == 3
-    assert free - pages.num_free_pages == 3 * num_layers + 3 * (num_layers - 1)
-    assert all(pages.table[1, b] == 0 for b in skipping.block_table)  # the null page
-    assert all(pages.table[1, b] > 0 for b in dense.block_table)
+    no_layer = engine.add_request(_prompt(10, seed=24), GREEDY, skip_layers=[1])
+    no_head = engine.add_request(_prompt(10, seed=31), GREEDY, skip_kv_heads=[(0, 1)])
+    engine.step()  # the prompts prefilled: 3 blocks each
+    assert [len(s.block_table) for s in (dense, no_layer, no_head)] == [3, 3, 3]
+    used = 3 * sum(heads) + 3 * (sum(heads) - heads[1]) + 3 * (sum(heads) - 1)
+    assert free - pages.num_free_pages == used
+    layer1 = range(pages.first_unit[1], pages.first_unit[1] + heads[1])
+    assert all(pages.table[u, b] == 0 for u in layer1 for b in no_layer.block_table)
+    assert all(pages.table[u, b] > 0 for u in layer1 for b in dense.block_table)
+    assert all(pages.table[1, b] == 0 for b in no_head.block_table)  # unit 1: layer 0, head 1
+    assert all(pages.table[0, b] > 0 for b in no_head.block_table)
 
 
 def test_skipping_layers_fits_more_tokens_in_the_same_memory(tiny):
@@ -130,7 +153,7 @@ def test_prefix_cache_is_shared_only_by_requests_skipping_the_same_layers(tiny):
 def test_evicted_cached_blocks_give_back_their_pages():
     """Two layers, pages for 4 dense blocks: cached blocks of finished requests are evicted for
     the pages a new request needs, and every page comes back."""
-    pool = PagePool(num_layers=2, num_pages=9, num_blocks=8)
+    pool = PagePool(heads_per_layer=[1, 1], num_pages=9, num_blocks=8)
     bm = BlockManager(8, block_size=2, pages=pool)
     params = SamplingParams(max_tokens=1)
     first = Sequence(list(range(8)), params, None)  # 4 blocks, all layers: every page
@@ -152,28 +175,40 @@ def test_evicted_cached_blocks_give_back_their_pages():
 
 
 @pytest.mark.parametrize(
-    "skip, match",
+    "skips, match",
     [
-        ([7], "out of range"),
-        ([-1], "out of range"),
-        ([0, 1, 2], "every layer"),
-        ("1", "not a string"),
+        ({"skip_layers": [7]}, "out of range"),
+        ({"skip_layers": [-1]}, "out of range"),
+        ({"skip_layers": [True]}, "out of range"),
+        ({"skip_layers": "1"}, "not a string"),
+        ({"skip_kv_heads": [(0, 2)]}, "names no"),
+        ({"skip_kv_heads": [(9, 0)]}, "names no"),
+        ({"skip_kv_heads": [(0, 0, 1)]}, "names no"),
+        ({"skip_kv_heads": [3]}, "pairs"),
+        ({"skip_kv_heads": "00"}, "not a string"),
+        ("every layer", "must keep one"),
+        ("every head", "must keep one"),
     ],
 )
-def test_bad_skip_layers_are_refused(tiny, skip, match):
+def test_bad_skips_are_refused(tiny, skips, match):
     net, _ = tiny
     engine = _engine(net)
-    if match == "every layer":
-        skip = list(range(len(net.model.layers)))
+    num_layers = len(net.model.layers)
+    if skips == "every layer":
+        skips = {"skip_layers": range(num_layers)}
+    elif skips == "every head":
+        skips = {"skip_layers": range(1, num_layers), "skip_kv_heads": [(0, 0), (0, 1)]}
     with pytest.raises(ValidationError, match=match):
-        engine.add_request(_prompt(5, seed=27), GREEDY, skip_layers=skip)
+        engine.add_request(_prompt(5, seed=27), GREEDY, **skips)
     assert not engine.has_unfinished()
 
 
-def test_skip_layers_needs_per_request_depth(tiny):
+def test_skips_need_per_request_depth(tiny):
     engine = LLMEngine(tiny[0], PieceTokenizer(), EngineConfig(kv_cache_bytes=1 << 20))
     with pytest.raises(ValidationError, match="per_request_depth"):
         engine.add_request(_prompt(5, seed=28), GREEDY, skip_layers=[1])
+    with pytest.raises(ValidationError, match="per_request_depth"):
+        engine.add_request(_prompt(5, seed=28), GREEDY, skip_kv_heads=[(0, 1)])
 
 
 def test_what_per_request_depth_does_not_do_yet(tmp_path_factory):
@@ -190,9 +225,9 @@ def test_what_per_request_depth_does_not_do_yet(tmp_path_factory):
 
 
 def test_the_server_skip_layers_field(tiny_checkpoint):
-    """Completions with `skip_layers` (served --per-request-depth) give the oracle's tokens
-    without those layers; a bad value is a 400 naming the field, and a server without
-    per-layer pages refuses the field."""
+    """Completions with `skip_layers` or `skip_kv_heads` (served --per-request-depth) give the
+    oracle's tokens without those layers or heads; a bad value is a 400 naming the field, and a
+    server without pages refuses the field."""
     import openai
     from remote_server import InThreadServer
 
@@ -221,13 +256,14 @@ def test_the_server_skip_layers_field(tiny_checkpoint):
             )
             return [int(t.removeprefix("token_id:")) for t in got.choices[0].logprobs.tokens]
 
-        tokens = complete(paged, skip_layers=[1])
-        oracle = _without_layers(ckpt.oracle, {1})
-        with torch.no_grad():
-            want = oracle.generate(
-                torch.tensor([prompt]), max_new_tokens=5, do_sample=False, use_cache=False
-            )[0, len(prompt) :].tolist()
-        assert tokens == want
+        for layers, heads in (({1}, set()), (set(), {(0, 1)})):
+            skips = {"skip_layers": sorted(layers), "skip_kv_heads": sorted(heads)}
+            oracle = _without_layers(ckpt.oracle, layers, heads)
+            with torch.no_grad():
+                want = oracle.generate(
+                    torch.tensor([prompt]), max_new_tokens=5, do_sample=False, use_cache=False
+                )[0, len(prompt) :].tolist()
+            assert complete(paged, **skips) == want
         assert complete(paged) == complete(plain)  # no field: the dense model
         for client, bad, match in (
             (paged, [5], "out of range"),
@@ -236,6 +272,9 @@ def test_the_server_skip_layers_field(tiny_checkpoint):
         ):
             with pytest.raises(openai.BadRequestError, match=match):
                 complete(client, skip_layers=bad)
+        for bad, match in (([[0, 5]], "names no"), ([[0]], "skip_kv_heads"), ([1], "skip_kv")):
+            with pytest.raises(openai.BadRequestError, match=match):
+                complete(paged, skip_kv_heads=bad)
     finally:
         for s in served:
             s.stop()

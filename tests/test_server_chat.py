@@ -100,7 +100,7 @@ class ParrotEngine:
         running = [SimpleNamespace(request_id=r) for r in self.requests]
         return SimpleNamespace(running=running, waiting=[])
 
-    def add_request(self, prompt_ids, params, request_id, cache_salt=None, skip_layers=()):
+    def add_request(self, prompt_ids, params, request_id, cache_salt=None, **skips):
         prompt = "".join(map(chr, prompt_ids))
         answer = prompt.rsplit("<|user|>", 1)[1].split("<|", 1)[0]
         self.requests[request_id] = _Request(prompt_ids, answer, params.max_tokens)

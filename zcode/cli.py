@@ -284,8 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--per-request-depth",
         action="store_true",
-        help="keep the KV cache as per-layer pages, so a request's skip_layers field skips "
-        "those decoder layers and holds no KV for them (eager decode steps)",
+        help="keep the KV cache as pages per layer and KV head, so a request's skip_layers and "
+        "skip_kv_heads fields skip those and hold no KV for them (eager decode steps)",
     )
     serve.add_argument(
         "--max-request-bytes",

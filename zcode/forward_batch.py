@@ -31,9 +31,12 @@ class ForwardBatch:
     context_slots: torch.Tensor  # [B, L_max] int64 cache slots of each sequence's context
     attn_mask: torch.Tensor | None  # [B, 1, S_max, L_max] bool, True = may attend; None = all
     logits_index: torch.Tensor  # [N] int64, packed tokens whose logits are wanted
-    # Per-layer KV pages and per-request skipped layers (engine with per_request_depth); None:
-    # every layer runs every row and all layers share the slots above.
+    # KV pages per layer and KV head, and per-request skipped layers and heads (engine with
+    # per_request_depth); None: every layer runs every row and all layers share the slots above.
     paging: "LayerPaging | None" = None
+    # [T, KVH] bool, False where a row's request skips that KV head of the layer (set by
+    # LayerPaging for the layer it runs); None: every row reads every head.
+    kv_head_keep: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

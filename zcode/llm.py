@@ -52,6 +52,7 @@ class LLM:
         max_latency_ms: float | None = None,
         quality: str | None = None,
         skip_layers: Sequence[int] = (),
+        skip_kv_heads: Sequence[tuple[int, int]] = (),
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; a prompt is text, token ids or chat messages.
 
@@ -61,13 +62,16 @@ class LLM:
         predicted and measured ms per step. `quality` ("max", "balanced", "fast"; needs
         precision variants, zcode.quant.variants.attach_variants) runs the precision variant of
         that level for the most sensitive units; each output's `plan` names the plan that ran.
-        `skip_layers` (needs `per_request_depth=True`) names decoder layers these requests never
-        run and keep no KV for.
+        `skip_layers` and `skip_kv_heads` (need `per_request_depth=True`) name decoder layers and
+        (layer, KV head) pairs these requests never run and keep no KV for.
         """
         params = sampling_params or SamplingParams()
         token_lists = [self.encode(p, enable_thinking) for p in _as_batch(prompts)]
-        if skip_layers and (quality is not None or max_latency_ms is not None):
-            raise ValidationError("skip_layers cannot be combined with quality or max_latency_ms")
+        skips = {"skip_layers": skip_layers, "skip_kv_heads": skip_kv_heads}
+        if any(skips.values()) and (quality is not None or max_latency_ms is not None):
+            raise ValidationError(
+                "skip_layers and skip_kv_heads cannot be combined with quality or max_latency_ms"
+            )
         if quality is not None:
             if max_latency_ms is not None:
                 raise ValidationError("pass quality or max_latency_ms, not both")
@@ -81,7 +85,7 @@ class LLM:
         seqs = []
         try:
             for ids in token_lists:
-                seqs.append(self.engine.add_request(ids, params, skip_layers=skip_layers))
+                seqs.append(self.engine.add_request(ids, params, **skips))
         except ValidationError:
             for seq in seqs:  # all or none: a bad prompt leaves no request behind
                 self.engine.abort(seq.request_id)

@@ -19,9 +19,9 @@ only under equal salts. The engine salts what computes KV differently from the m
 built with (an FFN sparsity level, skipped layers), and a server client may salt its requests so
 that no other tenant can reuse, or time, its prefixes.
 
-With a PagePool (per-request layer skipping) a block is a logical block that holds one KV page
-per layer its sequence runs, taken when the block is taken and given back when the block is
-freed or evicted; capacity is then counted in pages as well as in blocks.
+With a PagePool (per-request layer and head skipping) a block is a logical block that holds one
+KV page per (layer, KV head) its sequence keeps, taken when the block is taken and given back
+when the block is freed or evicted; capacity is then counted in pages as well as in blocks.
 """
 
 import hashlib
@@ -86,16 +86,15 @@ class BlockManager:
             return 1.0 - free / (self.pages.num_pages - 1)
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def kv_layers(self, seq: Sequence) -> list[int]:
-        """The layers whose KV `seq` keeps (all of them without a page pool)."""
-        num_layers = self.pages.num_layers if self.pages is not None else 0
-        return [i for i in range(num_layers) if i not in seq.skip_layers]
+    def kv_units(self, seq: Sequence) -> list[int]:
+        """The page-pool units (layer, KV head) whose KV `seq` keeps; needs a page pool."""
+        return self.pages.units(seq.skip_layers, seq.skip_kv_heads)
 
     def max_blocks(self, seq: Sequence) -> int:
         """The most blocks `seq` could hold in an otherwise empty cache."""
         if self.pages is None:
             return self.num_blocks
-        return (self.pages.num_pages - 1) // len(self.kv_layers(seq))
+        return (self.pages.num_pages - 1) // len(self.kv_units(seq))
 
     def uses_prefix_cache(self, seq: Sequence) -> bool:
         # Prompt log-probabilities need the logits of every prompt token: nothing may be skipped.
@@ -134,7 +133,7 @@ class BlockManager:
             return True
         free_pages = self.pages.num_free_pages + self.evictable_pages
         free_pages -= sum(self.pages.held(b) for b in reclaimed)
-        return needed * len(self.kv_layers(seq)) <= free_pages
+        return needed * len(self.kv_units(seq)) <= free_pages
 
     def allocate(
         self, seq: Sequence, num_new_tokens: int, prefix_block_ids: tuple[int, ...] = ()
@@ -200,10 +199,10 @@ class BlockManager:
             self._evict_oldest()
         block_id = self.free_block_ids.popleft()
         if self.pages is not None:
-            layers = self.kv_layers(seq)
-            while self.pages.num_free_pages < len(layers):
+            units = self.kv_units(seq)
+            while self.pages.num_free_pages < len(units):
                 self._evict_oldest()
-            self.pages.assign(block_id, layers)
+            self.pages.assign(block_id, units)
         self.ref_counts[block_id] = 1
         return block_id
 

@@ -2,14 +2,16 @@
 
 Each attention module declares what it caches per token (`cache_spec()`: K and V for GQA, the
 latent and the indexer key for MLA/DSA); all layers share one block table per sequence. With
-`shared_pages` the layers instead share one tensor of pages, each layer finding its own through
-a PagePool (per-request layer skipping, zcode.engine.page_pool).
+`shared_pages` the layers instead share one tensor of pages of one KV head each, each layer
+finding its own through a PagePool (per-request layer and head skipping, zcode.engine.page_pool).
 """
 
 import math
 
 import torch
 from torch import nn
+
+from zcode.layers.attention import Attention
 
 
 def kv_bytes_per_token(attention_layers: list[nn.Module], dtype: torch.dtype) -> int:
@@ -34,13 +36,13 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.bytes_per_token = kv_bytes_per_token(attention_layers, dtype)
         if shared_pages:
-            spec = uniform_cache_spec(attention_layers)
+            spec, _ = page_layout(attention_layers)
             pages = {
                 name: torch.zeros(num_blocks, block_size, *shape, dtype=dtype)
                 for name, shape in spec.items()
             }
             for layer in attention_layers:
-                layer.cache = dict(pages)
+                layer.cache = dict(pages) if layer.cache_spec() else {}
             return
         for layer in attention_layers:
             layer.cache = {
@@ -55,12 +57,20 @@ class KVCache:
         return max(1, memory_bytes // (kv_bytes_per_token(attention_layers, dtype) * block_size))
 
 
-def uniform_cache_spec(attention_layers: list[nn.Module]) -> dict[str, tuple[int, ...]]:
-    """The one per-token cache spec every layer has, or NotImplementedError."""
-    specs = {tuple(sorted(layer.cache_spec().items())) for layer in attention_layers}
-    if len(specs) != 1 or not next(iter(specs)):
-        raise NotImplementedError(
-            "per-layer KV pages for layers that cache different shapes (or nothing: a plan's "
-            "skipped layers or pruned heads); pages of one size serve uniform layers only"
-        )
-    return dict(next(iter(specs)))
+def page_layout(attention_layers: list[nn.Module]) -> tuple[dict[str, tuple], list[int]]:
+    """(per-token spec of one KV head's page, KV heads of each layer) for GQA layers, whose KV is
+    paged per head; a layer that caches nothing has none. NotImplementedError otherwise."""
+    specs, heads = set(), []
+    for layer in attention_layers:
+        if not layer.cache_spec():
+            heads.append(0)
+            continue
+        if type(layer) is not Attention:
+            raise NotImplementedError(
+                f"KV pages per head for {type(layer).__name__}: only GQA attention is paged so"
+            )
+        specs.add(layer.head_dim)
+        heads.append(layer.num_kv_heads)
+    if len(specs) != 1:
+        raise NotImplementedError("KV pages per head for layers of different head sizes")
+    return {"kv": (2, 1, specs.pop())}, heads

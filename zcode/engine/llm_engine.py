@@ -12,7 +12,6 @@ from zcode.engine.block_manager import BlockManager, join_salts
 from zcode.engine.detokenizer import IncrementalDetokenizer
 from zcode.engine.kv_cache import KVCache
 from zcode.engine.model_runner import ModelRunner
-from zcode.engine.page_pool import PagePool
 from zcode.engine.request_output import RequestOutput
 from zcode.engine.sampler import Sampler, top_logprobs
 from zcode.engine.scheduler import ScheduledSeq, Scheduler
@@ -34,13 +33,6 @@ class LLMEngine:
         num_blocks = KVCache.num_blocks_for(
             config.kv_cache_bytes, layers, config.block_size, config.torch_dtype
         )
-        pages = None
-        if config.per_request_depth:  # the same memory as pages of one layer each
-            num_pages = num_blocks * len(layers)
-            pages = PagePool(len(layers), num_pages + 1, num_blocks=num_pages)
-            num_blocks = num_pages  # logical blocks: every one holds at least one page
-        # With pages, what fits depends on the layers a request skips: the scheduler checks that.
-        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.runner = ModelRunner(
             model,
             num_blocks,
@@ -48,10 +40,13 @@ class LLMEngine:
             config.torch_dtype,
             compile=config.compile,
             max_num_seqs=config.max_num_seqs,
-            pages=pages,
+            per_request_depth=config.per_request_depth,
         )
+        # With pages, what fits depends on what a request skips: the scheduler checks that.
+        num_blocks = self.runner.num_blocks
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, pages
+            num_blocks, config.block_size, config.enable_prefix_caching, self.runner.pages
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens
@@ -72,14 +67,17 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         skip_layers: Iterable[int] = (),
+        skip_kv_heads: Iterable[tuple[int, int]] = (),
     ) -> Sequence:
         """cache_salt: this request shares prefix-cache blocks only with requests of the same
-        salt (and of the same `kv_salt`). skip_layers: decoder layers this request never runs
-        and keeps no KV for (needs `per_request_depth`)."""
+        salt (and of the same `kv_salt`). skip_layers: decoder layers this request never runs;
+        skip_kv_heads: (layer, KV head) pairs whose heads add nothing to this request's
+        attention (the query heads of that group included); it keeps no KV for either (both
+        need `per_request_depth`)."""
         self._validate(prompt_token_ids, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValidationError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        skip = self._validate_skip(skip_layers)
+        layers, heads = self._validate_skips(skip_layers, skip_kv_heads)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.matcher(params.structured_outputs)
@@ -88,9 +86,11 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
             )
-        layers_salt = f"skip layers {sorted(skip)}" if skip else None
-        salt = join_salts(self.kv_salt, cache_salt, layers_salt)
-        seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt, skip)
+        skips_salt = (
+            f"skip layers {sorted(layers)} heads {sorted(heads)}" if layers or heads else None
+        )
+        salt = join_salts(self.kv_salt, cache_salt, skips_salt)
+        seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt, layers, heads)
         seq.grammar = grammar
         if seq.request_id in self.sequences:
             raise ValidationError(f"request id {seq.request_id!r} is already in use")
@@ -114,21 +114,42 @@ class LLMEngine:
                 f"{params.max_tokens} to generate)"
             )
 
-    def _validate_skip(self, skip_layers: Iterable[int]) -> frozenset[int]:
-        if isinstance(skip_layers, (str, bytes)):
-            raise ValidationError("skip_layers must be layer indices, not a string")
-        skip = frozenset(skip_layers)
-        if not skip:
-            return skip
-        if not self.config.per_request_depth:
-            raise ValidationError("skip_layers needs an engine built with per_request_depth=True")
-        num_layers = self.block_manager.pages.num_layers
-        bad = sorted(i for i in skip if not isinstance(i, int) or not 0 <= i < num_layers)
+    def _validate_skips(
+        self, skip_layers: Iterable[int], skip_kv_heads: Iterable[tuple[int, int]]
+    ) -> tuple[frozenset[int], frozenset[tuple[int, int]]]:
+        for name, value in (("skip_layers", skip_layers), ("skip_kv_heads", skip_kv_heads)):
+            if isinstance(value, (str, bytes)):
+                raise ValidationError(f"{name} must be a list, not a string")
+        layers = frozenset(skip_layers)
+        try:
+            heads = frozenset(tuple(pair) for pair in skip_kv_heads)
+        except TypeError:
+            raise ValidationError("skip_kv_heads must be [layer, KV head] pairs") from None
+        if not layers and not heads:
+            return layers, heads
+        pages = self.block_manager.pages
+        if pages is None:
+            raise ValidationError(
+                "skip_layers and skip_kv_heads need an engine built with per_request_depth=True"
+            )
+        num_layers = pages.num_layers
+        bad = sorted(i for i in layers if not _is_index(i, num_layers))
         if bad:
             raise ValidationError(f"skip_layers out of range (the model has {num_layers}): {bad}")
-        if len(skip) == num_layers:
-            raise ValidationError("skip_layers names every layer: a request runs at least one")
-        return skip
+        bad_heads = [
+            p
+            for p in heads
+            if len(p) != 2
+            or not _is_index(p[0], num_layers)
+            or not _is_index(p[1], pages.heads_per_layer[p[0]])
+        ]
+        if bad_heads:
+            raise ValidationError(
+                f"skip_kv_heads names no (layer, KV head) of this model: {sorted(bad_heads)[:5]}"
+            )
+        if not pages.units(layers, heads):
+            raise ValidationError("the request skips every layer or KV head: it must keep one")
+        return layers, heads
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -315,3 +336,7 @@ def _eos_ids(hf_config, tokenizer) -> set[int]:
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def _is_index(i, size: int) -> bool:
+    return isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from zcode.engine.graph_cache import GraphCache
-from zcode.engine.kv_cache import KVCache
+from zcode.engine.kv_cache import KVCache, page_layout
 from zcode.engine.page_pool import LayerPaging, PagePool
 from zcode.engine.scheduler import ScheduledSeq
 from zcode.forward_batch import ForwardBatch
@@ -25,23 +25,29 @@ class ModelRunner:
         dtype: torch.dtype,
         compile: bool = False,
         max_num_seqs: int = 64,
-        pages: PagePool | None = None,
+        per_request_depth: bool = False,
     ):
-        """pages: per-layer KV pages, for requests that skip layers (num_blocks then counts the
-        pool's logical blocks)."""
+        """num_blocks: KV blocks of all layers that fit the cache memory. per_request_depth: the
+        same memory as pages of one KV head of one layer each (`pages`), so requests may skip
+        layers and heads; `num_blocks` then counts the logical blocks the pool serves."""
         self.model = model
         self.block_size = block_size
+        self.pages = None
+        layers = model.attention_layers()
+        if per_request_depth:
+            self._check_paging(compile)
+            _, heads_per_layer = page_layout(layers)
+            num_pages = num_blocks * sum(heads_per_layer)
+            # Logical blocks: every one holds at least one page.
+            self.pages = PagePool(heads_per_layer, num_pages + 1, num_blocks=num_pages)
+            self.kv_cache = KVCache(layers, num_pages + 1, block_size, dtype, shared_pages=True)
+            num_blocks = num_pages
+        else:
+            self.kv_cache = KVCache(layers, num_blocks + 1, block_size, dtype)
+        self.num_blocks = num_blocks
         # One block past those the block manager hands out: padding rows of a compiled decode
         # step write their KV there (with pages: the null page).
         self.pad_block = num_blocks
-        self.pages = pages
-        if pages is None:
-            self.kv_cache = KVCache(model.attention_layers(), num_blocks + 1, block_size, dtype)
-        else:
-            self._check_paging(compile)
-            self.kv_cache = KVCache(
-                model.attention_layers(), pages.num_pages, block_size, dtype, shared_pages=True
-            )
         if compile and any(isinstance(m, MoE) for m in model.modules()):
             raise NotImplementedError(
                 "compiled decode of MoE models: expert dispatch has data-dependent shapes, "
@@ -58,7 +64,7 @@ class ModelRunner:
     def _check_paging(self, compile: bool) -> None:
         if compile:
             raise NotImplementedError(
-                "compiled decode with per-request layer skipping: which layers a step runs "
+                "compiled decode with per-request layer and head skipping: what a step runs "
                 "depends on its batch, which one static graph per bucket does not hold yet"
             )
         if type(self.model.model).forward is not Backbone.forward:
@@ -101,8 +107,11 @@ class ModelRunner:
                 num_logits.append(1 if s.completes_prompt else 0)
         batch = ForwardBatch.build(query_lens, context_lens, tables, self.block_size, num_logits)
         if self.pages is not None:
-            skips = [s.seq.skip_layers for s in scheduled]
-            paging = LayerPaging.build(self.pages, self.block_size, batch, skips, query_lens)
+            layers = [s.seq.skip_layers for s in scheduled]
+            heads = [s.seq.skip_kv_heads for s in scheduled]
+            paging = LayerPaging.build(
+                self.pages, self.block_size, batch, layers, heads, query_lens
+            )
             batch = dataclasses.replace(batch, paging=paging)
         logits = self.model(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
         return list(logits.split(num_logits))

@@ -25,6 +25,7 @@ class Sequence:
         request_id: str | None = None,
         cache_salt: str = "",
         skip_layers: frozenset[int] = frozenset(),
+        skip_kv_heads: frozenset[tuple[int, int]] = frozenset(),
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
@@ -35,6 +36,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.cache_salt = cache_salt  # prefix-cache blocks are shared under equal salts only
         self.skip_layers = skip_layers  # decoder layers it never runs, and keeps no KV for
+        self.skip_kv_heads = skip_kv_heads  # (layer, KV head) pairs it never reads or keeps
         self.block_hashes: list[bytes] = []  # chained content hash of each full block of tokens
         self.num_hashed_blocks = 0  # leading blocks of block_table already offered to the cache
         self.num_cached_tokens = 0  # tokens reused from the prefix cache at the latest admission

@@ -20,6 +20,16 @@ def gather_cache(cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tens
     return cache.view(-1, *cache.shape[2:])[context_slots]
 
 
+def write_head_pages(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    # cache: [num_pages, block_size, 2, 1, D]; values: [T, 2, KVH, D]; slot_mapping: [T, KVH]
+    cache.view(-1, *cache.shape[2:])[slot_mapping] = values.movedim(2, 1)[:, :, :, None]
+
+
+def gather_head_pages(cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tensor:
+    # cache: [num_pages, block_size, 2, 1, D]; context_slots: [B, L, KVH] -> [B, L, 2, KVH, D]
+    return cache.view(-1, *cache.shape[2:])[context_slots][:, :, :, :, 0].movedim(2, 3)
+
+
 def padded_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,13 +123,22 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         qk = apply_rotary(torch.cat([q, k], dim=1), *rope, interleaved=self.interleaved_rope)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
-        write_cache(self.cache["kv"], torch.stack([k, v], dim=1), batch.slot_mapping)
-        kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]
+        kv_new = torch.stack([k, v], dim=1)  # [T, 2, KVH, D]
+        if batch.slot_mapping.dim() == 2:  # pages per KV head (EngineConfig.per_request_depth)
+            write_head_pages(self.cache["kv"], kv_new, batch.slot_mapping)
+            kv = gather_head_pages(self.cache["kv"], batch.context_slots)
+        else:
+            write_cache(self.cache["kv"], kv_new, batch.slot_mapping)
+            kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]
         if torch.compiler.is_compiling() and batch.query_index.shape[1] == 1:  # compiled decode
             out = decode_attention(q[batch.query_index[:, 0]], kv, batch.attn_mask, self.scale)
             out = out[batch.token_index]
         else:
             out = padded_attention(q, kv[:, :, 0], kv[:, :, 1], batch, self.scale)  # [T, H, D]
+        if batch.kv_head_keep is not None:  # heads a row's request skips add nothing
+            group = num_heads // self.num_kv_heads
+            keep = batch.kv_head_keep.repeat_interleave(group, dim=1)  # [T, H]
+            out = out.masked_fill(~keep[:, :, None], 0.0)
         return self.o_proj(out.reshape(num_tokens, num_heads * self.head_dim))
 
     @classmethod

@@ -41,6 +41,7 @@ class RequestStream:
     ffn_plan: object = None  # a sparsity RequestPlan (max_latency_ms), run by `levels`
     cache_salt: str | None = None  # of the prefix cache: the client's, and the FFN plan's
     skip_layers: tuple[int, ...] = ()  # decoder layers the request never runs
+    skip_kv_heads: tuple[tuple[int, int], ...] = ()  # (layer, KV head) pairs it never reads
     arrival_time: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted: asyncio.Future | None = None
@@ -130,6 +131,7 @@ class AsyncEngine:
         ffn_plan=None,
         cache_salt: str | None = None,
         skip_layers: tuple[int, ...] = (),
+        skip_kv_heads: tuple[tuple[int, int], ...] = (),
     ) -> AsyncIterator[list[RequestStream]]:
         """Admits (prompt_token_ids, params, request_id) jobs together and yields their streams.
 
@@ -148,7 +150,13 @@ class AsyncEngine:
             cache_salt = join_salts(cache_salt, level_salt(ffn_plan.level))
         for prompt_token_ids, params, request_id in jobs:
             stream = RequestStream(
-                request_id, len(prompt_token_ids), loop, ffn_plan, cache_salt, skip_layers
+                request_id,
+                len(prompt_token_ids),
+                loop,
+                ffn_plan,
+                cache_salt,
+                skip_layers,
+                skip_kv_heads,
             )
             stream.admitted = loop.create_future()
             self._commands.put(("add", stream, list(prompt_token_ids), params))
@@ -218,6 +226,7 @@ class AsyncEngine:
                 stream.request_id,
                 stream.cache_salt,
                 skip_layers=stream.skip_layers,
+                skip_kv_heads=stream.skip_kv_heads,
             )
         except Exception as e:  # ValidationError for bad input; anything else fails this request
             stream.loop.call_soon_threadsafe(_resolve, stream.admitted, e)

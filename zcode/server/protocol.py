@@ -68,9 +68,10 @@ class _GenerateRequest(_Body):
     max_latency_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
     # vLLM's: prefix-cache blocks are shared only among requests with the same salt
     cache_salt: str | None = Field(None, min_length=1)
-    # zcode: decoder layers this request never runs and keeps no KV for (needs
-    # --per-request-depth)
+    # zcode: decoder layers, and [layer, KV head] pairs, this request never runs and keeps no KV
+    # for (needs --per-request-depth)
     skip_layers: list[StrictInt] | None = Field(None, max_length=1024)
+    skip_kv_heads: list[tuple[StrictInt, StrictInt]] | None = Field(None, max_length=65536)
 
     def check(self) -> None:
         """Checks across fields, and fields we cannot honour; raises ApiError naming the field."""
