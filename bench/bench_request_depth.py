@@ -26,13 +26,13 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_sparsity import decode_step_ms  # noqa: E402
 from table_format import print_rows  # noqa: E402
 
 from zcode import LLM  # noqa: E402
@@ -106,21 +106,6 @@ def kv_bytes_per_token(llm: LLM, prompt: list[int], plan: dict) -> float:
     return held * unit_bytes_per_token * engine.block_manager.block_size / len(prompt)
 
 
-def decode_ms(llm: LLM, prompts: list[list[int]], plans: list[dict], new_tokens: int):
-    """Median wall ms of a decode step with these requests running together."""
-    engine = llm.engine
-    params = SamplingParams(max_tokens=new_tokens + 1, temperature=0, ignore_eos=True)
-    seqs = [engine.add_request(p, params, **plan) for p, plan in zip(prompts, plans)]
-    times, prefilled = [], False
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        if prefilled:
-            times.append(1e3 * (time.perf_counter() - start))
-        prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in seqs)
-    return statistics.median(times)
-
-
 def plans_from(artifact: SparsityArtifact, layer_counts, head_counts) -> dict[str, dict]:
     layers, heads = skip_order(artifact.layer_scores), prune_order(artifact.head_scores)
     plans = {"dense": {}}
@@ -166,11 +151,11 @@ def main() -> None:
     b1 = {name: [] for name in plans} | {"no pages": []}
     mixed = {name: [] for name in plans}
     for _ in range(repeats):  # interleaved, so drift hits every configuration alike
-        b1["no pages"].append(decode_ms(plain, [prompt], [{}], new_tokens))
+        b1["no pages"].append(decode_step_ms(plain, [prompt], new_tokens))
         for name, plan in plans.items():
-            b1[name].append(decode_ms(llm, [prompt], [plan], new_tokens))
+            b1[name].append(decode_step_ms(llm, [prompt], new_tokens, [plan]))
             four = [{}, {}, plan, plan]
-            mixed[name].append(decode_ms(llm, [prompt] * 4, four, new_tokens))
+            mixed[name].append(decode_step_ms(llm, [prompt] * 4, new_tokens, four))
 
     def ms(xs):
         return f"{min(xs):.1f}/{statistics.median(xs):.1f}"

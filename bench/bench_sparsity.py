@@ -112,11 +112,15 @@ class RealizedSparsity:
         return self.skipped / self.total * len(self.mlps) / num_layers
 
 
-def decode_step_ms(llm: LLM, prompts: list[list[int]], num_tokens: int) -> float:
-    """Median wall ms of a decode step with len(prompts) requests running together."""
+def decode_step_ms(
+    llm: LLM, prompts: list[list[int]], num_tokens: int, skips: list[dict] | None = None
+) -> float:
+    """Median wall ms of a decode step with len(prompts) requests running together; skips[i]:
+    what request i skips (add_request's skip_layers / skip_kv_heads)."""
     engine = llm.engine
     params = SamplingParams(max_tokens=num_tokens + 1, temperature=0, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
+    skips = skips or [{}] * len(prompts)
+    seqs = [engine.add_request(p, params, **s) for p, s in zip(prompts, skips, strict=True)]
     times, prefilled = [], False
     while engine.has_unfinished():
         start = time.perf_counter()

@@ -114,13 +114,7 @@ class Chat:
 
         stack = AsyncExitStack()
         streams = await stack.enter_async_context(
-            state.engine.requests(
-                jobs,
-                ffn_plan,
-                req.cache_salt,
-                tuple(req.skip_layers or ()),
-                tuple(req.skip_kv_heads or ()),
-            )
+            state.engine.requests(jobs, ffn_plan, req.cache_salt, **req.skips())
         )
         view = _View(state, req, request_id, len(prompt_ids), parser)
         if req.stream:

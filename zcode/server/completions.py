@@ -75,13 +75,7 @@ class Completions:
                 jobs.append((prompt.token_ids, params, f"{request_id}-{p_index}-{i}"))
         stack = AsyncExitStack()
         streams = await stack.enter_async_context(
-            state.engine.requests(
-                jobs,
-                ffn_plan,
-                req.cache_salt,
-                tuple(req.skip_layers or ()),
-                tuple(req.skip_kv_heads or ()),
-            )
+            state.engine.requests(jobs, ffn_plan, req.cache_salt, **req.skips())
         )
         view = _View(state, req, request_id, prompts)
         if req.stream:

@@ -73,6 +73,13 @@ class _GenerateRequest(_Body):
     skip_layers: list[StrictInt] | None = Field(None, max_length=1024)
     skip_kv_heads: list[tuple[StrictInt, StrictInt]] | None = Field(None, max_length=65536)
 
+    def skips(self) -> dict:
+        """The layers and KV heads the request skips, as AsyncEngine.requests takes them."""
+        return {
+            "skip_layers": tuple(self.skip_layers or ()),
+            "skip_kv_heads": tuple(self.skip_kv_heads or ()),
+        }
+
     def check(self) -> None:
         """Checks across fields, and fields we cannot honour; raises ApiError naming the field."""
         if self.stream_options is not None and not self.stream:
