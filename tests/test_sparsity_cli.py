@@ -14,6 +14,10 @@ from zcode import cli
         (["ppl", "f.txt", "--sparsity", "none.pt"], "none.pt: no such sparsity artifact"),
         (["generate", "hi", "--sparsity", "none.pt"], "none.pt: no such sparsity artifact"),
         (["calibrate", "--tokens", "100"], "--tokens must be at least 512"),
+        (["generate", "hi", "--skip-layers", "a"], "--skip-layers takes layer numbers"),
+        (["generate", "hi", "--skip-kv-heads", "5"], "layer:head pairs"),
+        (["generate", "hi", "--skip-kv-heads", "5:1:2"], "layer:head pairs"),
+        (["generate", "hi", "--skip-layers", "3", "--compile"], "cannot be combined"),
     ],
 )
 def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, tmp_path):
@@ -25,6 +29,31 @@ def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, t
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("zcode: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_passes_skips_to_a_paged_engine(stream, capsys, monkeypatch):
+    seen = {}
+
+    class FakeLLM:
+        def generate(self, prompt, params, thinking, **skips):
+            seen["skips"] = skips
+            return [type("Out", (), {"text": "ok"})]
+
+        def stream(self, prompt, params, thinking, **skips):
+            seen["skips"] = skips
+            yield type("Out", (), {"delta_text": "ok"})
+
+    def load(*args, **engine_args):
+        seen["engine_args"] = engine_args
+        return FakeLLM()
+
+    monkeypatch.setattr(cli, "load_llm", load)
+    argv = ["generate", "hi", "--skip-layers", "3,4", "--skip-kv-heads", "5:2,6:0"]
+    cli.main(argv + (["--stream"] if stream else []))
+    assert capsys.readouterr().out.strip() == "ok"
+    assert seen["engine_args"] == {"per_request_depth": True}
+    assert seen["skips"] == {"skip_layers": [3, 4], "skip_kv_heads": [(5, 2), (6, 0)]}
 
 
 @pytest.mark.slow

@@ -71,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
         "of seconds at the first one, so it pays off for long generations only",
     )
     _add_quality_options(generate)
+    generate.add_argument(
+        "--skip-layers",
+        metavar="I,J,...",
+        help="decoder layers this request skips, keeping no KV for them (per-request depth)",
+    )
+    generate.add_argument(
+        "--skip-kv-heads",
+        metavar="L:G,...",
+        help="(layer:KV head) pairs this request skips, keeping no KV for them",
+    )
     generate.set_defaults(run=_generate)
 
     chat = commands.add_parser(
@@ -491,12 +501,18 @@ def _generate(args: argparse.Namespace) -> None:
     if args.thinking is not None and not args.chat:
         raise ValidationError("--thinking/--no-thinking apply to the chat template: add --chat")
     profile = _quality_profile(args)
+    skips = _skips(args)
+    if skips and (profile is not None or args.compile):
+        raise ValidationError(
+            "--skip-layers/--skip-kv-heads cannot be combined with --quality or --compile yet"
+        )
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     # Only a non-default option is passed on, so the default call matches the other commands'.
     llm = load_llm(
         args.model,
         args.dtype,
         **({"compile": True} if args.compile else {}),
+        **({"per_request_depth": True} if skips else {}),
         **_sparsity_args(args),
     )
     prompt = [{"role": "user", "content": text}] if args.chat else text
@@ -508,11 +524,28 @@ def _generate(args: argparse.Namespace) -> None:
         print(json.dumps(out.plan), file=sys.stderr)
         print(out.text)
     elif args.stream:
-        for out in llm.stream(prompt, params, args.thinking):
+        for out in llm.stream(prompt, params, args.thinking, **skips):
             _write(out.delta_text)
         _write("\n")
     else:
-        print(llm.generate(prompt, params, args.thinking)[0].text)
+        print(llm.generate(prompt, params, args.thinking, **skips)[0].text)
+
+
+def _skips(args: argparse.Namespace) -> dict:
+    """--skip-layers "13,14" and --skip-kv-heads "5:2,6:1" as generate() takes them."""
+    skips = {}
+    try:
+        if args.skip_layers:
+            skips["skip_layers"] = [int(i) for i in args.skip_layers.split(",")]
+        if args.skip_kv_heads:
+            pairs = [pair.split(":") for pair in args.skip_kv_heads.split(",")]
+            skips["skip_kv_heads"] = [(int(i), int(g)) for i, g in pairs]
+    except ValueError:
+        raise ValidationError(
+            "--skip-layers takes layer numbers (13,14) and --skip-kv-heads layer:head pairs "
+            "(5:2,6:1)"
+        ) from None
+    return skips
 
 
 def _chat(args: argparse.Namespace) -> None:

@@ -102,10 +102,12 @@ class LLM:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         enable_thinking: bool | None = None,
+        **skips,
     ) -> Iterator[RequestOutput]:
-        """Yields outputs for a single prompt as tokens arrive (use `delta_text`)."""
+        """Yields outputs for a single prompt as tokens arrive (use `delta_text`); `skips`:
+        add_request's skip_layers / skip_kv_heads."""
         seq = self.engine.add_request(
-            self.encode(prompt, enable_thinking), sampling_params or SamplingParams()
+            self.encode(prompt, enable_thinking), sampling_params or SamplingParams(), **skips
         )
         try:
             while not seq.is_finished:
