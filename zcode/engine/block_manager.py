@@ -94,7 +94,7 @@ class BlockManager:
         """The most blocks `seq` could hold in an otherwise empty cache."""
         if self.pages is None:
             return self.num_blocks
-        return (self.pages.num_pages - 1) // len(self.kv_units(seq))
+        return min(self.num_blocks, (self.pages.num_pages - 1) // len(self.kv_units(seq)))
 
     def uses_prefix_cache(self, seq: Sequence) -> bool:
         # Prompt log-probabilities need the logits of every prompt token: nothing may be skipped.

@@ -15,6 +15,8 @@ from zcode.layers.moe import MoE
 from zcode.models.base import Backbone
 from zcode.sparsity.sparse_mlp import SparseMLP
 
+LOGICAL_BLOCKS_PER_BLOCK = 4
+
 
 class ModelRunner:
     def __init__(
@@ -38,10 +40,12 @@ class ModelRunner:
             self._check_paging(compile)
             _, heads_per_layer = page_layout(layers)
             num_pages = num_blocks * sum(heads_per_layer)
-            # Logical blocks: every one holds at least one page.
-            self.pages = PagePool(heads_per_layer, num_pages + 1, num_blocks=num_pages)
+            # Logical blocks for requests that keep down to 1/LOGICAL_BLOCKS_PER_BLOCK of the KV;
+            # one per page would make the page table as large as a tenth of the cache.
+            num_logical = min(num_pages, LOGICAL_BLOCKS_PER_BLOCK * num_blocks)
+            self.pages = PagePool(heads_per_layer, num_pages + 1, num_blocks=num_logical)
             self.kv_cache = KVCache(layers, num_pages + 1, block_size, dtype, shared_pages=True)
-            num_blocks = num_pages
+            num_blocks = num_logical
         else:
             self.kv_cache = KVCache(layers, num_blocks + 1, block_size, dtype)
         self.num_blocks = num_blocks
