@@ -16,8 +16,8 @@ never at allocation, so a failed or preempted step cannot leave a findable block
 
 A sequence's cache salt (vLLM's `cache_salt`) roots its chain of hashes: requests share blocks
 only under equal salts. The engine salts what computes KV differently from the model it was
-built with (an FFN sparsity level, skipped layers), and a server client may salt its requests so
-that no other tenant can reuse, or time, its prefixes.
+built with (an FFN sparsity level, skipped layers or KV heads), and a server client may salt its
+requests so that no other tenant can reuse, or time, its prefixes.
 
 With a PagePool (per-request layer and head skipping) a block is a logical block that holds one
 KV page per (layer, KV head) its sequence keeps, taken when the block is taken and given back
