@@ -18,6 +18,7 @@ from zcode import cli
         (["generate", "hi", "--skip-kv-heads", "5"], "layer:head pairs"),
         (["generate", "hi", "--skip-kv-heads", "5:1:2"], "layer:head pairs"),
         (["generate", "hi", "--skip-layers", "3", "--compile"], "cannot be combined"),
+        (["ppl", "f.txt", "--skip-kv-heads", "x:1"], "layer:head pairs"),
     ],
 )
 def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, tmp_path):
@@ -54,6 +55,36 @@ def test_generate_passes_skips_to_a_paged_engine(stream, capsys, monkeypatch):
     assert capsys.readouterr().out.strip() == "ok"
     assert seen["engine_args"] == {"per_request_depth": True}
     assert seen["skips"] == {"skip_layers": [3, 4], "skip_kv_heads": [(5, 2), (6, 0)]}
+
+
+def test_ppl_scores_with_the_skips_on_a_paged_engine(capsys, monkeypatch, tmp_path):
+    """The per-request plan's perplexity, on the engine (tested against transformers in
+    test_request_depth); here the wiring: flags -> a paged engine -> perplexity(**skips)."""
+    from zcode.ppl import PerplexityResult
+
+    seen = {}
+
+    class FakeLLM:
+        def encode(self, text):
+            return [5, 6, 7]
+
+    def load(*args, **engine_args):
+        seen["engine_args"] = engine_args
+        return FakeLLM()
+
+    def score(llm, token_ids, window, stride, **skips):
+        seen["skips"] = skips
+        return PerplexityResult(nll_sum=2.0, num_tokens=2)
+
+    monkeypatch.setattr(cli, "load_llm", load)
+    monkeypatch.setattr(cli, "perplexity", score)
+    (tmp_path / "t.txt").write_text("abc")
+    cli.main(["ppl", str(tmp_path / "t.txt"), "--skip-layers", "14", "--skip-kv-heads", "5:2"])
+    assert "perplexity  2.7183" in capsys.readouterr().out
+    assert seen == {
+        "engine_args": {"per_request_depth": True},
+        "skips": {"skip_layers": [14], "skip_kv_heads": [(5, 2)]},
+    }
 
 
 @pytest.mark.slow

@@ -71,16 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of seconds at the first one, so it pays off for long generations only",
     )
     _add_quality_options(generate)
-    generate.add_argument(
-        "--skip-layers",
-        metavar="I,J,...",
-        help="decoder layers this request skips, keeping no KV for them (per-request depth)",
-    )
-    generate.add_argument(
-        "--skip-kv-heads",
-        metavar="L:G,...",
-        help="(layer:KV head) pairs this request skips, keeping no KV for them",
-    )
+    _add_skip_options(generate)
     generate.set_defaults(run=_generate)
 
     chat = commands.add_parser(
@@ -161,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_dtype_option(ppl)
     _add_sparsity_option(ppl)
+    _add_skip_options(ppl)
     ppl.set_defaults(run=_ppl)
 
     quantize = commands.add_parser(
@@ -439,6 +431,19 @@ def _add_sparsity_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_skip_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--skip-layers",
+        metavar="I,J,...",
+        help="decoder layers the requests skip, keeping no KV for them (per-request depth)",
+    )
+    parser.add_argument(
+        "--skip-kv-heads",
+        metavar="L:G,...",
+        help="(layer:KV head) pairs the requests skip, keeping no KV for them",
+    )
+
+
 def _sparsity_args(args: argparse.Namespace) -> dict:
     if not args.sparsity:
         return {}
@@ -619,7 +624,13 @@ def _ppl(args: argparse.Namespace) -> None:
         raise ValidationError(f"--max-tokens must be at least 2, got {args.max_tokens}")
     text = _read_text(args.file)
     plan = _read_plan(args.plan) if args.plan else None
-    llm = load_llm(args.model, args.dtype, **_sparsity_args(args))
+    skips = _skips(args)
+    llm = load_llm(
+        args.model,
+        args.dtype,
+        **({"per_request_depth": True} if skips else {}),
+        **_sparsity_args(args),
+    )
     if plan is not None:
         _apply_plan(llm, plan)
     token_ids = llm.encode(text)[: args.max_tokens]
@@ -628,7 +639,7 @@ def _ppl(args: argparse.Namespace) -> None:
             f"{args.file}: perplexity needs at least 2 tokens, got {len(token_ids)}"
         )
     start = time.perf_counter()
-    result = perplexity(llm, token_ids, args.window, args.stride)
+    result = perplexity(llm, token_ids, args.window, args.stride, **skips)
     seconds = time.perf_counter() - start
     print(f"perplexity  {result.perplexity:.4f}")
     print(f"tokens      {result.num_tokens} scored of {len(token_ids)}")

@@ -39,13 +39,14 @@ def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, i
 
 
 def perplexity(
-    llm: LLM, token_ids: list[int], window: int = 512, stride: int = 256
+    llm: LLM, token_ids: list[int], window: int = 512, stride: int = 256, **skips
 ) -> PerplexityResult:
+    """skips: what the scoring requests skip (LLM.generate's skip_layers / skip_kv_heads)."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     spans = windows(len(token_ids), window, stride)
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
-    outputs = llm.generate([token_ids[b:e] for b, e, _ in spans], params)
+    outputs = llm.generate([token_ids[b:e] for b, e, _ in spans], params, **skips)
     nll_sum, count = 0.0, 0
     for (begin, end, first), out in zip(spans, outputs):
         for position in range(first, end):
