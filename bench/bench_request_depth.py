@@ -2,7 +2,7 @@
 important decoder layers or KV heads for their whole lifetime, served by the same engine as
 dense requests.
 
-    .venv/bin/python bench/bench_request_depth.py [--quick] [--artifact PATH]
+    .venv/bin/python bench/bench_request_depth.py [--quick] [--compile] [--artifact PATH]
         [--layers 2,4,6] [--heads 10,20,30]
 
 Rankings come from the calibration artifact (zcode calibrate; the default artifact path unless
@@ -17,7 +17,9 @@ the k lowest-ranked KV heads (a layer keeps one). Reported per plan:
 - a batch of 4 (2 dense + 2 on the plan): decode step ms against 4 dense, the case where a layer
   runs for some rows and not others. A skipped KV head saves KV memory, not compute: its heads
   still run for the batch and are masked.
-All steps are eager: compiled decode does not take per-request skips yet.
+Steps are eager unless --compile: then a decode batch whose requests share a plan runs that
+plan's compiled graph (compiled once per plan and batch bucket, before timing), and the mixed
+batch of 4 steps eagerly.
 Writes bench/results/request_depth.json.
 """
 
@@ -120,10 +122,12 @@ def main() -> None:
     ap.add_argument("--artifact", help="a zcode calibrate artifact (default: the cached one)")
     ap.add_argument("--layers", default="2,4,6", help="layer counts a plan skips")
     ap.add_argument("--heads", default="10,20,30", help="KV-head counts a plan skips")
+    ap.add_argument("--compile", action="store_true", help="compiled decode steps (fp32)")
     args = ap.parse_args()
     heldout, repeats, new_tokens = (1024, 2, 16) if args.quick else (2048, 5, 48)
 
-    llm = LLM(None, dtype="float32", per_request_depth=True, kv_cache_bytes=256 << 20)
+    engine_args = {"dtype": "float32", "kv_cache_bytes": 256 << 20, "compile": args.compile}
+    llm = LLM(None, per_request_depth=True, **engine_args)
     path = Path(args.artifact) if args.artifact else default_path(llm.model)
     if not path.exists():
         raise SystemExit(f"no sparsity artifact at {path}: run zcode calibrate first")
@@ -146,8 +150,13 @@ def main() -> None:
         rows.append({"plan": name, **plan, **q, "kv_bytes_per_token": kv})
     dense = rows[0]
 
-    plain = LLM(None, dtype="float32", kv_cache_bytes=256 << 20)
+    plain = LLM(None, **engine_args)
     prompt = windows[-1][:64]
+    if args.compile:  # compile every graph the timed runs use
+        decode_step_ms(plain, [prompt], 2)
+        for plan in plans.values():
+            decode_step_ms(llm, [prompt], 2, [plan])
+            decode_step_ms(llm, [prompt] * 4, 2, [{}, {}, plan, plan])
     b1 = {name: [] for name in plans} | {"no pages": []}
     mixed = {name: [] for name in plans}
     for _ in range(repeats):  # interleaved, so drift hits every configuration alike
@@ -215,9 +224,10 @@ def main() -> None:
         "new_tokens": new_tokens,
         "heldout_tokens": len(held),
         "artifact": str(path),
+        "compile": args.compile,
         "no_pages_b1_ms": b1["no pages"],
     }
-    out = RESULTS / "request_depth.json"
+    out = RESULTS / ("request_depth_compiled.json" if args.compile else "request_depth.json")
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
 

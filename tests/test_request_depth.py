@@ -217,11 +217,36 @@ def test_what_per_request_depth_does_not_do_yet(tmp_path_factory):
     net, _ = load_model(path)
     with pytest.raises(NotImplementedError, match="shared index selections"):
         _engine(net)
-    llama = tmp_path_factory.mktemp("llama_compiled")
-    make_checkpoint("llama", llama)
-    net, _ = load_model(llama)
-    with pytest.raises(NotImplementedError, match="compiled decode with per-request"):
-        _engine(net, compile=True)
+
+
+@pytest.mark.slow
+def test_compiled_steps_give_the_eager_tokens_one_graph_per_plan(tmp_path_factory):
+    """Oracle: the eager engine (itself checked against transformers above). A batch whose
+    requests share a plan decodes in that plan's graph; a mixed batch steps eagerly."""
+    path = tmp_path_factory.mktemp("llama_compiled")
+    make_checkpoint("llama", path)
+    net, _ = load_model(path)
+    batches = [
+        [{}],
+        [{"skip_layers": [1]}],
+        [{"skip_kv_heads": [(0, 1)]}] * 2,
+        [{}, {"skip_layers": [0]}],
+    ]
+
+    def run(engine, batch):
+        seqs = [
+            engine.add_request(_prompt(9 + i, seed=40 + i), GREEDY, **s)
+            for i, s in enumerate(batch)
+        ]
+        while engine.has_unfinished():
+            engine.step()
+        return [s.output_token_ids for s in seqs]
+
+    eager, compiled = _engine(net), _engine(net, compile=True)
+    for batch in batches:
+        assert run(compiled, batch) == run(eager, batch)
+    assert compiled.runner.num_graph_compiles == 3  # the mixed batch compiled nothing
+    assert len(compiled.runner.graphs.direct) == 3  # and each plan's steps run without dynamo
 
 
 def test_the_server_skip_layers_field(tiny_checkpoint):

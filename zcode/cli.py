@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--per-request-depth",
         action="store_true",
         help="keep the KV cache as pages per layer and KV head, so a request's skip_layers and "
-        "skip_kv_heads fields skip those and hold no KV for them (eager decode steps)",
+        "skip_kv_heads fields skip those and hold no KV for them",
     )
     serve.add_argument(
         "--max-request-bytes",
@@ -505,12 +505,10 @@ def _generate(args: argparse.Namespace) -> None:
     params = _sampling_params(args)  # before loading, so a bad value fails at once
     if args.thinking is not None and not args.chat:
         raise ValidationError("--thinking/--no-thinking apply to the chat template: add --chat")
-    profile = _quality_profile(args)
     skips = _skips(args)
-    if skips and (profile is not None or args.compile):
-        raise ValidationError(
-            "--skip-layers/--skip-kv-heads cannot be combined with --quality or --compile yet"
-        )
+    if skips and args.quality is not None:
+        raise ValidationError("--skip-layers/--skip-kv-heads cannot be combined with --quality")
+    profile = _quality_profile(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     # Only a non-default option is passed on, so the default call matches the other commands'.
     llm = load_llm(

@@ -19,8 +19,9 @@ class EngineConfig:
     # Compile decode steps (torch.compile, inductor) per plan and batch-size bucket; the first
     # step of each bucket pays the compile time.
     compile: bool = False
-    # Per-layer KV pages, so a request may skip decoder layers for its whole lifetime and keep no
-    # KV for them (add_request(skip_layers=)); eager steps only.
+    # KV pages per layer and KV head, so a request may skip decoder layers and KV heads for its
+    # whole lifetime and keep no KV for them (add_request(skip_layers=, skip_kv_heads=)); a
+    # compiled decode step runs one plan, so a batch mixing plans steps eagerly.
     per_request_depth: bool = False
 
     def __post_init__(self) -> None:

@@ -71,6 +71,8 @@ class GraphCache:
             # Only the context axis varies between steps of one key (marked for recompiles too).
             torch._dynamo.mark_dynamic(batch.context_slots, 1)
             torch._dynamo.mark_dynamic(batch.attn_mask, 3)
+            if batch.paging is not None:
+                torch._dynamo.mark_dynamic(batch.paging.context_slots, 2)
             # With dynamo's guards: a changed tensor (the graph has no size asserts) recompiles.
             start = time.perf_counter()
             self._compiled = None
@@ -160,7 +162,7 @@ class DirectStep:
     ) -> "DirectStep | None":
         """None (dynamo keeps calling the graph) when an input is none of those kinds."""
         owners = {id(t): name for name, t, _ in _model_tensors(model)}
-        fields = {id(getattr(batch, f.name)): f.name for f in dataclasses.fields(batch)}
+        fields = {id(t): name for name, t in _batch_tensors(batch)}
         sources = []
         for x in example_inputs:
             if x is input_ids:
@@ -204,15 +206,28 @@ class DirectStep:
 
     def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         args = self.args.copy()
+        tensors = dict(_batch_tensors(batch))
         for i, kind, name in self.per_call:
             if kind == "batch":
-                args[i] = getattr(batch, name)
+                args[i] = tensors[name]
             elif kind == "input_ids":
                 args[i] = input_ids
             else:  # the context length: the graph's one symbolic size
                 args[i] = batch.context_slots.shape[1]
         (logits,) = self.compiled(*args)
         return logits
+
+
+def _batch_tensors(batch: ForwardBatch):
+    """(name, tensor) for every tensor a step reads from its batch: the ForwardBatch fields and,
+    with per-request skips, its LayerPaging's slots and head masks."""
+    for f in dataclasses.fields(batch):
+        yield f.name, getattr(batch, f.name)
+    if batch.paging is not None:
+        yield "paging.slot_mapping", batch.paging.slot_mapping
+        yield "paging.context_slots", batch.paging.context_slots
+        for layer, keep in batch.paging.head_keep.items():
+            yield f"paging.head_keep[{layer}]", keep
 
 
 def _layout(t: torch.Tensor) -> tuple:

@@ -35,6 +35,7 @@ class KVCache:
         """num_blocks: blocks per layer; with shared_pages, pages shared by all layers."""
         self.num_blocks, self.block_size = num_blocks, block_size
         self.bytes_per_token = kv_bytes_per_token(attention_layers, dtype)
+        self.pages: torch.Tensor | None = None  # with shared_pages: the one page tensor
         if shared_pages:
             spec, _ = page_layout(attention_layers)
             pages = {
@@ -43,6 +44,7 @@ class KVCache:
             }
             for layer in attention_layers:
                 layer.cache = dict(pages) if layer.cache_spec() else {}
+            self.pages = pages["kv"]
             return
         for layer in attention_layers:
             layer.cache = {

@@ -37,7 +37,7 @@ class ModelRunner:
         self.pages = None
         layers = model.attention_layers()
         if per_request_depth:
-            self._check_paging(compile)
+            self._check_paging()
             _, heads_per_layer = page_layout(layers)
             num_pages = num_blocks * sum(heads_per_layer)
             # Logical blocks for requests that keep down to 1/LOGICAL_BLOCKS_PER_BLOCK of the KV;
@@ -65,15 +65,7 @@ class ModelRunner:
         self.graphs = GraphCache(model, max_num_seqs) if compile else None
         self.set_plan(ExecutionPlan())
 
-    def _check_paging(self, compile: bool) -> None:
-        if compile:
-            # Tried: the graph is right, but inductor copies the page tensor that every layer
-            # writes (SmolLM2, 256 MB of pages: 111 ms a step against 21 without pages). One
-            # KV write per step after the last layer would leave it a single in-place scatter.
-            raise NotImplementedError(
-                "compiled decode with per-request layer and head skipping: the layers' shared "
-                "page tensor is copied at every step; use eager steps (compile=False)"
-            )
+    def _check_paging(self) -> None:
         if type(self.model.model).forward is not Backbone.forward:
             raise NotImplementedError(
                 f"per-request layer skipping for {type(self.model).__name__}: its layers pass "
@@ -99,7 +91,11 @@ class ModelRunner:
         A sequence asks for its last token's logits when this step completes its known tokens,
         and for every new token's logits while its prompt log-probabilities are wanted.
         """
-        if self.graphs is not None and all(_is_last_token(s) for s in scheduled):
+        if (
+            self.graphs is not None
+            and all(_is_last_token(s) for s in scheduled)
+            and len({_skips(s.seq) for s in scheduled}) == 1  # one graph runs one plan
+        ):
             return list(self._execute_compiled(scheduled)[:, None])
         input_ids, query_lens, context_lens, tables, num_logits = [], [], [], [], []
         for s in scheduled:
@@ -117,7 +113,7 @@ class ModelRunner:
             layers = [s.seq.skip_layers for s in scheduled]
             heads = [s.seq.skip_kv_heads for s in scheduled]
             paging = LayerPaging.build(
-                self.pages, self.block_size, batch, layers, heads, query_lens
+                self.pages, self.kv_cache.pages, self.block_size, batch, layers, heads, query_lens
             )
             batch = dataclasses.replace(batch, paging=paging)
         logits = self.model(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
@@ -134,10 +130,28 @@ class ModelRunner:
             num_padded,
             self.pad_block,
         )
+        signature = self.plan_signature
+        if self.pages is not None:  # one plan for every row, padding included
+            layers, heads = _skips(scheduled[0].seq)
+            paging = LayerPaging.build(
+                self.pages,
+                self.kv_cache.pages,
+                self.block_size,
+                batch,
+                [layers] * num_padded,
+                [heads] * num_padded,
+                [1] * num_padded,
+            )
+            batch = dataclasses.replace(batch, paging=paging)
+            signature += f"|skip {sorted(layers)} {sorted(heads)}"
         last_tokens = [s.seq.token_ids[-1] for s in scheduled]
         input_ids = torch.tensor(last_tokens + [0] * (num_padded - num_seqs), dtype=torch.int64)
-        logits = self.graphs.run(self.plan_signature, input_ids, batch)  # [B_padded, V]
+        logits = self.graphs.run(signature, input_ids, batch)  # [B_padded, V]
         return logits[:num_seqs]
+
+
+def _skips(seq) -> tuple[frozenset, frozenset]:
+    return seq.skip_layers, seq.skip_kv_heads
 
 
 def _is_last_token(s: ScheduledSeq) -> bool:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zcode.layers.attention import write_cache
+
 NULL_PAGE = 0
 MAX_KEPT_PLANS = 1024
 
@@ -95,16 +97,21 @@ class LayerPaging:
     KV head) and whose `kv_head_keep` masks the heads a row's request skips."""
 
     pool: PagePool
+    pages: torch.Tensor  # [num_pages, block_size, 2, 1, D], the page tensor all layers share
     slot_mapping: torch.Tensor  # [U, T] int64, the batch's slot_mapping in each unit's pages
     context_slots: torch.Tensor  # [U, B, L_max] int64, likewise for its context_slots
     skipped_by_all: frozenset[int]  # layers no sequence of the batch runs
     keep_rows: dict[int, torch.Tensor]  # layer -> [T] bool, rows of sequences that skip it
     head_keep: dict[int, torch.Tensor]  # layer -> [T, KVH] bool, False: the row skips the head
+    # (slots [T, KVH], KV [T, 2, KVH, D]) of each layer run, written by `write_pending` after
+    # the last layer.
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def build(
         cls,
         pool: PagePool,
+        pages: torch.Tensor,
         block_size: int,
         batch,
         skip_layers: list[frozenset[int]],
@@ -127,7 +134,7 @@ class LayerPaging:
         # Every unit's slots at once: one gather a step instead of a few small ops per layer.
         slot_mapping = _physical(pool.table, batch.slot_mapping, block_size)
         context_slots = _physical(pool.table, batch.context_slots, block_size)
-        return cls(pool, slot_mapping, context_slots, by_all, keep_rows, head_keep)
+        return cls(pool, pages, slot_mapping, context_slots, by_all, keep_rows, head_keep)
 
     def run(self, index: int, layer: nn.Module, x: torch.Tensor, batch, rope) -> torch.Tensor:
         """Decoder layer `index` on x [T, D] -> [T, D], with its own KV slots; rows of sequences
@@ -147,6 +154,15 @@ class LayerPaging:
         out = layer(x, own, rope)
         keep = self.keep_rows.get(index)
         return out if keep is None else torch.where(keep[:, None], x, out)
+
+    def write_pending(self) -> None:
+        """Writes the KV of every layer run in one scatter: inductor turns one write of a graph
+        input into an in-place scatter, but copied the whole page tensor when each layer wrote
+        (SmolLM2, 256 MB of pages: 111 ms a compiled step against 21)."""
+        slots = torch.cat([s.reshape(-1) for s, _ in self.pending])  # [N = layers * T * KVH]
+        kv = torch.cat([v.movedim(2, 1).flatten(0, 1) for _, v in self.pending])  # [N, 2, D]
+        write_cache(self.pages, kv[:, :, None], slots)
+        self.pending.clear()
 
 
 def _physical(table: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:

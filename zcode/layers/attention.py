@@ -20,14 +20,18 @@ def gather_cache(cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tens
     return cache.view(-1, *cache.shape[2:])[context_slots]
 
 
-def write_head_pages(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    # cache: [num_pages, block_size, 2, 1, D]; values: [T, 2, KVH, D]; slot_mapping: [T, KVH]
-    cache.view(-1, *cache.shape[2:])[slot_mapping] = values.movedim(2, 1)[:, :, :, None]
-
-
 def gather_head_pages(cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tensor:
     # cache: [num_pages, block_size, 2, 1, D]; context_slots: [B, L, KVH] -> [B, L, 2, KVH, D]
     return cache.view(-1, *cache.shape[2:])[context_slots][:, :, :, :, 0].movedim(2, 3)
+
+
+def with_new_tokens(kv: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """kv: [B, L, *shape] gathered context, stale where this step's tokens go; kv_new: [T, *shape]
+    -> kv with each new token at its sequence's row and position."""
+    num_seqs, max_context = kv.shape[:2]
+    seq_of_token = batch.token_index // batch.query_index.shape[1]  # [T]
+    rows = seq_of_token * max_context + batch.positions
+    return kv.flatten(0, 1).index_copy(0, rows, kv_new.to(kv.dtype)).view_as(kv)
 
 
 def padded_attention(
@@ -125,8 +129,11 @@ class Attention(nn.Module):
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         kv_new = torch.stack([k, v], dim=1)  # [T, 2, KVH, D]
         if batch.slot_mapping.dim() == 2:  # pages per KV head (EngineConfig.per_request_depth)
-            write_head_pages(self.cache["kv"], kv_new, batch.slot_mapping)
+            # This step's KV joins the gathered context here and reaches the pages after the
+            # last layer (LayerPaging.write_pending).
             kv = gather_head_pages(self.cache["kv"], batch.context_slots)
+            kv = with_new_tokens(kv, kv_new, batch)
+            batch.paging.pending.append((batch.slot_mapping, kv_new))
         else:
             write_cache(self.cache["kv"], kv_new, batch.slot_mapping)
             kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]

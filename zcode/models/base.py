@@ -45,6 +45,8 @@ class Backbone(nn.Module):
                 hidden = layer(hidden, batch, rope)
             else:
                 hidden = batch.paging.run(i, layer, hidden, batch, rope)
+        if batch.paging is not None:
+            batch.paging.write_pending()
         return self.norm(hidden)
 
 
