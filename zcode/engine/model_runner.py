@@ -9,6 +9,7 @@ from zcode.engine.graph_cache import GraphCache
 from zcode.engine.kv_cache import KVCache, page_layout
 from zcode.engine.page_pool import LayerPaging, PagePool
 from zcode.engine.scheduler import ScheduledSeq
+from zcode.engine.sequence import Sequence
 from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
 from zcode.layers.moe import MoE
@@ -110,12 +111,7 @@ class ModelRunner:
                 num_logits.append(1 if s.completes_prompt else 0)
         batch = ForwardBatch.build(query_lens, context_lens, tables, self.block_size, num_logits)
         if self.pages is not None:
-            layers = [s.seq.skip_layers for s in scheduled]
-            heads = [s.seq.skip_kv_heads for s in scheduled]
-            paging = LayerPaging.build(
-                self.pages, self.kv_cache.pages, self.block_size, batch, layers, heads, query_lens
-            )
-            batch = dataclasses.replace(batch, paging=paging)
+            batch = self._with_paging(batch, [s.seq for s in scheduled], query_lens)
         logits = self.model(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
         return list(logits.split(num_logits))
 
@@ -131,26 +127,33 @@ class ModelRunner:
             self.pad_block,
         )
         signature = self.plan_signature
-        if self.pages is not None:  # one plan for every row, padding included
+        if self.pages is not None:  # one plan for every row: padding rows follow the first
+            seqs = [s.seq for s in scheduled] + [scheduled[0].seq] * (num_padded - num_seqs)
+            batch = self._with_paging(batch, seqs, [1] * num_padded)
             layers, heads = _skips(scheduled[0].seq)
-            paging = LayerPaging.build(
-                self.pages,
-                self.kv_cache.pages,
-                self.block_size,
-                batch,
-                [layers] * num_padded,
-                [heads] * num_padded,
-                [1] * num_padded,
-            )
-            batch = dataclasses.replace(batch, paging=paging)
             signature += f"|skip {sorted(layers)} {sorted(heads)}"
         last_tokens = [s.seq.token_ids[-1] for s in scheduled]
         input_ids = torch.tensor(last_tokens + [0] * (num_padded - num_seqs), dtype=torch.int64)
         logits = self.graphs.run(signature, input_ids, batch)  # [B_padded, V]
         return logits[:num_seqs]
 
+    def _with_paging(
+        self, batch: ForwardBatch, seqs: list[Sequence], query_lens: list[int]
+    ) -> ForwardBatch:
+        """`batch` with its page slots and what each row's sequence skips."""
+        paging = LayerPaging.build(
+            self.pages,
+            self.kv_cache.pages,
+            self.block_size,
+            batch,
+            [seq.skip_layers for seq in seqs],
+            [seq.skip_kv_heads for seq in seqs],
+            query_lens,
+        )
+        return dataclasses.replace(batch, paging=paging)
 
-def _skips(seq) -> tuple[frozenset, frozenset]:
+
+def _skips(seq: Sequence) -> tuple[frozenset, frozenset]:
     return seq.skip_layers, seq.skip_kv_heads
 
 
