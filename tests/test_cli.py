@@ -176,6 +176,27 @@ def test_info_on_the_default_model():
         assert word in out
 
 
+def test_info_reports_the_stored_types_and_bytes_per_token():
+    from gguf import GGUFReader
+
+    from zcode.info import model_info
+    from zcode.loader.checkpoint import resolve_model_path
+
+    # The oracle: the gguf package's own reading of the file's tensor table.
+    tensors = GGUFReader(str(resolve_model_path(None))).tensors
+    by_type: dict[str, dict[str, int]] = {}
+    for t in tensors:
+        row = by_type.setdefault(t.tensor_type.name, {"tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += int(t.n_bytes)
+    info = model_info(None)
+    assert info.stored_types == by_type
+    assert set(by_type) == {"Q4_1", "Q8_0", "F32"}  # the shipped file: Q4_1 linears
+    # Tied embedding: the output projection reads all of token_embd, every tensor is read once.
+    assert info.stored_bytes_per_token == sum(int(t.n_bytes) for t in tensors)
+    assert info.memory[0].precision == "stored"
+
+
 def glm5_expected(c) -> dict[str, int]:
     """GLM-5's parameter counts and KV bytes per token, module by module from its config."""
     h, heads, rope = c.hidden_size, c.num_attention_heads, c.qk_rope_head_dim

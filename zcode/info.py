@@ -56,6 +56,10 @@ class ModelInfo:
     kv_bytes_per_token: dict[str, int]  # by KV dtype
     memory: tuple[MemoryRow, ...]
     machine_memory_bytes: int | None
+    # A GGUF file as stored (run as is by default): tensors and bytes per ggml type, and the
+    # weight bytes one decoded token reads (routed experts at top_k / experts, one embedding row).
+    stored_types: dict[str, dict[str, int]] | None = None
+    stored_bytes_per_token: int | None = None
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -87,6 +91,13 @@ def model_info(model: str | Path | None = None) -> ModelInfo:
         name: kv_bytes_per_token(net.attention_layers(), dtype) for name, dtype in KV_DTYPES.items()
     }
     max_model_len = config.max_position_embeddings
+    expert_fraction = moe_layers[0].gate.top_k / moe_layers[0].gate.num_experts if moe_layers else 1
+    stored = _gguf_storage(path, expert_fraction) if path.suffix == ".gguf" else (None, None)
+    stored_row = ()
+    if stored[0] is not None:  # run as stored: the file's bytes, fp32 activations and KV
+        stored_bytes = sum(row["bytes"] for row in stored[0].values())
+        kv_stored = kv_per_token["float32"] * max_model_len
+        stored_row = (MemoryRow("stored", stored_bytes, "float32", kv_stored),)
     return ModelInfo(
         path=str(path),
         model_type=config.model_type,
@@ -102,7 +113,8 @@ def model_info(model: str | Path | None = None) -> ModelInfo:
         num_experts_per_tok=moe_layers[0].gate.top_k if moe_layers else None,
         num_mtp_layers=getattr(config, "num_nextn_predict_layers", None) or 0,
         kv_bytes_per_token=kv_per_token,
-        memory=tuple(
+        memory=stored_row
+        + tuple(
             MemoryRow(
                 precision,
                 _weight_bytes(params, precision),
@@ -112,7 +124,29 @@ def model_info(model: str | Path | None = None) -> ModelInfo:
             for precision in WEIGHT_BYTES
         ),
         machine_memory_bytes=_machine_memory(),
+        stored_types=stored[0],
+        stored_bytes_per_token=stored[1],
     )
+
+
+def _gguf_storage(path: Path, expert_fraction: float) -> tuple[dict, int]:
+    """({ggml type: {"tensors", "bytes"}}, weight bytes read per decoded token) of a GGUF file."""
+    from zcode.loader.gguf_file import read_gguf
+    from zcode.quant.gguf import type_name
+
+    tensors = read_gguf(path).tensors
+    has_output = any(t.name == "output.weight" for t in tensors)
+    types: dict[str, dict[str, int]] = {}
+    per_token = 0.0
+    for t in tensors:
+        row = types.setdefault(type_name(t.ggml_type), {"tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += t.nbytes
+        if t.name == "token_embd.weight" and has_output:
+            per_token += t.nbytes / t.shape[0]  # a lookup reads one row
+        else:
+            per_token += t.nbytes * (expert_fraction if "_exps." in t.name else 1)
+    return dict(sorted(types.items(), key=lambda kv: -kv[1]["bytes"])), round(per_token)
 
 
 def _weight_bytes(params: list[torch.nn.Parameter], precision: str) -> int:
@@ -157,6 +191,16 @@ def format_info(info: ModelInfo) -> str:
     ]
     if info.num_mtp_layers:
         lines.append(f"MTP layers     {info.num_mtp_layers} (not counted above)")
+    if info.stored_types is not None:
+        stored = ", ".join(
+            f"{name} {_size(row['bytes'])} in {row['tensors']}"
+            for name, row in info.stored_types.items()
+        )
+        lines.append(f"stored as      {stored} tensors")
+        lines.append(
+            f"reads          {_size(info.stored_bytes_per_token)} of weights per decoded token "
+            "(run as stored, the default --dtype auto)"
+        )
     ram = info.machine_memory_bytes
     fits_header = f"fits in {_size(ram)} RAM" if ram else ""
     kv_header = f"KV @ {info.max_model_len} tokens"
