@@ -1,5 +1,3 @@
-import statistics
-
 import numpy as np
 import pytest
 import torch
@@ -105,23 +103,6 @@ def test_cache_round_trip(tmp_path):
     assert CostModel.load(tmp_path / "c.json") == cost
     (tmp_path / "bad.json").write_text("{")
     assert CostModel.load(tmp_path / "bad.json") is None
-
-
-@pytest.mark.slow
-def test_held_out_decode_error_on_smollm2(tmp_path):
-    """Fit on this machine, then predict plans and settings the fit never saw: median absolute
-    relative error of decode ms/step under 15% for the dense, the int8 and the int4 plans."""
-    from zcode.hardware.cost_fit import check_smollm2
-
-    cost = CostModel.load_or_fit(cache_dir=tmp_path)
-    results = check_smollm2(cost)
-    for category in ("dense", "int8", "int4"):
-        errors = [
-            abs(predicted - m.measured_ms) / m.measured_ms
-            for m, predicted in results
-            if m.mode == "decode" and m.plan.category == category
-        ]
-        assert statistics.median(errors) < 0.15, category
 
 
 def test_format_cost_reports_rates_per_kind():

@@ -12,7 +12,6 @@ others carry on with the outputs they would have had alone.
 """
 
 import random
-import time
 
 import pytest
 import torch
@@ -225,15 +224,13 @@ def alone(net, p: list[int], params=GREEDY) -> list[int]:
     return out.token_ids
 
 
-def test_engine_caps_max_model_len_by_the_cache_and_rejects_fast(net):
+def test_engine_caps_max_model_len_by_the_cache_and_rejects_at_once(net):
     engine = make_engine(net, num_blocks=10, max_model_len=512)
     assert engine.max_model_len == 40  # 10 blocks of 4 tokens, not the configured 512
-    start = time.perf_counter()
     with pytest.raises(ValidationError, match="maximum context length is 40 tokens"):
         engine.add_request(prompt(41, seed=0), SamplingParams(max_tokens=1))
     with pytest.raises(ValidationError, match="45 were requested"):
         engine.add_request(prompt(30, seed=0), SamplingParams(max_tokens=15))
-    assert time.perf_counter() - start < 1.0
     assert not engine.has_unfinished()
     out = run(engine, [prompt(30, seed=0)], SamplingParams(max_tokens=10, ignore_eos=True))
     assert len(next(iter(out.values())).token_ids) == 10  # exactly the whole cache still works
