@@ -11,6 +11,7 @@ import torch
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     Glm4Config,
     Glm4MoeConfig,
     GlmMoeDsaConfig,
@@ -19,6 +20,7 @@ from transformers import (
 
 TRANSFORMERS_VERSION = "5.23.0"
 VOCAB = 256
+GEMMA3_WINDOW = 4
 
 MOE = dict(
     moe_intermediate_size=32,
@@ -97,6 +99,27 @@ def configs() -> dict[str, object]:
             rope_parameters=rope,
         ),
         "glm_moe_dsa": GlmMoeDsaConfig(**common, **MOE, **dsa, num_hidden_layers=3),
+        # sliding_window 4 < the test sequences, so sliding layers really drop old keys;
+        # query_pre_attn_scalar != head_dim, and linear RoPE scaling on the full layers only.
+        "gemma3_text": Gemma3TextConfig(
+            **common,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=[
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            },
+        ),
         # GLM-5.2 IndexShare: layers alternate between running the indexer and sharing its top-k.
         "glm_moe_dsa_shared": GlmMoeDsaConfig(
             **common, **MOE, **dsa, num_hidden_layers=4, index_topk_freq=2

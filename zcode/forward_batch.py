@@ -42,6 +42,22 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return self.query_index.shape[0]
 
+    def window_mask(self, window: int) -> torch.Tensor:
+        """attn_mask narrowed to a sliding window: a query at position p sees (p - window, p],
+        itself and the window - 1 positions before it (HF's sliding_window_overlay:
+        kv_idx > q_idx - window). [B or 1, 1, S_max, L_max] bool.
+
+        Each row of attn_mask allows a prefix 0..p of the context, p the position of the row's
+        query (a padding row: 0 only), so p is the row's count less one and a padding row keeps
+        its position 0. Built per call: layers without a window never pay for it.
+        """
+        context_len = self.context_slots.shape[1]
+        j = torch.arange(context_len, device=self.context_slots.device)
+        if self.attn_mask is None:  # uniform decode: every query sits at the last position
+            return (j > context_len - 1 - window)[None, None, None, :]
+        query_pos = self.attn_mask.sum(-1, keepdim=True) - 1  # [B, 1, S, 1]
+        return self.attn_mask & (j > query_pos - window)
+
     @classmethod
     def build(
         cls,

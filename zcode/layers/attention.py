@@ -1,4 +1,4 @@
-"""Grouped-query attention over the paged KV cache (Llama, GLM-4, GLM-4.5 MoE)."""
+"""Grouped-query attention over the paged KV cache (Llama, GLM-4, GLM-4.5 MoE, Gemma 3)."""
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,8 @@ def decode_attention(
 
 
 class Attention(nn.Module):
-    """Multi-head attention with GQA, optional partial RoPE, QK-norm and qkv bias."""
+    """Multi-head attention with GQA, optional partial RoPE, QK-norm, qkv bias and sliding
+    window."""
 
     def __init__(
         self,
@@ -96,18 +97,24 @@ class Attention(nn.Module):
         interleaved_rope: bool = False,
         qkv_bias: bool = False,
         qk_norm_eps: float | None = None,
+        qk_norm_unit_offset: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
+        """scale: of the scores, default head_dim**-0.5; sliding_window: each query sees only
+        itself and the sliding_window - 1 positions before it (None: the whole context)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.interleaved_rope = interleaved_rope
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
         self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
         self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=False)
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=qk_norm_unit_offset)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=qk_norm_unit_offset)
         self.cache: dict[str, torch.Tensor] = {}
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
@@ -137,11 +144,19 @@ class Attention(nn.Module):
         else:
             write_cache(self.cache["kv"], kv_new, batch.slot_mapping)
             kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]
+        # The paged KV keeps every position; a sliding window only masks the older ones.
+        mask = (
+            batch.attn_mask
+            if self.sliding_window is None
+            else batch.window_mask(self.sliding_window)
+        )
         if torch.compiler.is_compiling() and batch.query_index.shape[1] == 1:  # compiled decode
-            out = decode_attention(q[batch.query_index[:, 0]], kv, batch.attn_mask, self.scale)
+            out = decode_attention(q[batch.query_index[:, 0]], kv, mask, self.scale)
             out = out[batch.token_index]
         else:
-            out = padded_attention(q, kv[:, :, 0], kv[:, :, 1], batch, self.scale)  # [T, H, D]
+            out = padded_attention(
+                q, kv[:, :, 0], kv[:, :, 1], batch, self.scale, mask
+            )  # [T, H, D]
         if batch.kv_head_keep is not None:  # heads a row's request skips add nothing
             group = num_heads // self.num_kv_heads
             keep = batch.kv_head_keep.repeat_interleave(group, dim=1)  # [T, H]

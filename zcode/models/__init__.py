@@ -2,6 +2,7 @@
 
 from torch import nn
 
+from zcode.models.gemma3 import Gemma3ForCausalLM
 from zcode.models.glm4 import Glm4ForCausalLM
 from zcode.models.glm4_moe import Glm4MoeForCausalLM
 from zcode.models.glm_moe_dsa import GlmMoeDsaForCausalLM
@@ -12,6 +13,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "glm4": Glm4ForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "glm_moe_dsa": GlmMoeDsaForCausalLM,
+    "gemma3_text": Gemma3ForCausalLM,
 }
 
 

@@ -10,7 +10,6 @@ from torch import nn
 from zcode.forward_batch import ForwardBatch
 from zcode.layers.linear import Linear
 from zcode.layers.norm import RMSNorm
-from zcode.layers.rotary import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -29,16 +28,31 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, hf_config, layers: list[nn.Module], rotary: RotaryEmbedding) -> None:
+    """`rotary` returns what every layer's forward takes as `rope`; `norm` defaults to RMSNorm;
+    `embed_scale` multiplies the embeddings (Gemma: sqrt(hidden_size)), rounded to their dtype
+    first as HF does (in bf16, sqrt(640) is 25.25)."""
+
+    def __init__(
+        self,
+        hf_config,
+        layers: list[nn.Module],
+        rotary: nn.Module,
+        norm: nn.Module | None = None,
+        embed_scale: float | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(hf_config.vocab_size, hf_config.hidden_size)
+        c = hf_config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps) if norm is None else norm
         self.rotary_emb = rotary
+        self.embed_scale = embed_scale
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids: [T] -> hidden: [T, D]
         hidden = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         rope = self.rotary_emb(batch.positions)
         for i, layer in enumerate(self.layers):
             if batch.paging is None:
