@@ -289,9 +289,13 @@ def test_gguf_quantized_tensors_are_dequantized_by_gguf(tmp_path, qtype):
     oracle = make_checkpoint("llama", tmp_path / "hf")
     qtype = gguf.GGMLQuantizationType[qtype]
     _write_tiny_gguf(oracle, tmp_path / "q.gguf", quantized={"blk.0.ffn_down.weight": qtype})
-    net, _ = load_model(tmp_path / "q.gguf")
     weights = oracle.model.layers[0].mlp.down_proj.weight.detach().numpy()
     expected = torch.from_numpy(gguf.dequantize(gguf.quantize(weights, qtype), qtype))
+    net, _ = load_model(tmp_path / "q.gguf", torch.float32)
     loaded = net.model.layers[0].mlp.down_proj.weight
     torch.testing.assert_close(loaded, expected, rtol=0, atol=0)
     assert not torch.equal(loaded, oracle.model.layers[0].mlp.down_proj.weight)
+    native, _ = load_model(tmp_path / "q.gguf")
+    packed = native.model.layers[0].mlp.down_proj.packed
+    assert packed.type_name == qtype.name
+    torch.testing.assert_close(packed.dequantize(), expected, rtol=0, atol=0)

@@ -10,7 +10,8 @@ from torch import nn
 
 from zcode.layers.rotary import RotaryEmbedding
 from zcode.loader.errors import CheckpointError
-from zcode.loader.gguf_file import iter_gguf_tensors, load_gguf_tokenizer, read_gguf_config
+from zcode.loader.gguf_file import load_gguf_tokenizer, read_gguf, read_gguf_config
+from zcode.loader.gguf_weights import dequantize_model, load_gguf_weights
 from zcode.loader.safetensors_dir import iter_safetensors, read_hf_config, shard_files
 from zcode.models import model_class
 
@@ -60,35 +61,40 @@ def build_model(hf_config, device: str | torch.device = "meta") -> nn.Module:
         return model_class(hf_config.model_type)(hf_config)
 
 
-def load_model(model: str | Path | None, dtype: torch.dtype = torch.float32):
-    """Returns (model in eval mode, tokenizer or None) for a HF directory or a GGUF file."""
+def load_model(model: str | Path | None, dtype: torch.dtype | None = None):
+    """Returns (model in eval mode, tokenizer or None) for a HF directory or a GGUF file.
+
+    `dtype=None` loads the weights as stored: a GGUF file's weights stay its (memory-mapped) bytes
+    behind QuantizedLinear / GgufEmbedding modules (gguf_weights.py), safetensors keep their
+    stored dtype. An explicit dtype dequantizes or casts every weight to it.
+    """
     path = resolve_model_path(model)
-    hf_config = read_config(path)
+    contents = read_gguf(path) if path.suffix == ".gguf" else None
+    hf_config = read_gguf_config(path, contents) if contents else read_config(path)
     try:
         net = build_model(hf_config)
     except ValueError as e:  # an unsupported model_type, or a shape the layers refuse
         raise CheckpointError(f"{path}: {e}") from e
-    net.to_empty(device="cpu")
-    prebuilt: set[str] = set()  # tensors of quantized modules, loaded by the artifact reader
-    if path.suffix == ".gguf":
-        tensors = iter_gguf_tensors(path, net)
-        tokenizer = load_gguf_tokenizer(path)
-    else:
-        from zcode.quant.artifact import load_quantized_modules
+    if contents is not None:
+        load_gguf_weights(path, net, contents)
+        if dtype is not None:
+            dequantize_model(net, dtype)
+        return net.eval(), load_gguf_tokenizer(path)
+    from zcode.quant.artifact import load_quantized_modules
 
-        files = shard_files(path)
-        prebuilt = load_quantized_modules(net, files)
-        tensors = (t for t in iter_safetensors(files) if t[0] not in prebuilt)
-        tokenizer = _hf_tokenizer(path)
+    net.to_empty(device="cpu")
+    files = shard_files(path)
+    prebuilt = load_quantized_modules(net, files)
+    tensors = (t for t in iter_safetensors(files) if t[0] not in prebuilt)
     _load_weights(net, tensors, dtype, path, prebuilt)
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
-    return net.eval(), tokenizer
+    return net.eval(), _hf_tokenizer(path)
 
 
 def _load_weights(
-    net: nn.Module, tensors, dtype: torch.dtype, path: Path, prebuilt: set[str] = frozenset()
+    net: nn.Module, tensors, dtype: torch.dtype | None, path: Path, prebuilt: set[str] = frozenset()
 ) -> None:
     params = dict(net.named_parameters())
     params.update(dict(net.named_buffers()))
@@ -103,7 +109,7 @@ def _load_weights(
             layer = re.match(r"model\.layers\.(\d+)\.", name)
             if layer and int(layer.group(1)) >= num_layers:
                 _check_finite(file, name, tensor)
-                mtp_weights[name] = tensor.to(dtype)
+                mtp_weights[name] = tensor.to(dtype or tensor.dtype)
             elif not (tied and name == "lm_head.weight") and not _IGNORED.search(name):
                 ignored.append(name)
             continue
@@ -116,7 +122,8 @@ def _load_weights(
         _check_finite(file, name, tensor)
         keep_fp32 = any(key in name for key in _FP32_NAMES)
         with torch.no_grad():
-            target.data = tensor.to(torch.float32 if keep_fp32 else dtype).contiguous()
+            target.data = tensor.to(torch.float32 if keep_fp32 else dtype or tensor.dtype)
+            target.data = target.data.contiguous()
         loaded.add(name)
     if ignored:
         logger.warning(
