@@ -1,6 +1,8 @@
+# ruff: noqa: E501
 """Messages reach templates as strings with dict tool arguments, so GLM-5.1's tool turn works."""
 
 import copy
+import json
 
 import pytest
 
@@ -69,12 +71,13 @@ def test_content_parts_become_strings_and_arguments_dicts():
     messages = normalize_messages(CONVERSATION)
     assert CONVERSATION == original  # a copy; the request is untouched
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
-    assert [m["content"] for m in messages] == [
+    assert [m.get("content") for m in messages] == [
         "Be brief.",
         "Weather in Paris?",
-        None,
+        None,  # null content is dropped, as transformers drops it
         "22°C, sunny",
     ]
+    assert "content" not in messages[2]
     assert messages[2]["tool_calls"][0] == {
         "id": "call_1",
         "type": "function",
@@ -168,3 +171,172 @@ def test_null_tool_calls_are_dropped():
 def test_malformed_messages_are_validation_errors(messages, match):
     with pytest.raises(ValidationError, match=match):
         normalize_messages(messages)
+
+
+# Written for these tests in the shapes of GLM-4.5's and GLM-4.7's templates: a `visible_text`
+# macro that joins content parts, reasoning read from `reasoning_content` (else split off the
+# content at </think>), tools listed with `tojson`, tool calls from `arguments.items()`.
+GLM_MACROS = """{%- macro visible_text(content) -%}
+{%- if content is string -%}{{- content }}
+{%- elif content is iterable and content is not mapping -%}
+{%- for item in content -%}
+{%- if item is mapping and item.type == 'text' -%}{{- item.text }}
+{%- elif item is string -%}{{- item }}{%- endif -%}
+{%- endfor -%}
+{%- else -%}{{- content }}{%- endif -%}
+{%- endmacro -%}"""
+GLM45_SHAPE = (
+    GLM_MACROS
+    + """[gMASK]<sop>
+{%- if tools -%}<|system|>
+# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson(ensure_ascii=False) }}
+{% endfor %}</tools>
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' %}<|user|>
+{{ visible_text(m.content) }}
+{%- elif m.role == 'assistant' -%}
+<|assistant|>
+{%- set content = visible_text(m.content) %}
+{%- if m.reasoning_content is string %}{% set reasoning = m.reasoning_content %}
+{%- elif '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
+{%- set content = content.split('</think>')[-1] %}
+{%- else %}{% set reasoning = '' %}{%- endif %}
+{{ '\\n<think>' + reasoning.strip() + '</think>' }}
+{%- if content.strip() %}{{ '\\n' + content.strip() }}{% endif %}
+{%- if m.tool_calls -%}
+{% for tc in m.tool_calls %}
+{%- if tc.function %}{% set tc = tc.function %}{% endif %}
+{{ '\\n<tool_call>' + tc.name }}
+{% for k, v in tc.arguments.items() %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}</arg_value>
+{% endfor %}</tool_call>{% endfor %}
+{%- endif -%}
+{%- elif m.role == 'tool' -%}
+{%- if m.content is string -%}<|observation|>
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- else -%}<|observation|>{% for tr in m.content %}<tool_response>
+{{ tr.output if tr.output is defined else tr }}
+</tool_response>{% endfor %}{%- endif -%}
+{%- elif m.role == 'system' -%}<|system|>
+{{ visible_text(m.content) }}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{{- '\\n<think></think>' if (enable_thinking is defined and not enable_thinking) else '' -}}{%- endif -%}"""
+)
+GLM47_SHAPE = (
+    GLM_MACROS
+    + """[gMASK]<sop>
+{%- if tools -%}<|system|>Tools:<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools>
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' or m.role == 'system' %}<|{{ m.role }}|>{{ visible_text(m.content) }}
+{%- elif m.role == 'assistant' %}<|assistant|><think>{{ m.reasoning_content or '' }}</think>{{ visible_text(m.content) }}
+{%- for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}
+{%- for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key><arg_value>
+{{- v if v is string else v | tojson }}</arg_value>{% endfor %}</tool_call>{% endfor %}
+{%- elif m.role == 'tool' %}<|observation|><tool_response>{{ visible_text(m.content) }}</tool_response>
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|assistant|><think>{% endif %}"""
+)
+
+WEATHER_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'},
+}
+# Every message shape the openai client produces, as it sends them (`message.model_dump()` of a
+# response included: null content, refusal, audio, ...).
+CLIENT_CONVERSATIONS = {
+    "null_content_tool_calls": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "refusal": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": [WEATHER_CALL],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "22C"},
+    ],
+    "tool_result_parts": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]},
+        {"role": "tool", "tool_call_id": "call_1", "content": text_parts("22", "C")},
+    ],
+    "reasoning": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning": "Two and two."},
+        {"role": "user", "content": "3+3?"},
+    ],
+    "reasoning_content": [
+        {"role": "user", "content": "2+2?"},
+        {
+            "role": "assistant",
+            "content": "4",
+            "reasoning_content": "Two and two.",
+            "reasoning": None,
+        },
+        {"role": "user", "content": "3+3?"},
+    ],
+    "multi_part": [
+        {"role": "system", "content": text_parts("Be ", "brief.")},
+        {"role": "user", "content": text_parts("Bonjour, ", "ça va ? 🤖")},
+        {"role": "assistant", "content": text_parts("Oui.")},
+        {"role": "user", "content": "Et toi ?", "name": None},
+    ],
+}
+
+
+def hf_arguments(messages: list[dict]) -> list[dict]:
+    """The conversation as transformers takes it: tool-call arguments as dicts (its convention).
+
+    A tool result's text parts are joined first: GLM templates read a list there as structured
+    results, not text (vllm#39614), which is the one place we render differently on purpose.
+    """
+    messages = copy.deepcopy(messages)
+    for m in messages:
+        if m["role"] == "tool" and isinstance(m["content"], list):
+            m["content"] = "".join(part["text"] for part in m["content"])
+        for call in m.get("tool_calls") or []:
+            call["function"]["arguments"] = json.loads(call["function"]["arguments"])
+    return messages
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"<unk>": 0, "<|endoftext|>": 1}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>")
+
+
+@pytest.mark.parametrize("template", [GLM45_SHAPE, GLM47_SHAPE], ids=["glm45", "glm47"])
+@pytest.mark.parametrize("name", list(CLIENT_CONVERSATIONS))
+@pytest.mark.parametrize("enable_thinking", [None, False])
+def test_rendered_as_transformers_renders(hf_tokenizer, template, name, enable_thinking):
+    messages = CLIENT_CONVERSATIONS[name]
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    expected = hf_tokenizer.apply_chat_template(
+        hf_arguments(messages), tools=TOOLS, chat_template=template, tokenize=False,
+        add_generation_prompt=True, **kwargs,
+    )  # fmt: skip
+    special = {k: v for k, v in hf_tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    text = render_chat(
+        template, normalize_messages(messages), tools=TOOLS, special_tokens=special,
+        enable_thinking=enable_thinking,
+    )  # fmt: skip
+    assert text == expected
+    assert "None" not in text
+
+
+def test_incoming_reasoning_reaches_the_template_under_every_name():
+    [message] = normalize_messages([{"role": "assistant", "content": "4", "reasoning": "r"}])
+    assert message["reasoning_content"] == message["thinking"] == message["reasoning"] == "r"

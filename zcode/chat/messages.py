@@ -1,10 +1,20 @@
-"""Checks OpenAI chat messages and puts them in the shape GLM chat templates render correctly.
+"""Checks OpenAI chat messages and puts them in the shape transformers' `apply_chat_template`
+gives templates, so a prompt renders here exactly as it renders there.
 
-Templates get plain strings, never lists of content parts: GLM-5.1's template renders a tool
-message whose content is `[{"type": "text", ...}]` as an empty `<tools>` block, so the tool result
-silently vanishes from the prompt (vllm#39614). Text parts are joined without a separator, as
-GLM's own `visible_text` macro joins them. Tool-call arguments become dicts, because GLM
-templates iterate `arguments.items()` while OpenAI clients send a JSON string.
+What transformers does, and we do too:
+- keys whose value is null are dropped, so `content: null` next to `tool_calls` (what the openai
+  client sends back) is absent for the template, not the text `None`;
+- a message's reasoning, under any of `reasoning_content`, `thinking` or `reasoning` (vLLM's
+  current name), is offered under all three.
+
+What we add, as vLLM does for its templates:
+- content parts become one string: GLM-5.1's template renders a tool message whose content is
+  `[{"type": "text", ...}]` as an empty `<tools>` block (vllm#39614). Text parts are joined
+  without a separator, as GLM's own `visible_text` macro joins a list, so GLM templates render
+  the same text either way;
+- tool-call arguments become dicts: GLM templates iterate `arguments.items()` while OpenAI
+  clients send a JSON string;
+- `developer` (OpenAI's newer name for system) becomes `system`, a role GLM templates know.
 """
 
 import json
@@ -12,13 +22,11 @@ import json
 from zcode.errors import ValidationError
 
 ROLES = ("system", "user", "assistant", "tool")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' order
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """A checked copy of `messages` with string contents and dict tool-call arguments.
-
-    `developer` (OpenAI's newer name for system) becomes `system`, a role GLM templates know.
-    """
+    """A checked copy of `messages` as transformers would hand them to the template."""
     if not isinstance(messages, list) or not messages:
         raise ValidationError("messages must be a non-empty list")
     return [_normalize(i, message) for i, message in enumerate(messages)]
@@ -28,7 +36,7 @@ def _normalize(i: int, message: dict) -> dict:
     where = f"messages[{i}]"
     if not isinstance(message, dict):
         raise ValidationError(f"{where} must be an object")
-    message = dict(message)
+    message = {k: v for k, v in message.items() if v is not None}
     role = message.get("role")
     if role == "developer":
         role = message["role"] = "system"
@@ -36,18 +44,19 @@ def _normalize(i: int, message: dict) -> dict:
         raise ValidationError(
             f"{where}.role must be one of {', '.join(ROLES + ('developer',))}, got {role!r}"
         )
-    content = message.get("content")
-    if content is None:
-        if role != "assistant":
-            raise ValidationError(f"{where}.content is required for a {role} message")
-    else:
-        message["content"] = _flatten(where, content)
-    if message.get("tool_calls") is None:
-        message.pop("tool_calls", None)  # an explicit null is as good as absent
-    else:
+    if "content" in message:
+        message["content"] = _flatten(where, message["content"])
+    elif role != "assistant":
+        raise ValidationError(f"{where}.content is required for a {role} message")
+    if "tool_calls" in message:
         if role != "assistant":
             raise ValidationError(f"{where}.tool_calls is only allowed on assistant messages")
         message["tool_calls"] = _tool_calls(where, message["tool_calls"])
+    reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise ValidationError(f"{where}: reasoning must be a string")
+        message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message
 
 
@@ -90,8 +99,8 @@ def _arguments(at: str, arguments) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            raise ValidationError(f"{at}.function.arguments is not valid JSON: {e}") from e
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValidationError(f"{at}.function.arguments is not valid JSON: {e}") from None
     if not isinstance(arguments, dict):
         raise ValidationError(f"{at}.function.arguments must be a JSON object")
     return arguments
