@@ -5,7 +5,8 @@ CPU variants: the format's `linear_fast` (its hand-set row threshold between ker
 the weight-only int formats each of the two kernels alone, so the autotuner finds the crossover
 on this machine per shape instead of the thresholds measured once on another; for bf16 and W4A8
 at decode row counts the C++ GEMV (zcode.kernels.gemv), W4A8 on torch's int4 kernels and W8A8
-on torch._int_mm at any row count.
+on torch._int_mm at any row count; for GGUF weights (zcode.quant.gguf) the C++ GEMV up to
+8 rows and the C++ dequantize + fp32 GEMM at any count (zcode.kernels.ggml).
 """
 
 import torch
@@ -13,6 +14,9 @@ import torch
 from zcode.kernels import gemv
 from zcode.kernels.registry import define_op, register
 from zcode.quant.formats import Bf16Weight, PackedWeight, gemv_available
+from zcode.quant.gguf import ACTIVATION_BLOCK, GgufWeight, ggml_available, type_name
+from zcode.quant.gguf import GEMV_MAX_ROWS as GGUF_GEMV_MAX_ROWS
+from zcode.quant.gguf import KERNEL_TYPES as GGUF_KERNEL_TYPES
 from zcode.quant.int4 import Int4Weight, W4A8Weight
 from zcode.quant.int8 import Int8Weight, W8A8Weight
 
@@ -29,7 +33,7 @@ def reference(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
 
 def shape_class(packed: PackedWeight, x: torch.Tensor) -> str:
     rows = next((b for b in ROW_BUCKETS if x.shape[0] <= b), "many")
-    group = getattr(packed, "group_size", "")
+    group = getattr(packed, "group_size", "") or getattr(packed, "type_name", "")
     return (
         f"{type(packed).__name__}{group}|N{packed.out_features}xK{packed.in_features}"
         f"|rows<={rows}|{str(x.dtype).removeprefix('torch.')}"
@@ -40,7 +44,11 @@ def tolerance(packed: PackedWeight, x: torch.Tensor) -> tuple[float, float]:
     """(rtol, atol): W8A8 is exact up to fp32. The bf16-activation kernels round inputs (the
     atol: the typical size of a sum of K rounding errors, for the worst row pair) and may round
     the output to bf16 (the rtol: 2^-9 relative, with margin; large outputs of real models'
-    correlated activations exceed the atol alone)."""
+    correlated activations exceed the atol alone). GGUF weights: the bound on what the GEMV's
+    int8 activations can move an output, plus fp32 rounding."""
+    if isinstance(packed, GgufWeight):
+        ref_scale = float(x.float().abs().max()) * float(packed.dequantize().abs().sum(1).max())
+        return 1e-5, packed.activation_error_bound(x) + 1e-5 * ref_scale
     if type(packed).__name__ in EXACT_FORMATS:
         return 1e-5, 1e-5 * float(x.abs().max()) * packed.in_features**0.5
     w_norm = packed.dequantize().norm(dim=1).max()
@@ -59,6 +67,14 @@ def cases() -> list:
         name = f"{fmt}-M{num_rows}-K{num_in}-N{num_out}-{str(dtype).removeprefix('torch.')}"
         return name, make
 
+    def gguf_case(ggml_type: int, num_rows: int, num_blocks: int, num_out: int):
+        def make(generator: torch.Generator):
+            num_in = num_blocks * ACTIVATION_BLOCK.get(ggml_type, 32)
+            x = torch.randn(num_rows, num_in, generator=generator)
+            return GgufWeight.random(ggml_type, num_out, num_in, generator), x
+
+        return f"gguf-{type_name(ggml_type)}-M{num_rows}-B{num_blocks}-N{num_out}", make
+
     return [
         case(fmt, rows, k, n, dtype)
         for fmt in FORMATS
@@ -66,6 +82,15 @@ def cases() -> list:
             (1, 64, 48, torch.float32),
             (3, 101, 33, torch.float32),  # K and N odd: the padding paths
             (70, 576, 40, torch.bfloat16),  # past both packed kernels' row limits
+        )
+    ] + [
+        gguf_case(ggml_type, rows, blocks, n)
+        for ggml_type in sorted(GGUF_KERNEL_TYPES)
+        for rows, blocks, n in (
+            (1, 3, 33),  # N odd, K a few blocks
+            (5, 1, 1),  # one block, one output
+            (8, 2, 17),  # the GEMV's most rows
+            (40, 2, 24),  # a prefill: the GEMM path
         )
     ]
 
@@ -111,3 +136,25 @@ def w4a8_on_int4_kernels(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
 @register("linear", "int-mm", supports=lambda packed, x: type(packed) is W8A8Weight)
 def w8a8_int_mm(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     return packed.mm_int_mm(x)
+
+
+def _gguf_kernel_type(packed: PackedWeight, x: torch.Tensor) -> bool:
+    return isinstance(packed, GgufWeight) and packed.ggml_type in GGUF_KERNEL_TYPES
+
+
+@register(
+    "linear",
+    "ggml-gemv",
+    supports=lambda packed, x: _gguf_kernel_type(packed, x) and x.shape[0] <= GGUF_GEMV_MAX_ROWS,
+)
+def ggml_gemv(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    if not ggml_available():  # compiled graphs trace this function
+        raise NotImplementedError("the C++ GGUF kernels do not build on this machine")
+    return packed.mm_gemv(x)
+
+
+@register("linear", "ggml-dequantized", supports=_gguf_kernel_type)
+def ggml_dequantized(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
+    if not ggml_available():
+        raise NotImplementedError("the C++ GGUF kernels do not build on this machine")
+    return packed.mm_dequantized(x)

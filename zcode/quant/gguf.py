@@ -6,16 +6,19 @@ is a contiguous run of bytes, so `data` is a uint8 tensor [N, row_bytes], usuall
 memory-mapped file: loading reads nothing, and a decode step reads each block once.
 
 - `linear_reference`: the `gguf` package's own dequantize, then fp32 F.linear: the oracle.
-- `linear_fast`: see the class docstring.
+- `linear_fast`: the C++ kernels (zcode.kernels.ggml), see the class docstring; the package's
+  dequantize tile by tile where they do not build or lack the type.
 
 `GgufEmbedding` looks rows of a quantized embedding up by dequantizing only those rows; a tied
 lm_head is a QuantizedLinear over the same GgufWeight.
 """
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, quantize
 from torch import nn
 
 from zcode.quant.formats import PackedWeight, linear_dequantized
@@ -25,6 +28,28 @@ FLOAT_TYPES = {
     GGMLQuantizationType.F16: torch.float16,
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
+
+
+GEMV_MAX_ROWS = 8  # rows the C++ decode GEMV takes (zcode/kernels/ggml.cpp's MAX_ROWS)
+# Activation block of the GEMV per weight type: llama.cpp's Q8_0 / Q8_1 (32), Q8_K (256).
+ACTIVATION_BLOCK = {
+    **dict.fromkeys(
+        (
+            GGMLQuantizationType.Q4_0,
+            GGMLQuantizationType.Q4_1,
+            GGMLQuantizationType.Q5_0,
+            GGMLQuantizationType.Q5_1,
+            GGMLQuantizationType.Q8_0,
+        ),
+        32,
+    ),
+    **dict.fromkeys(
+        (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K), 256
+    ),
+}
+
+# The types ggml.cpp runs: those with an activation block, and the float rows.
+KERNEL_TYPES = frozenset(ACTIVATION_BLOCK) | frozenset(FLOAT_TYPES)
 
 
 def type_name(ggml_type: int) -> str:
@@ -52,8 +77,28 @@ def dequantize_rows(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))
 
 
+@torch.compiler.assume_constant_result  # compiled graphs take the answer, not the build
+def ggml_available() -> bool:
+    """Whether the C++ GGUF kernels (zcode.kernels.ggml) build here. Imported on first use:
+    zcode.kernels imports this package."""
+    from zcode.kernels import ggml
+
+    return ggml.available()
+
+
+def has_kernel(ggml_type: int) -> bool:
+    """Whether zcode.kernels.ggml runs this type (where it builds)."""
+    return ggml_type in KERNEL_TYPES
+
+
 class GgufWeight(PackedWeight):
-    """One linear layer's weight [N, K] in a ggml type, as the file stores it."""
+    """One linear layer's weight [N, K] in a ggml type, as the file stores it.
+
+    Fast path (zcode/kernels/ggml.cpp): up to GEMV_MAX_ROWS (8) rows the decode GEMV, which
+    quantizes x to int8 per block as llama.cpp does and streams each weight block once; past
+    that the weight dequantized to fp32 DEQUANT_TILE_ROWS rows at a time by the C++ dequantize,
+    each tile one fp32 GEMM (a 512 x 576 x 1536 prefill: ~3x the package's dequantize path).
+    """
 
     def __init__(self, data: torch.Tensor, ggml_type: int, in_features: int) -> None:
         # data: uint8 [N, row_bytes]
@@ -81,15 +126,83 @@ class GgufWeight(PackedWeight):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_rows(self.data, self.ggml_type).to(dtype)
 
+    @classmethod
+    def random(cls, ggml_type: int, num_out: int, num_in: int, generator: torch.Generator):
+        """A valid weight of random content, for tests and the kernel registry's cases: random
+        fp32 weights quantized by the `gguf` package where it can quantize the type, else random
+        block bytes with small positive fp16 scales (any codes, scales and mins are valid)."""
+        ggml_type = GGMLQuantizationType(ggml_type)
+        w = torch.randn(num_out, num_in, generator=generator) * num_in**-0.5
+        try:
+            data = np.ascontiguousarray(quantize(w.numpy(), ggml_type)).view(np.uint8)
+            return cls(torch.from_numpy(data.reshape(num_out, -1)), ggml_type, num_in)
+        except NotImplementedError:
+            pass
+        block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+        blocks = torch.randint(
+            0, 256, (num_out, num_in // block_size, block_bytes), generator=generator
+        ).to(torch.uint8)
+        scale_offsets = {
+            GGMLQuantizationType.Q4_K: (0, 2),  # d, dmin
+            GGMLQuantizationType.Q5_K: (0, 2),
+            GGMLQuantizationType.Q6_K: (208,),  # d
+        }[ggml_type]
+        for offset in scale_offsets:
+            scale = torch.rand(blocks.shape[:2], generator=generator) * 2**-7 * num_in**-0.5
+            blocks[..., offset : offset + 2] = scale.half().unsqueeze(-1).view(torch.uint8)
+        return cls(blocks.reshape(num_out, -1), ggml_type, num_in)
+
     def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
+        if not (ggml_available() and has_kernel(self.ggml_type)):
+            return self.mm_package(x)
+        if x.shape[0] <= GEMV_MAX_ROWS:
+            return self.mm_gemv(x)
+        return self.mm_dequantized(x)
+
+    def linear_reference(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.dequantize())
+
+    def activation_error_bound(self, x: torch.Tensor) -> float:
+        """The most the fast GEMV's int8 activations can move an output from the reference's:
+        max over (m, n) of sum_k |w[n, k]| scale[m, k] / 2, with scale the per-block amax / 127
+        of x (round to nearest is off by at most half a step); 0 for the float types."""
+        block_size = ACTIVATION_BLOCK.get(GGMLQuantizationType(self.ggml_type), 0)
+        if not block_size:
+            return 0.0
+        blocks = x.double().reshape(x.shape[0], -1, block_size)  # [M, K / B, B]
+        step = (blocks.abs().amax(dim=2, keepdim=True) / 127).expand_as(blocks)
+        return float((step.reshape(x.shape) @ self.dequantize(torch.float64).abs().T).max()) / 2
+
+    @classmethod
+    def gemv_group(cls, x: torch.Tensor, weights: Sequence["GgufWeight"]) -> torch.Tensor | None:
+        """x [M, K] (M <= GEMV_MAX_ROWS) times weights of any kernel types (a Q4_K_M file's q/k/v
+        mix Q4_K and Q6_K) in one C++ call -> [M, N_0 + N_1 + ...] fp32."""
+        if not (ggml_available() and all(has_kernel(w.ggml_type) for w in weights)):
+            return None
+        return torch.ops.zcode.ggml_gemv(
+            x, [w.data for w in weights], [w.ggml_type for w in weights]
+        )
+
+    def mm_gemv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemv_group(x, [self])
+
+    def mm_dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ W.T with W dequantized to fp32 by the C++ kernel, a tile of rows at a time."""
+        return linear_dequantized(
+            x.float(),
+            self.out_features,
+            lambda start, end: torch.ops.zcode.ggml_dequantize(
+                self.data[start:end], self.ggml_type, self.in_features
+            ),
+        )
+
+    def mm_package(self, x: torch.Tensor) -> torch.Tensor:
+        """As mm_dequantized, with the `gguf` package's numpy dequantize (any type, no build)."""
         return linear_dequantized(
             x.float(),
             self.out_features,
             lambda start, end: dequantize_rows(self.data[start:end], self.ggml_type),
         )
-
-    def linear_reference(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.dequantize())
 
     @property
     def weight_bytes(self) -> int:
@@ -110,7 +223,10 @@ class GgufEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, D] fp32
         rows = self.packed.data.index_select(0, input_ids.reshape(-1))
-        out = dequantize_rows(rows, self.packed.ggml_type)
+        if ggml_available() and has_kernel(self.packed.ggml_type):
+            out = torch.ops.zcode.ggml_dequantize(rows, self.packed.ggml_type, self.embedding_dim)
+        else:
+            out = dequantize_rows(rows, self.packed.ggml_type)
         return out.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

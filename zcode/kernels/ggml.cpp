@@ -1,0 +1,618 @@
+// GGUF block formats (llama.cpp's ggml types) read as stored, on AVX-512 CPUs with VNNI.
+//
+// A weight is uint8 [N, row_bytes]: each row is K / block_size blocks of one ggml type
+// (ggml-common.h's layouts; the `gguf` Python package's dequantize is the reference):
+//   Q4_0 (18 B / 32): fp16 d, 16 B nibbles: w = d (q - 8); element j is byte j's low nibble,
+//                     element 16 + j its high nibble;
+//   Q4_1 (20 B / 32): fp16 d, fp16 m, 16 B nibbles: w = d q + m;
+//   Q5_0 (22 B / 32): fp16 d, u32 high bits (bit j: element j), nibbles: w = d (q - 16);
+//   Q5_1 (24 B / 32): fp16 d, fp16 m, u32 high bits, nibbles: w = d q + m;
+//   Q8_0 (34 B / 32): fp16 d, 32 int8: w = d q;
+//   Q4_K (144 B / 256): fp16 d, fp16 dmin, 12 B of 6-bit scales and mins for 8 sub-blocks of 32,
+//                       128 B nibbles (bytes 32c..32c+31: low nibbles sub-block 2c, high 2c+1):
+//                       w = d sc_i q - dmin m_i;
+//   Q5_K (176 B / 256): Q4_K plus 32 B of high bits (byte l, bit i: element 32i + l);
+//   Q6_K (210 B / 256): 128 B low nibbles, 64 B 2-bit highs, 16 int8 scales (per 16), fp16 d:
+//                       w = d sc_i (q - 32);
+//   F32, F16, BF16 rows.
+//
+// Decode GEMV (ggml_gemv): x [M, K] (M <= MAX_ROWS) is quantized to int8 inside the call as
+// llama.cpp does: blocks of 32 with a scale and the scaled code sum (its Q8_0 / Q8_1) for the
+// 32-blocks types, blocks of 256 with sums per 16 (its Q8_K) for the K-quants; the scales here
+// are fp32 amax / 127 and codes round half to even. Every weight block's codes are unsigned (Q8_0:
+// |q|, the sign moved onto the activation), so vpdpbusd sums 4 products per int32 lane exactly;
+// the offsets (-8 d, m, -dmin m_i, -32 d sc_i) multiply the activation sums, and the blocks'
+// partial sums are scaled and added in fp32. Float rows multiply fp32 activations (fp16 and
+// bf16 widened exactly to fp32). The op takes a list of weights sharing x, each of its own type
+// (Q4_K_M files mix Q4_K and Q6_K in one q/k/v group), returns [M, N_0 + N_1 + ...] fp32, and
+// quantizes x once per activation format the group needs.
+//
+// ggml_dequantize: rows -> fp32, rounding exactly as the gguf package does (its products and
+// sums in the same order, no fused multiply-adds: this file is built with -ffp-contract=off).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// ggml type ids (gguf.GGMLQuantizationType).
+enum GgmlType : int64_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8,
+  Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
+};
+
+constexpr int64_t MAX_ROWS = 8;
+constexpr int64_t QK = 32, QK_K = 256;
+// A parallel_for task reads at least this many weight bytes: forking the second thread costs
+// about as much as streaming ~64 KB (see gemv.cpp).
+constexpr int64_t GRAIN_BYTES = 64 << 10;
+// Weight rows are prefetched this far ahead into L2 (gemv.cpp measured why).
+constexpr int64_t PREFETCH_BYTES = 12 << 10;
+inline void prefetch_l2(const uint8_t* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
+}
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 16 nibbles -> 32 codes in element order: the low nibbles, then the high.
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+}
+
+// 32 nibbles -> 64 codes: the low nibbles, then the high (a K-quant's sub-blocks 2c and 2c + 1).
+inline __m512i nibbles64(const uint8_t* p) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, low4)),
+                            _mm256_and_si256(_mm256_srli_epi16(b, 4), low4), 1);
+}
+
+// ---- The 32-element block types: codes q (unsigned, but Q8_0's signed) and w = d (q - ZERO) + m.
+
+struct Block32 {
+  __m256i q;
+  float d, m;
+};
+
+struct BQ4_0 {
+  static constexpr int64_t BYTES = 18, ZERO = 8;
+  static constexpr bool HAS_MIN = false, SIGNED = false;
+  static Block32 decode(const uint8_t* p) { return {nibbles32(p + 2), half(p), 0.f}; }
+};
+struct BQ4_1 {
+  static constexpr int64_t BYTES = 20, ZERO = 0;
+  static constexpr bool HAS_MIN = true, SIGNED = false;
+  static Block32 decode(const uint8_t* p) { return {nibbles32(p + 4), half(p), half(p + 2)}; }
+};
+inline __m256i add_high_bits(__m256i q, const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  return _mm256_mask_add_epi8(q, bits, q, _mm256_set1_epi8(16));
+}
+struct BQ5_0 {
+  static constexpr int64_t BYTES = 22, ZERO = 16;
+  static constexpr bool HAS_MIN = false, SIGNED = false;
+  static Block32 decode(const uint8_t* p) {
+    return {add_high_bits(nibbles32(p + 6), p + 2), half(p), 0.f};
+  }
+};
+struct BQ5_1 {
+  static constexpr int64_t BYTES = 24, ZERO = 0;
+  static constexpr bool HAS_MIN = true, SIGNED = false;
+  static Block32 decode(const uint8_t* p) {
+    return {add_high_bits(nibbles32(p + 8), p + 4), half(p), half(p + 2)};
+  }
+};
+struct BQ8_0 {
+  static constexpr int64_t BYTES = 34, ZERO = 0;
+  static constexpr bool HAS_MIN = false, SIGNED = true;
+  static Block32 decode(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)), half(p), 0.f};
+  }
+};
+
+// ---- The 256-element K-quants: per 64-element chunk c its codes (element order) and the scale of
+// each int32 lane of a vpdpbusd over them; the offsets' coefficients per activation sum.
+
+struct BlockK {
+  __m512i q[4];
+  __m512 lane_scale[4];  // integer-valued sub-block scales, per dot-product lane
+  __m512 offset;         // per activation sum lane (Act256::sums16 or sums32): -dmin m_i, -32 d sc_i
+  float d;
+};
+
+// The 12 bytes of 6-bit scales and mins of Q4_K / Q5_K -> bytes sc[0..7], m[0..7]. Bytes 0-3 hold
+// sc 0-3 (low 6 bits) and sc 4-7's top 2 bits, bytes 4-7 likewise m, bytes 8-11 the low nibbles
+// of sc 4-7 and (high nibbles) m 4-7.
+inline __m512 scales_and_mins(const uint8_t* p) {
+  uint32_t a[3], out[4];
+  std::memcpy(a, p, 12);
+  const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+  out[0] = a[0] & six;
+  out[1] = (a[2] & four) | (((a[0] >> 6) & two) << 4);
+  out[2] = a[1] & six;
+  out[3] = ((a[2] >> 4) & four) | (((a[1] >> 6) & two) << 4);
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(out));
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));  // [sc_0..7, m_0..7]
+}
+
+// Lane l of chunk c's dot covers elements 64c + 4l..4l+3: sub-block of 32 number 2c + l / 8.
+inline __m512i lanes_per_32(int c) {
+  return _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                          2 * c + 1, 2 * c + 1, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                          2 * c);
+}
+// ... and of 16 number 4c + l / 4.
+inline __m512i lanes_per_16(int c) {
+  const int b = 4 * c;
+  return _mm512_set_epi32(b + 3, b + 3, b + 3, b + 3, b + 2, b + 2, b + 2, b + 2, b + 1, b + 1,
+                          b + 1, b + 1, b, b, b, b);
+}
+
+// The Q4_K / Q5_K header: fp16 d, fp16 dmin, the 12 bytes of scales and mins.
+inline void k_header(const uint8_t* p, BlockK& k) {
+  const __m512 scm = scales_and_mins(p + 4);
+  for (int c = 0; c < 4; ++c) k.lane_scale[c] = _mm512_permutexvar_ps(lanes_per_32(c), scm);
+  k.offset = _mm512_mul_ps(_mm512_set1_ps(-half(p + 2)), scm);  // lanes 8-15: -dmin m_i
+  k.d = half(p);
+}
+
+// Dequantization of Q4_K / Q5_K: 16-element group g has d sc and dmin m of sub-block g / 2.
+inline void k_group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
+  alignas(64) float scm[16];
+  _mm512_store_ps(scm, scales_and_mins(p + 4));
+  const float d = half(p), dmin = half(p + 2);
+  for (int g = 0; g < 16; ++g) {
+    dsc[g] = d * scm[g / 2];
+    dm[g] = dmin * scm[8 + g / 2];
+  }
+  *zero = 0;
+}
+
+struct BQ4_K {
+  static constexpr int64_t BYTES = 144;
+  static constexpr bool SUMS16 = false;
+  static BlockK decode(const uint8_t* p) {
+    BlockK k;
+    k_header(p, k);
+    for (int c = 0; c < 4; ++c) k.q[c] = nibbles64(p + 16 + 32 * c);
+    return k;
+  }
+  static void group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
+    k_group_scales(p, dsc, dm, zero);
+  }
+};
+
+struct BQ5_K {
+  static constexpr int64_t BYTES = 176;
+  static constexpr bool SUMS16 = false;
+  static BlockK decode(const uint8_t* p) {
+    BlockK k;
+    k_header(p, k);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+    const __m512i sixteen = _mm512_set1_epi8(16);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i q = nibbles64(p + 48 + 32 * c);
+      // Element 32i + l's fifth bit is bit i of qh byte l: i = 2c in the low half, 2c + 1 above.
+      const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8(1 << (2 * c)),
+                                             _mm256_set1_epi8(1 << (2 * c + 1)), 1);
+      k.q[c] = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh2, bit), q, sixteen);
+    }
+    return k;
+  }
+  static void group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
+    k_group_scales(p, dsc, dm, zero);
+  }
+};
+
+struct BQ6_K {
+  static constexpr int64_t BYTES = 210;
+  static constexpr bool SUMS16 = true;
+  static BlockK decode(const uint8_t* p) {
+    BlockK k;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+    // Element 128h + 32s + l: low nibble (s < 2) or high nibble (s >= 2) of ql[64h + 32(s % 2) + l],
+    // high 2 bits (qh[32h + l] >> 2s) & 3.
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(p + 64 * h);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * h));
+      const __m512i qh2 =
+          _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+      k.q[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4),
+                                   _mm512_and_si512(_mm512_slli_epi16(qh2, 4), bits45));
+      k.q[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4),
+                                       _mm512_and_si512(qh2, bits45));
+    }
+    const __m512 sc = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192))));
+    for (int c = 0; c < 4; ++c) k.lane_scale[c] = _mm512_permutexvar_ps(lanes_per_16(c), sc);
+    k.d = half(p + 208);
+    k.offset = _mm512_mul_ps(_mm512_set1_ps(-32.f * k.d), sc);
+    return k;
+  }
+  static void group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
+    const float d = half(p + 208);
+    for (int g = 0; g < 16; ++g) {
+      dsc[g] = d * static_cast<float>(static_cast<int8_t>(p[192 + g]));
+      dm[g] = 0.f;
+    }
+    *zero = 32;
+  }
+};
+
+// ---- Activations quantized per block: x ~= scale * codes.
+
+struct Activations {
+  int64_t M = 0, K = 0, block = 0;
+  std::vector<int8_t> codes;  // [M, K]
+  std::vector<float> scale;   // [M, K / block]: amax / 127
+  std::vector<float> sums;    // per block: 32-blocks: [M, K / 32] scale * sum of codes;
+                              // 256-blocks: [M, K / 256, 32]: scale * sums per 16 (16 lanes),
+                              // then 8 zeros and scale * sums per 32 (8 lanes)
+  int64_t blocks() const { return K / block; }
+  const int8_t* block_codes(int64_t m, int64_t b) const { return codes.data() + m * K + b * block; }
+  float block_scale(int64_t m, int64_t b) const { return scale[m * blocks() + b]; }
+};
+
+Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t block) {
+  Activations a;
+  a.M = M, a.K = K, a.block = block;
+  a.codes.assign(M * K, 0);
+  a.scale.assign(M * (K / block), 0.f);
+  a.sums.assign(M * (K / block) * (block == QK ? 1 : 32), 0.f);
+  const __m512 qmax = _mm512_set1_ps(127.f), qmin = _mm512_set1_ps(-127.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / block; ++b) {
+      const float* xb = x + m * K + b * block;
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t k = 0; k < block; k += 16)
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
+      const float scale = _mm512_reduce_max_ps(amax) / 127.f;
+      const int64_t i = m * (K / block) + b;
+      a.scale[i] = scale;
+      if (scale == 0.f) continue;  // codes and sums stay zero
+      int32_t sums16[16];
+      for (int64_t k = 0; k < block; k += 16) {
+        __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xb + k), _mm512_set1_ps(scale)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, qmin), qmax));
+        _mm512_mask_cvtepi32_storeu_epi8(a.codes.data() + m * K + b * block + k, 0xFFFF, qi);
+        sums16[k / 16] = _mm512_reduce_add_epi32(qi);
+      }
+      if (block == QK) {
+        a.sums[i] = scale * static_cast<float>(sums16[0] + sums16[1]);
+      } else {
+        float* s = a.sums.data() + i * 32;
+        for (int g = 0; g < 16; ++g) s[g] = scale * static_cast<float>(sums16[g]);
+        for (int j = 0; j < 8; ++j)
+          s[24 + j] = scale * static_cast<float>(sums16[2 * j] + sums16[2 * j + 1]);
+      }
+    }
+  }
+  return a;
+}
+
+// ---- Dot products of one weight row with M activation rows: out[m * N] += nothing; out[m * N] =.
+
+template <typename B, int M>
+void dot_row_32(const uint8_t* row, const Activations& a, float* out, int64_t N) {
+  const int64_t nb = a.blocks();
+  __m256 acc[2][M];
+  float bias[M];
+  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps(), bias[m] = 0.f;
+  const auto block = [&](int64_t b, __m256* acc_b) {
+    const uint8_t* p = row + b * B::BYTES;
+    prefetch_l2(p);
+    const Block32 w = B::decode(p);
+    __m256i q = w.q;
+    __mmask32 negative = 0;
+    if constexpr (B::SIGNED) negative = _mm256_movepi8_mask(q), q = _mm256_abs_epi8(q);
+    const float offset = B::HAS_MIN ? w.m : -static_cast<float>(B::ZERO) * w.d;
+    for (int m = 0; m < M; ++m) {
+      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block_codes(m, b)));
+      if constexpr (B::SIGNED) xq = _mm256_mask_sub_epi8(xq, negative, _mm256_setzero_si256(), xq);
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xq);
+      acc_b[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w.d * a.block_scale(m, b)),
+                                 acc_b[m]);
+      if constexpr (B::HAS_MIN || B::ZERO != 0) bias[m] += offset * a.sums[m * nb + b];
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) block(b, acc[0]), block(b + 1, acc[1]);
+  if (b < nb) block(b, acc[0]);
+  for (int m = 0; m < M; ++m) {
+    const __m256 s = _mm256_add_ps(acc[0][m], acc[1][m]);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    out[m * N] = _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(s4, s4), s4)) + bias[m];
+  }
+}
+
+template <typename B, int M>
+void dot_row_k(const uint8_t* row, const Activations& a, float* out, int64_t N) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = row + b * B::BYTES;
+    for (int64_t line = 0; line < B::BYTES; line += 64) prefetch_l2(p + line);
+    const BlockK w = B::decode(p);
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = a.block_codes(m, b);
+      __m512 sum = _mm512_setzero_ps();  // integer-valued, below 2^24: exact
+      for (int c = 0; c < 4; ++c) {
+        const __m512i dot =
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), w.q[c], _mm512_loadu_si512(xq + 64 * c));
+        sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), w.lane_scale[c], sum);
+      }
+      acc[m] = _mm512_fmadd_ps(sum, _mm512_set1_ps(w.d * a.block_scale(m, b)), acc[m]);
+      const float* sums = a.sums.data() + (m * a.blocks() + b) * 32 + (B::SUMS16 ? 0 : 16);
+      acc[m] = _mm512_fmadd_ps(w.offset, _mm512_loadu_ps(sums), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m * N] = _mm512_reduce_add_ps(acc[m]);
+}
+
+// Float rows: 16 weights widened to fp32 per step.
+struct RowF32 {
+  static constexpr int64_t BYTES = 4;
+  static __m512 load(const uint8_t* p, __mmask16 mask) {
+    return _mm512_maskz_loadu_ps(mask, p);
+  }
+};
+struct RowF16 {
+  static constexpr int64_t BYTES = 2;
+  static __m512 load(const uint8_t* p, __mmask16 mask) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+  }
+};
+struct RowBF16 {
+  static constexpr int64_t BYTES = 2;
+  static __m512 load(const uint8_t* p, __mmask16 mask) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+};
+
+template <typename F, int M>
+void dot_row_float(const uint8_t* row, const float* x, int64_t K, float* out, int64_t N) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1;
+    prefetch_l2(row + k * F::BYTES);
+    const __m512 w = F::load(row + k * F::BYTES, mask);
+    for (int m = 0; m < M; ++m)
+      acc[m] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(mask, x + m * K + k), acc[m]);
+  }
+  for (int m = 0; m < M; ++m) out[m * N] = _mm512_reduce_add_ps(acc[m]);
+}
+
+// ---- Dispatch.
+
+struct Input {
+  const float* x;                 // [M, K] fp32
+  int64_t K;
+  const Activations* act32;       // for the 32-block types
+  const Activations* act256;      // for the K-quants
+};
+
+// Rows r0..r1 of one weight (row stride `stride` bytes) into out columns (out points at column 0
+// of the matrix, row stride N).
+template <int M>
+void rows_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64_t r1,
+             const Input& in, float* out, int64_t N) {
+  const auto each = [&](auto dot) {
+    for (int64_t r = r0; r < r1; ++r) dot(w + r * stride, out + r);
+  };
+  switch (type) {
+    case Q4_0: return each([&](auto p, auto o) { dot_row_32<BQ4_0, M>(p, *in.act32, o, N); });
+    case Q4_1: return each([&](auto p, auto o) { dot_row_32<BQ4_1, M>(p, *in.act32, o, N); });
+    case Q5_0: return each([&](auto p, auto o) { dot_row_32<BQ5_0, M>(p, *in.act32, o, N); });
+    case Q5_1: return each([&](auto p, auto o) { dot_row_32<BQ5_1, M>(p, *in.act32, o, N); });
+    case Q8_0: return each([&](auto p, auto o) { dot_row_32<BQ8_0, M>(p, *in.act32, o, N); });
+    case Q4_K: return each([&](auto p, auto o) { dot_row_k<BQ4_K, M>(p, *in.act256, o, N); });
+    case Q5_K: return each([&](auto p, auto o) { dot_row_k<BQ5_K, M>(p, *in.act256, o, N); });
+    case Q6_K: return each([&](auto p, auto o) { dot_row_k<BQ6_K, M>(p, *in.act256, o, N); });
+    case F32: return each([&](auto p, auto o) { dot_row_float<RowF32, M>(p, in.x, in.K, o, N); });
+    case F16: return each([&](auto p, auto o) { dot_row_float<RowF16, M>(p, in.x, in.K, o, N); });
+    case BF16: return each([&](auto p, auto o) { dot_row_float<RowBF16, M>(p, in.x, in.K, o, N); });
+  }
+  TORCH_CHECK(false, "ggml type ", type, " has no kernel");
+}
+
+// (elements, bytes) of one block; 0 for types without a kernel here.
+std::pair<int64_t, int64_t> block_shape(int64_t type) {
+  switch (type) {
+    case F32: return {1, 4};
+    case F16: case BF16: return {1, 2};
+    case Q4_0: return {QK, BQ4_0::BYTES};
+    case Q4_1: return {QK, BQ4_1::BYTES};
+    case Q5_0: return {QK, BQ5_0::BYTES};
+    case Q5_1: return {QK, BQ5_1::BYTES};
+    case Q8_0: return {QK, BQ8_0::BYTES};
+    case Q4_K: return {QK_K, BQ4_K::BYTES};
+    case Q5_K: return {QK_K, BQ5_K::BYTES};
+    case Q6_K: return {QK_K, BQ6_K::BYTES};
+  }
+  return {0, 0};
+}
+
+int64_t row_bytes(int64_t type, int64_t K) {
+  const auto [elements, bytes] = block_shape(type);
+  TORCH_CHECK(elements > 0, "ggml type ", type, " has no kernel");
+  TORCH_CHECK(K % elements == 0, "ggml type ", type, " rows hold whole blocks of ", elements,
+              ", not ", K);
+  return K / elements * bytes;
+}
+
+void check_rows(const torch::Tensor& w, int64_t type, int64_t K, const char* what) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1 &&
+                  w.size(1) == row_bytes(type, K),
+              what, ": weights must be uint8 [N, ", row_bytes(type, K), "] with rows of contiguous "
+              "bytes for ggml type ", type, " and K = ", K, ", got ", w.sizes(), " ",
+              w.scalar_type());
+}
+
+template <int M>
+void gemv_rows(const Input& in, const std::vector<torch::Tensor>& ws, at::IntArrayRef types,
+               const std::vector<int64_t>& offsets, float* out) {
+  const int64_t N = offsets.back();
+  int64_t total_bytes = 0;
+  for (const auto& w : ws) total_bytes += w.numel();
+  const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES * N / std::max<int64_t>(1, total_bytes));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    size_t s = std::upper_bound(offsets.begin(), offsets.end(), n0) - offsets.begin() - 1;
+    for (; n0 < n1; ++s) {
+      const int64_t end = std::min(n1, offsets[s + 1]);
+      if (end > n0)
+        rows_of<M>(types[s], ws[s].data_ptr<uint8_t>(), ws[s].stride(0), n0 - offsets[s],
+                   end - offsets[s], in, out + offsets[s], N);
+      n0 = end;
+    }
+  });
+}
+
+// ---- Dequantization of one row.
+
+template <typename B>
+void dequantize_row_32(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const Block32 w = B::decode(row + b * B::BYTES);
+    for (int half_ = 0; half_ < 2; ++half_) {
+      const __m128i q8 = half_ ? _mm256_extracti128_si256(w.q, 1) : _mm256_castsi256_si128(w.q);
+      const __m512i q = B::SIGNED ? _mm512_cvtepi8_epi32(q8) : _mm512_cvtepu8_epi32(q8);
+      __m512 v = _mm512_mul_ps(_mm512_set1_ps(w.d),
+                               _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(B::ZERO))));
+      if constexpr (B::HAS_MIN) v = _mm512_add_ps(v, _mm512_set1_ps(w.m));
+      _mm512_storeu_ps(out + b * QK + 16 * half_, v);
+    }
+  }
+}
+
+template <typename B>
+void dequantize_row_k(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK_K; ++b) {
+    const uint8_t* p = row + b * B::BYTES;
+    const BlockK w = B::decode(p);
+    float dsc[16], dm[16];
+    int zero;
+    B::group_scales(p, dsc, dm, &zero);
+    for (int c = 0; c < 4; ++c) {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w.q[c], g));
+        const int i = 4 * c + g;
+        __m512 v = _mm512_mul_ps(_mm512_set1_ps(dsc[i]),
+                                 _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(zero))));
+        v = _mm512_sub_ps(v, _mm512_set1_ps(dm[i]));
+        _mm512_storeu_ps(out + b * QK_K + 16 * i, v);
+      }
+    }
+  }
+}
+
+template <typename F>
+void dequantize_row_float(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1;
+    _mm512_mask_storeu_ps(out + k, mask, F::load(row + k * F::BYTES, mask));
+  }
+}
+
+void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
+  switch (type) {
+    case Q4_0: return dequantize_row_32<BQ4_0>(row, K, out);
+    case Q4_1: return dequantize_row_32<BQ4_1>(row, K, out);
+    case Q5_0: return dequantize_row_32<BQ5_0>(row, K, out);
+    case Q5_1: return dequantize_row_32<BQ5_1>(row, K, out);
+    case Q8_0: return dequantize_row_32<BQ8_0>(row, K, out);
+    case Q4_K: return dequantize_row_k<BQ4_K>(row, K, out);
+    case Q5_K: return dequantize_row_k<BQ5_K>(row, K, out);
+    case Q6_K: return dequantize_row_k<BQ6_K>(row, K, out);
+    case F32: return dequantize_row_float<RowF32>(row, K, out);
+    case F16: return dequantize_row_float<RowF16>(row, K, out);
+    case BF16: return dequantize_row_float<RowBF16>(row, K, out);
+  }
+  TORCH_CHECK(false, "ggml type ", type, " has no kernel");
+}
+
+bool is_k_quant(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+bool is_block32(int64_t type) { return block_shape(type).first == QK; }
+
+}  // namespace
+
+torch::Tensor ggml_gemv(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
+                        at::IntArrayRef ggml_types) {
+  // x: [M, K] float; ws[s]: uint8 [N_s, row_bytes] of ggml type ggml_types[s]
+  // -> [M, sum N_s] fp32
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "ggml_gemv: x must be 2-D float");
+  TORCH_CHECK(!ws.empty() && ws.size() == ggml_types.size(),
+              "ggml_gemv: one ggml type per weight, and at least one weight");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(M <= MAX_ROWS, "ggml_gemv takes up to ", MAX_ROWS, " rows, got ", M);
+  std::vector<int64_t> offsets{0};
+  bool needs32 = false, needs256 = false;
+  for (size_t s = 0; s < ws.size(); ++s) {
+    check_rows(ws[s], ggml_types[s], K, "ggml_gemv");
+    offsets.push_back(offsets.back() + ws[s].size(0));
+    needs32 |= is_block32(ggml_types[s]);
+    needs256 |= is_k_quant(ggml_types[s]);
+  }
+  auto out = torch::empty({M, offsets.back()}, x.options().dtype(at::kFloat));
+  if (M == 0 || offsets.back() == 0) return out;
+  const auto xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  Activations act32, act256;
+  if (needs32) act32 = quantize_activations(xp, M, K, QK);
+  if (needs256) act256 = quantize_activations(xp, M, K, QK_K);
+  const Input in{xp, K, &act32, &act256};
+  float* o = out.data_ptr<float>();
+  switch (M) {
+    case 1: gemv_rows<1>(in, ws, ggml_types, offsets, o); break;
+    case 2: gemv_rows<2>(in, ws, ggml_types, offsets, o); break;
+    case 3: gemv_rows<3>(in, ws, ggml_types, offsets, o); break;
+    case 4: gemv_rows<4>(in, ws, ggml_types, offsets, o); break;
+    case 5: gemv_rows<5>(in, ws, ggml_types, offsets, o); break;
+    case 6: gemv_rows<6>(in, ws, ggml_types, offsets, o); break;
+    case 7: gemv_rows<7>(in, ws, ggml_types, offsets, o); break;
+    case 8: gemv_rows<8>(in, ws, ggml_types, offsets, o); break;
+  }
+  return out;
+}
+
+torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int64_t in_features) {
+  // data: uint8 [R, row_bytes] -> fp32 [R, in_features]
+  check_rows(data, ggml_type, in_features, "ggml_dequantize");
+  const int64_t R = data.size(0), stride = data.stride(0);
+  auto out = torch::empty({R, in_features}, data.options().dtype(at::kFloat));
+  const uint8_t* w = data.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES / (in_features * 4));
+  at::parallel_for(0, R, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      dequantize_row(ggml_type, w + r * stride, in_features, o + r * in_features);
+  });
+  return out;
+}
+
+// Registered with the dispatcher: torch.ops.zcode.ggml_gemv / ggml_dequantize (a fragment of the
+// zcode namespace, which gemv.cpp defines too).
+TORCH_LIBRARY_FRAGMENT(zcode, m) {
+  m.def("ggml_gemv(Tensor x, Tensor[] ws, int[] ggml_types) -> Tensor");
+  m.def("ggml_dequantize(Tensor data, int ggml_type, int in_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(zcode, CPU, m) {
+  m.impl("ggml_gemv", &ggml_gemv);
+  m.impl("ggml_dequantize", &ggml_dequantize);
+}

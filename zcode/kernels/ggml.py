@@ -1,0 +1,65 @@
+"""GGUF block formats in C++ (ggml.cpp: AVX-512 + VNNI), registered as torch ops.
+
+A GGUF weight is the file's own bytes, uint8 [N, row_bytes] in one ggml type (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it as stored:
+
+- `torch.ops.zcode.ggml_gemv(x, ws, ggml_types)`: decode, x [M, K] float (0 <= M <= MAX_ROWS)
+  times a list of weights sharing x, each of its own type -> [M, N_0 + N_1 + ...] fp32. x is
+  quantized to int8 inside the call as llama.cpp does (per 32 for the 32-block types, per 256
+  with sums per 16 for the K-quants; fp32 scales amax / 127, round half to even), and each block
+  is an exact VNNI integer dot product; float rows multiply fp32 x.
+- `torch.ops.zcode.ggml_dequantize(data, ggml_type, in_features)`: rows [R, row_bytes] -> fp32
+  [R, K], bit for bit the `gguf` package's dequantize (embedding lookups, and the prefill path:
+  row tiles dequantized, then a GEMM).
+
+Built once with torch.utils.cpp_extension.load and -march=native (cached by torch);
+`available()` is False where the ISA or the compiler is missing, and zcode.quant.gguf keeps the
+`gguf` package's numpy dequantize.
+"""
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from zcode.quant.gguf import GEMV_MAX_ROWS
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("ggml.cpp")
+MAX_ROWS = GEMV_MAX_ROWS
+
+
+@functools.cache
+def available() -> bool:
+    """True when the kernels build and load here (built on first call); then torch.ops.zcode
+    has them."""
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(
+            name="zcode_ggml_v1",
+            sources=[str(SOURCE)],
+            # -fopenmp: at::parallel_for's threads; -ffp-contract=off: dequantize rounds each
+            # product and sum as the gguf package does, never fused.
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as e:  # no compiler or no AVX-512 VNNI: an expected state
+        logger.warning("C++ GGUF kernels unavailable, using the gguf package's: %s", e)
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    # Output shapes for tracing (torch.compile): the kernels themselves never run on fakes.
+    @torch.library.register_fake("zcode::ggml_gemv")
+    def _(x, ws, ggml_types):
+        return x.new_empty(x.shape[0], sum(w.shape[0] for w in ws), dtype=torch.float32)
+
+    @torch.library.register_fake("zcode::ggml_dequantize")
+    def _(data, ggml_type, in_features):
+        return data.new_empty(data.shape[0], in_features, dtype=torch.float32)
