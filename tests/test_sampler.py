@@ -95,7 +95,7 @@ def test_seed_makes_samples_reproducible():
 def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     logits = torch.tensor([[2.0, -1.0, 1.5, -0.5, 0.0]])
     seq = _seqs(1, token_ids=[0, 1, 0], repetition_penalty=2.0)
-    penalised = Sampler._penalise_repetition(logits, seq)
+    penalised = Sampler._penalise(logits, seq)
     torch.testing.assert_close(penalised, torch.tensor([[1.0, -2.0, 1.5, -0.5, 0.0]]))
     assert logits[0, 0] == 2.0  # the caller's logits are untouched
     # greedy now prefers token 2 over the repeated token 0
@@ -115,3 +115,43 @@ def test_logprobs_are_log_softmax_of_the_raw_logits(num_top):
         assert set(entry) == {token, *top}
         for token_id, value in entry.items():
             assert value == pytest.approx(float(expected[row, token_id]), abs=1e-5)
+
+
+def test_logit_bias_then_frequency_and_presence_penalties_as_openai_defines_them():
+    # Prompt [3, 3]; output so far [0, 0, 1]: counts over the output only are {0: 2, 1: 1}.
+    seq = Sequence([3, 3], SamplingParams(frequency_penalty=0.5, presence_penalty=0.25,
+                                          logit_bias={2: 4.0, 4: -100.0}), None)  # fmt: skip
+    seq.token_ids += [0, 0, 1]
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5, 3.0]])
+    # OpenAI: mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence, after the bias.
+    expected = torch.tensor([[1.0 - 2 * 0.5 - 0.25, 2.0 - 0.5 - 0.25, 3.0, 0.5, -97.0]])
+    torch.testing.assert_close(Sampler._penalise(logits, [seq]), expected)
+    tokens, _ = Sampler()(logits, [seq])  # sampled from the penalised logits
+    assert tokens[0] in {0, 1, 2, 3}
+
+
+def test_penalties_steer_greedy_decoding():
+    seq = Sequence([0], SamplingParams(temperature=0, logit_bias={"3": 100}), None)
+    assert Sampler()(torch.tensor([[5.0, 0.0, 0.0, 0.0]]), [seq])[0] == [3]
+    seq = Sequence([0], SamplingParams(temperature=0, presence_penalty=2.0), None)
+    seq.token_ids.append(0)  # 0 was generated: 5 - 2 < 4
+    assert Sampler()(torch.tensor([[5.0, 4.0]]), [seq])[0] == [1]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"logit_bias": {1: 101}},
+        {"logit_bias": {-1: 1}},
+        {"temperature": float("inf")},
+        {"temperature": float("nan")},
+        {"top_p": float("nan")},
+    ],
+)
+def test_out_of_range_penalties_and_non_finite_values_are_refused(params):
+    from zcode.errors import ValidationError
+
+    with pytest.raises(ValidationError):
+        SamplingParams(**params)

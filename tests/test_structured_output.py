@@ -54,3 +54,26 @@ def test_bad_constraints_are_rejected_before_queueing(default_llm):
     with pytest.raises(ValidationError, match="invalid structured output"):
         _generate(default_llm, StructuredOutputsParams(json={"type": "objectx"}))
     assert not default_llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "#"},
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
+        {"type": "string", "minLength": 5, "maxLength": 2},
+    ],
+)
+def test_schemas_no_text_satisfies_are_rejected(default_llm, schema):
+    with pytest.raises(ValidationError, match="invalid structured output"):
+        default_llm.engine.grammars.matcher(StructuredOutputsParams(json=schema))
+    # a schema that refers to itself through an optional property is fine
+    default_llm.engine.grammars.matcher(
+        StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#"}}})
+    )
+
+
+def test_lark_grammar(default_llm):
+    constraint = StructuredOutputsParams(grammar='start: ("yes" | "no") "!"')
+    out = _generate(default_llm, constraint, temperature=1.0, seed=1)
+    assert out.text in {"yes!", "no!"} and out.finish_reason == "stop"

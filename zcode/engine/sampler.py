@@ -15,7 +15,7 @@ class Sampler:
         """logits: [B, V] fp32 -> (token ids [B], per-sequence {token: logprob} or None)."""
         wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-        logits = self._penalise_repetition(logits, seqs)
+        logits = self._penalise(logits, seqs)
         # numpy's argmax (first maximum, like torch's) is vectorised: ~3 us for a 49152-token
         # vocabulary where torch's max takes ~27 us and its argmax ~75.
         greedy = logits.numpy().argmax(-1)
@@ -45,16 +45,26 @@ class Sampler:
         self._generators.pop(seq.seq_id, None)
 
     @staticmethod
-    def _penalise_repetition(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+    def _penalise(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logit_bias, then repetition, frequency and presence penalties, in vLLM's order."""
+        rows = [i for i, s in enumerate(seqs) if _penalises(s.params)]
         if not rows:
             return logits
         logits = logits.clone()
         for i in rows:
-            penalty = seqs[i].params.repetition_penalty
-            seen = torch.tensor(sorted(set(seqs[i].token_ids)), dtype=torch.int64)
-            values = logits[i, seen]
-            logits[i, seen] = torch.where(values > 0, values / penalty, values * penalty)
+            p, row = seqs[i].params, logits[i]
+            if p.logit_bias:
+                ids, biases = zip(*p.logit_bias)
+                row[list(ids)] += torch.tensor(biases, dtype=row.dtype)
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seqs[i].token_ids)), dtype=torch.int64)
+                values = row[seen]
+                penalty = p.repetition_penalty
+                row[seen] = torch.where(values > 0, values / penalty, values * penalty)
+            if (p.frequency_penalty or p.presence_penalty) and seqs[i].num_output_tokens:
+                output = torch.tensor(seqs[i].output_token_ids, dtype=torch.int64)
+                counts = torch.bincount(output, minlength=row.shape[-1])[: row.shape[-1]]
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
         return logits
 
     @staticmethod
@@ -74,6 +84,12 @@ class Sampler:
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return probs / probs.sum()
+
+
+def _penalises(p) -> bool:
+    return bool(
+        p.logit_bias or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+    )
 
 
 def top_logprobs(

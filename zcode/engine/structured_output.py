@@ -1,5 +1,6 @@
-"""Structured output: a request's grammar (a JSON schema, any JSON object, a regex or a choice of
-strings) masks the logits at every step, so the model can only write text the grammar accepts.
+"""Structured output: a request's grammar (a JSON schema, any JSON object, a regex, a choice of
+strings or a Lark grammar) masks the logits at every step, so the model can only write text the
+grammar accepts.
 
 llguidance does the matching: it compiles the grammar against the tokenizer's vocabulary once and
 gives, per step, the bitmask of allowed tokens (fast enough to run per token on the CPU).
@@ -34,6 +35,8 @@ def grammar_of(params: StructuredOutputsParams) -> str:
         return llguidance.grammar_from("json", json.dumps(schema))
     if params.regex is not None:
         return llguidance.grammar_from("regex", params.regex)
+    if params.grammar is not None:
+        return llguidance.grammar_from("lark", params.grammar)
     alternatives = " | ".join(json.dumps(c) for c in params.choice)
     return llguidance.grammar_from("lark", f"start: {alternatives}")
 
@@ -75,9 +78,22 @@ class GrammarCompiler:
             raise ValidationError("structured output needs a tokenizer; this model has none")
         if self._tokenizer is None:
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer)
-        grammar = grammar_of(params)
+        try:
+            grammar = grammar_of(params)
+        except (ValueError, TypeError, RecursionError) as e:
+            raise ValidationError(f"invalid structured output constraint: {e}") from None
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
         if error:
             raise ValidationError(f"invalid structured output constraint: {error.strip()}")
         matcher = llguidance.LLMatcher(self._tokenizer, grammar)
+        # The first mask tells whether any text can start; it is where a dead grammar shows.
+        llg_torch.fill_next_token_bitmask(
+            matcher, llg_torch.allocate_token_bitmask(1, self._tokenizer.vocab_size), 0
+        )
+        if matcher.is_error() or matcher.is_stopped():
+            # e.g. {"$ref": "#"}: a schema defined only by itself, which no text satisfies
+            raise ValidationError(
+                "invalid structured output constraint: it admits no output "
+                f"({matcher.get_error().splitlines()[0] if matcher.is_error() else 'empty'})"
+            )
         return GrammarMatcher(matcher, self._tokenizer.vocab_size)
