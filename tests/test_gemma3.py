@@ -220,3 +220,19 @@ def test_compiled_decode_matches_eager(gemma):
         assert tokens == want_tokens
         for a, b in zip(logprobs, want_logprobs, strict=True):
             assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+
+
+def test_kv_head_pruning_keeps_the_window_and_the_norm_offset(gemma):
+    """zcode.sparsity's head pruning rebuilds attention modules: keeping every KV group must give
+    back the same model, window, unit-offset q/k norms and score scale included."""
+    from zcode.sparsity.head_skip import pruned_attention
+
+    net, oracle = gemma
+    pruned = copy.deepcopy(net)
+    for layer in pruned.model.layers:
+        attn = layer.self_attn
+        layer.self_attn = pruned_attention(attn, list(range(attn.num_kv_heads)))
+    ids = prompt_ids()
+    want, _ = oracle_logits(oracle, ids)
+    got = PagedRunner(pruned).prefill_then_decode("seq", ids, 32)
+    assert max_diff(got, want) <= LOGIT_TOL

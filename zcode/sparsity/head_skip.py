@@ -86,8 +86,10 @@ def pruned_attention(attn: Attention, keep_groups: list[int]) -> Attention:
         interleaved_rope=attn.interleaved_rope,
         qkv_bias=q_proj.bias is not None,
         qk_norm_eps=attn.q_norm.eps if hasattr(attn, "q_norm") else None,
+        qk_norm_unit_offset=hasattr(attn, "q_norm") and attn.q_norm.unit_offset,
+        scale=attn.scale,
+        sliding_window=attn.sliding_window,
     ).to(q_proj.weight.dtype)
-    new.scale = attn.scale
     with torch.no_grad():
         new.q_proj.weight.copy_(q_proj.weight[q_rows])
         new.k_proj.weight.copy_(k_proj.weight[kv_rows])
