@@ -6,6 +6,7 @@ ends that server, so it comes last.
 """
 
 import json
+import re
 import signal
 import threading
 import time
@@ -247,6 +248,26 @@ def test_response_format_json_schema_streamed_and_not(client):
     assert any_object.message.content.lstrip().startswith("{")
 
 
+def test_vllm_constraints_and_penalties_are_honoured(client):
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=3,
+        extra_body={"guided_choice": ["Paris", "Lyon"]},
+    )  # fmt: skip
+    assert out.choices[0].text in {"Paris", "Lyon"}
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=3,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}},
+    )  # fmt: skip
+    assert re.fullmatch("[0-9]{3}", out.choices[0].message.content)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+    biased = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, frequency_penalty=2.0,
+        presence_penalty=2.0, logit_bias={"45": 100},
+    )  # fmt: skip
+    assert biased.choices[0].text.startswith("=")  # id 45 is "=" in SmolLM2
+    assert plain.choices[0].text != "="
+
+
 def test_tokenize_detokenize_tokenizer_info(server, tokenizer):
     status, body = server.request("POST", "/tokenize", {"prompt": PROMPT})
     assert status == 200 and body["tokens"] == tokenizer.encode(PROMPT)
@@ -327,6 +348,30 @@ INVALID = {
     "unknown model": ("/v1/completions", {**COMPLETION, "model": "gpt-9"}, 404, "model", ["gpt-9"]),
     "detokenize out of vocabulary": ("/detokenize", {"tokens": [10**7]}, 400, "tokens", []),
     "not JSON": ("/v1/completions", "{prompt: hi", 400, None, ["JSON"]),
+    "tools with a template that cannot carry them": (
+        "/v1/chat/completions",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+        ["cannot carry tools"],
+    ),
+    "self-referencing schema": (
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "json_schema",
+                                     "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
+        400, None, ["admits no output"],
+    ),
+    "temperature Infinity": (
+        "/v1/completions", '{"prompt": "hi", "temperature": Infinity}', 400, "temperature", [],
+    ),
+    "temperature NaN": (
+        "/v1/chat/completions", {**CHAT, "temperature": float("nan")}, 400, "temperature", [],
+    ),
+    "presence_penalty out of range": (
+        "/v1/completions", {**COMPLETION, "presence_penalty": 3}, 400, "presence_penalty", [],
+    ),
+    "two constraints": (
+        "/v1/completions", {**COMPLETION, "guided_regex": "a", "guided_choice": ["a"]}, 400,
+        "guided_choice", ["one kind of constraint"],
+    ),
 }  # fmt: skip
 
 

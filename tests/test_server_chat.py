@@ -94,6 +94,7 @@ class ParrotEngine:
 
     def __init__(self) -> None:
         self.requests: dict[str, _Request] = {}
+        self.last_params = None  # the SamplingParams of the last request added
 
     @property
     def scheduler(self):
@@ -104,6 +105,7 @@ class ParrotEngine:
         prompt = "".join(map(chr, prompt_ids))
         answer = prompt.rsplit("<|user|>", 1)[1].split("<|", 1)[0]
         self.requests[request_id] = _Request(prompt_ids, answer, params.max_tokens)
+        self.last_params = params
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -171,7 +173,7 @@ def chat(client, answer: str, stream: bool = False, **kwargs):
 def streamed(client, answer: str, **kwargs) -> tuple[dict, str, list]:
     """Rebuilds the message from a stream: (message fields, finish reason, chunks)."""
     chunks = list(chat(client, answer, stream=True, **kwargs))
-    message = {"content": "", "reasoning_content": ""}
+    message = {"content": "", "reasoning_content": "", "reasoning": ""}
     calls: dict[int, dict] = {}
     reasons = []
     for chunk in chunks:
@@ -179,6 +181,7 @@ def streamed(client, answer: str, **kwargs) -> tuple[dict, str, list]:
             delta = c.delta
             message["content"] += delta.content or ""
             message["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            message["reasoning"] += (delta.model_extra or {}).get("reasoning") or ""
             for d in delta.tool_calls or []:
                 call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
                 call["id"] = call["id"] or d.id
@@ -198,11 +201,12 @@ def test_reasoning_split_when_the_template_opens_think(client):
     answer = "Two and two.</think>\n\nThe answer is 4."
     out = chat(client, answer)
     message = out.choices[0].message
-    assert message.reasoning_content == "Two and two."
+    assert message.reasoning_content == message.reasoning == "Two and two."  # vLLM: both
     assert message.content == "The answer is 4."
     assert out.usage.completion_tokens == -(-len(answer) // CHUNK_CHARS)
     fields, reason, _ = streamed(client, answer)
-    assert fields["reasoning_content"] == "Two and two." and fields["content"] == "The answer is 4."
+    assert fields["reasoning_content"] == fields["reasoning"] == "Two and two."
+    assert fields["content"] == "The answer is 4."
     assert reason == out.choices[0].finish_reason == "stop"
 
 
@@ -339,3 +343,101 @@ def test_request_the_engine_fails_gets_500_or_an_in_band_error(server, client):
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["code"] == 500 and error["type"] == "InternalServerError"
     assert chat(client, "fine", extra_body=NO_THINKING).choices[0].message.content == "fine"
+
+
+def test_forced_tool_choice_is_constrained_by_a_tool_call_grammar(server, client):
+    chat(client, "get_time</tool_call>", tools=TOOLS, tool_choice="required")
+    grammar = server.state.llm.engine.last_params.structured_outputs.grammar
+    assert '"get_weather"' in grammar and '"get_time"' in grammar
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chat(client, "x", tools=TOOLS, tool_choice=named)
+    grammar = server.state.llm.engine.last_params.structured_outputs.grammar
+    assert '"get_time"' not in grammar and "<arg_key>city</arg_key>" in grammar
+    chat(client, "x", tools=TOOLS, tool_choice="auto")
+    assert server.state.llm.engine.last_params.structured_outputs is None
+    with pytest.raises(openai.BadRequestError, match="cannot be combined"):
+        chat(client, "x", tools=TOOLS, tool_choice="required",
+             response_format={"type": "json_object"})  # fmt: skip
+
+
+def test_a_call_cut_off_by_max_tokens_finishes_with_length(client):
+    answer = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>da"
+    kwargs = dict(tools=TOOLS, extra_body=NO_THINKING, max_tokens=len(answer) // CHUNK_CHARS - 1)
+    out = chat(client, answer + "ys</arg_key><arg_value>2</arg_value></tool_call>", **kwargs)
+    assert out.choices[0].finish_reason == "length"
+    _, reason, _ = streamed(client, answer + "ys</arg_key>", **kwargs)
+    assert reason == "length"
+
+
+def test_streamed_tool_call_arguments_concatenate_to_the_non_streamed_ones(client):
+    answer = (
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Lyon</arg_value>"
+        "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
+        "<tool_call>get_time</tool_call>"
+    )
+    kwargs = dict(tools=TOOLS, extra_body=NO_THINKING)
+    whole = chat(client, answer, **kwargs).choices[0].message.tool_calls
+    fields, _, _ = streamed(client, answer, **kwargs)
+    assert [(c["name"], c["arguments"]) for c in fields["tool_calls"]] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"structured_outputs": {"regex": "a+"}}, None),
+        ({"guided_json": {"type": "object"}}, None),
+        ({"guided_regex": "[0-9]+"}, None),
+        ({"guided_choice": ["yes", "no"]}, None),
+        ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ],
+)
+def test_vllm_constraints_reach_the_engine_or_are_refused(server, client, extra, param):
+    if param is not None:
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, "x", extra_body=extra)
+        assert info.value.body["param"] == param
+        return
+    chat(client, "x", extra_body=extra)
+    constraint = server.state.llm.engine.last_params.structured_outputs
+    assert constraint is not None
+    [(name, value)] = extra.items()
+    kind = next(iter(value)) if name == "structured_outputs" else name.removeprefix("guided_")
+    expected = value[kind] if name == "structured_outputs" else value
+    got = getattr(constraint, kind)
+    assert (list(got) if kind == "choice" else got) == expected
+
+
+def test_penalties_and_logit_bias_reach_the_engine(server, client):
+    chat(client, "x", presence_penalty=0.5, frequency_penalty=-0.25, logit_bias={"65": 5})
+    params = server.state.llm.engine.last_params
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
+    assert params.logit_bias == ((65, 5.0),)
+    for bias in ({"x": 1}, {"65": 101}, {str(0x110000): 1}):
+        with pytest.raises(openai.BadRequestError) as info:
+            chat(client, "x", logit_bias=bias)
+        assert info.value.body["param"] == "logit_bias"
+
+
+def test_incoming_reasoning_field_is_rendered(server):
+    import http.client
+
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": None, "reasoning": "Two and two.", "tool_calls": None},
+    ]
+    template = "{% for m in messages %}[{{ m.reasoning_content }}|{{ m.content }}]{% endfor %}"
+    llm = server.state.llm
+    original, llm.tokenizer.chat_template = llm.tokenizer.chat_template, template
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        body = json.dumps({"messages": messages, "add_generation_prompt": False})
+        conn.request("POST", "/tokenize", body, {"Content-Type": "application/json"})
+        prompt = "".join(map(chr, json.loads(conn.getresponse().read())["tokens"]))
+    finally:
+        llm.tokenizer.chat_template = original
+    assert prompt == "[|2+2?][Two and two.|]"

@@ -7,13 +7,17 @@ template renders them; the output is split into reasoning, content and GLM tool 
 `usage.prompt_tokens` is the length of our tokenization of the rendered prompt, counted once.
 """
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing
 
 from zcode.chat.messages import normalize_messages
 from zcode.chat.reasoning_parser import prompt_opens_reasoning
+from zcode.chat.tool_grammar import tool_call_grammar
 from zcode.chat.tool_parser import CALL_START
 from zcode.engine.request_output import RequestOutput
+from zcode.errors import ValidationError
+from zcode.sampling_params import StructuredOutputsParams
 from zcode.server.chat_output import ChoiceOutput
 from zcode.server.protocol import ApiError, ChatCompletionRequest, NamedToolChoice
 from zcode.server.serving import (
@@ -67,29 +71,49 @@ class Chat:
             text = text[: end + len(final)]
         return text
 
-    def _forced_call_prefix(self, req: ChatCompletionRequest, prompt_text: str) -> str:
-        """The start of the tool call that `required` or a named tool_choice makes the model write.
+    def _forced_call(
+        self, req: ChatCompletionRequest, prompt_text: str
+    ) -> tuple[str, StructuredOutputsParams | None]:
+        """For `required` or a named tool_choice: the start of the call, and the grammar that
+        constrains the rest of it.
 
-        No constrained decoding: the GLM call is begun in the prompt (its name too, when named),
-        after closing a reasoning block the template left open.
+        The GLM call is begun in the prompt (its name too, when named), after closing a
+        reasoning block the template left open; the grammar (`tool_grammar`) admits only calls
+        to the request's tools with arguments valid against their schemas.
         """
-        if not self.glm_tools or req.tool_choice in (None, "none", "auto"):
-            return ""
+        if req.tool_choice in (None, "none", "auto"):
+            return "", None
+        if req.structured_outputs_params() is not None:
+            raise ApiError(
+                "a forced tool_choice cannot be combined with another output constraint",
+                param="tool_choice",
+            )
+        named = isinstance(req.tool_choice, NamedToolChoice)
+        name = req.tool_choice.function["name"] if named else None
+        try:
+            grammar = tool_call_grammar(req.raw_tools, name, req.parallel_tool_calls)
+        except ValidationError as e:
+            raise ApiError(str(e), param="tools") from None
         prefix = "</think>" if self.reasoning and prompt_opens_reasoning(prompt_text) else ""
-        if isinstance(req.tool_choice, NamedToolChoice):
-            return prefix + CALL_START + req.tool_choice.function["name"]
-        return prefix + CALL_START
+        return prefix + CALL_START + (name or ""), StructuredOutputsParams(grammar=grammar)
 
     async def create(self, req: ChatCompletionRequest):
         state = self.state
         state.check_model(req.model)
         req.check()
+        state.check_logit_bias(req.logit_bias)
         ffn_plan = state.ffn_plan(req.max_latency_ms)
         use_tools = bool(req.tools) and req.tool_choice != "none"
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if use_tools else None
+        if use_tools and not self.glm_tools:
+            raise ApiError(
+                "this model's chat template cannot carry tools: it does not write GLM tool calls "
+                "(<tool_call> with <arg_key>/<arg_value>), so `tools` would be ignored",
+                param="tools",
+            )
+        tools = req.raw_tools if use_tools else None
         forced = use_tools and req.tool_choice not in (None, "auto")
         prompt_text = self.render(req, tools, forced)
-        call_prefix = self._forced_call_prefix(req, prompt_text)
+        call_prefix, call_grammar = self._forced_call(req, prompt_text) if forced else ("", None)
         prompt_text += call_prefix
         prompt_ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
         max_tokens = req.requested_max_tokens
@@ -97,14 +121,12 @@ class Chat:
         if max_tokens is None:
             max_tokens = state.max_model_len - len(prompt_ids)
         request_id = new_id("chatcmpl")
-        jobs = [
-            (
-                prompt_ids,
-                req.sampling_params(max_tokens, i, req.num_logprobs, None),
-                f"{request_id}-{i}",
-            )
-            for i in range(req.n)
-        ]
+        jobs = []
+        for i in range(req.n):
+            params = req.sampling_params(max_tokens, i, req.num_logprobs, None)
+            if call_grammar is not None:
+                params = dataclasses.replace(params, structured_outputs=call_grammar)
+            jobs.append((prompt_ids, params, f"{request_id}-{i}"))
         starts_in_reasoning = self.reasoning and prompt_opens_reasoning(prompt_text)
         # The forced prefix closed any reasoning block; what it begins is a tool call.
         call_prefix = call_prefix.removeprefix("</think>")

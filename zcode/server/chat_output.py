@@ -5,6 +5,10 @@ GLM tool-call parser (when the request offers tools). Streamed and whole outputs
 path, `feed` then `finish`, so a stream's deltas add up to the non-streamed message. A forced
 tool call (`tool_choice` required or named) is begun in the prompt, and that prefix is fed
 first, as if the model had written it.
+
+Reasoning goes out as `reasoning` (current vLLM) and `reasoning_content` (older vLLM, DeepSeek).
+An output cut off by max_tokens is `finish_reason: "length"` even when it holds calls: the last
+call may be incomplete, and a client must not run it as if it were whole.
 """
 
 from zcode.chat.reasoning_parser import ReasoningParser
@@ -25,7 +29,7 @@ class ChoiceOutput:
         self.num_tool_calls = 0
 
     def feed(self, text: str) -> dict:
-        """The chat delta (`reasoning_content`, `content`, `tool_calls`) that `text` releases."""
+        """The chat delta (`reasoning`, `content`, `tool_calls`) that `text` releases."""
         text, self.prefix = self.prefix + text, ""
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
         tool_delta = self.tools.feed(content) if self.tools else ToolStreamDelta(content)
@@ -44,10 +48,10 @@ class ChoiceOutput:
         """The whole assistant message for a finished output."""
         first, last = self.feed(text), self.finish()
         content = first.get("content", "") + last.get("content", "")
-        reasoning = first.get("reasoning_content", "") + last.get("reasoning_content", "")
+        reasoning = first.get("reasoning", "") + last.get("reasoning", "")
         message = {"role": "assistant", "content": content}
         if reasoning:
-            message["reasoning_content"] = reasoning
+            message["reasoning"] = message["reasoning_content"] = reasoning
         calls = self.tools.calls if self.tools else []
         if calls:
             message["content"] = content or None
@@ -62,14 +66,14 @@ class ChoiceOutput:
         return message
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        if self.tools is not None and self.tools.calls and engine_reason != "abort":
+        if self.tools is not None and self.tools.calls and engine_reason == "stop":
             return "tool_calls"
         return engine_reason
 
     def _delta(self, reasoning: str, tool_delta: ToolStreamDelta) -> dict:
         delta = {}
         if reasoning:
-            delta["reasoning_content"] = reasoning
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
         if tool_delta.content:
             delta["content"] = tool_delta.content
         calls = []

@@ -57,6 +57,7 @@ class Completions:
         state = self.state
         state.check_model(req.model)
         req.check()
+        state.check_logit_bias(req.logit_bias)
         ffn_plan = state.ffn_plan(req.max_latency_ms)
         prompts = self._prompts(req)
         num_logprobs = req.logprobs

@@ -1,21 +1,30 @@
 """Request bodies of the OpenAI-compatible API as pydantic models, and the API's error type.
 
 Field names and defaults are OpenAI's, plus vLLM's sampling extras (`top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, ...). Unknown fields are ignored, as OpenAI and vLLM do;
-known fields we cannot honour (`logit_bias`, penalties, `suffix`) are rejected rather than
-silently dropped. Ranges are checked by pydantic, so a bad value names its field in the 400.
+`repetition_penalty`, `stop_token_ids`, ...) and constraints (`structured_outputs` and the older
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`). Unknown fields are ignored,
+as OpenAI and vLLM do; known fields we cannot honour (`suffix`) are rejected rather than silently
+dropped. Ranges are checked by pydantic, so a bad value names its field in the 400; numbers must
+be finite.
 """
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
 
-from zcode.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from zcode.errors import ValidationError
+from zcode.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_N = 16
 SEED_RANGE = 1 << 63
 
 TokenId = Annotated[int, Field(ge=0)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
@@ -42,6 +51,17 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    structural_tag: Any = None
+
+
 class _GenerateRequest(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -51,14 +71,20 @@ class _GenerateRequest(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, Bias] | None = None
+    # vLLM's constraints, current and older names; response_format is the OpenAI one (chat)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
+    guided_grammar: str | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -88,11 +114,12 @@ class _GenerateRequest(_Body):
             )
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise ApiError("at most 16 stop strings are supported", param="stop")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise ApiError(f"{name} is not supported; use repetition_penalty", param=name)
-        if self.logit_bias:
-            raise ApiError("logit_bias is not supported", param="logit_bias")
+        for token in self.logit_bias or {}:
+            if not token.isdigit():
+                raise ApiError(
+                    f"logit_bias keys must be token ids, got {token!r}", param="logit_bias"
+                )
+        self.structured_outputs_params()  # raises for more than one constraint
 
     def sampling_params(
         self, max_tokens: int, index: int, logprobs: int | None, prompt_logprobs: int | None
@@ -107,6 +134,9 @@ class _GenerateRequest(_Body):
             top_p=self.top_p,
             min_p=self.min_p,
             repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=tuple((int(t), b) for t, b in (self.logit_bias or {}).items()),
             seed=seed,
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
@@ -115,12 +145,47 @@ class _GenerateRequest(_Body):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            structured_outputs=self.structured_outputs(),
+            structured_outputs=self.structured_outputs_params(),
         )
 
-    def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The grammar the output must follow, if the request sets one."""
-        return None
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The grammar the output must follow, if the request sets one; at most one may be set."""
+        given = {name: value for name, value in self._constraints() if value is not None}
+        if len(given) > 1:
+            raise ApiError(
+                f"only one kind of constraint per request; got {', '.join(sorted(given))}",
+                param=sorted(given)[0],
+            )
+        if not given:
+            return None
+        [params] = given.values()
+        return params
+
+    def _constraints(self) -> list[tuple[str, StructuredOutputsParams | None]]:
+        constraints = [
+            ("guided_json", _params("guided_json", json=self.guided_json)),
+            ("guided_regex", _params("guided_regex", regex=self.guided_regex)),
+            ("guided_choice", _params("guided_choice", choice=self.guided_choice)),
+            ("guided_grammar", _params("guided_grammar", grammar=self.guided_grammar)),
+        ]
+        so = self.structured_outputs
+        if so is not None:
+            if so.structural_tag is not None:
+                raise ApiError(
+                    "structured_outputs.structural_tag is not supported",
+                    param="structured_outputs",
+                )
+            fields = so.model_dump(exclude_none=True, exclude={"structural_tag"}, by_alias=True)
+            if fields.get("json_object") is False:
+                del fields["json_object"]  # asks for nothing
+            if len(fields) != 1:
+                raise ApiError(
+                    "structured_outputs needs exactly one of json, json_object, regex, choice, "
+                    "grammar",
+                    param="structured_outputs",
+                )
+            constraints.append(("structured_outputs", _params("structured_outputs", **fields)))
+        return constraints
 
     @property
     def include_usage(self) -> bool:
@@ -129,6 +194,16 @@ class _GenerateRequest(_Body):
     @property
     def continuous_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
+
+def _params(name: str, **constraint) -> StructuredOutputsParams | None:
+    [(kind, value)] = constraint.items()
+    if value is None:
+        return None
+    try:
+        return StructuredOutputsParams(**{kind: value})
+    except ValidationError as e:
+        raise ApiError(str(e), param=name) from None
 
 
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -197,6 +272,22 @@ class ChatCompletionRequest(_GenerateRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # `tools` as the client sent them (key order, fields we do not model): what the template sees
+    _raw_tools: list[dict] | None = PrivateAttr(None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_raw_tools(cls, data, handler):
+        request = handler(data)
+        if isinstance(data, dict) and request.tools:
+            request._raw_tools = data["tools"]
+        return request
+
+    @property
+    def raw_tools(self) -> list[dict] | None:
+        if self._raw_tools is not None:
+            return self._raw_tools
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def check(self) -> None:
         super().check()
@@ -222,7 +313,10 @@ class ChatCompletionRequest(_GenerateRequest):
                 param="continue_final_message",
             )
 
-    def structured_outputs(self) -> StructuredOutputsParams | None:
+    def _constraints(self) -> list[tuple[str, StructuredOutputsParams | None]]:
+        return super()._constraints() + [("response_format", self._response_format())]
+
+    def _response_format(self) -> StructuredOutputsParams | None:
         fmt = self.response_format
         if fmt is None or fmt.type == "text":
             return None

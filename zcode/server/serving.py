@@ -90,6 +90,15 @@ class ServerState:
                 param="max_tokens",
             )
 
+    def check_logit_bias(self, logit_bias: dict[str, float] | None) -> None:
+        bad = [t for t in logit_bias or {} if int(t) >= self.vocab_size]
+        if bad:
+            raise ApiError(
+                f"logit_bias token id {bad[0]} is out of vocabulary (the vocabulary has "
+                f"{self.vocab_size} tokens)",
+                param="logit_bias",
+            )
+
     def token_str(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
