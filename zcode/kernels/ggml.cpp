@@ -306,36 +306,60 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t b
 
 // ---- Dot products of one weight row with M activation rows: out[m * N] += nothing; out[m * N] =.
 
+inline uint32_t bits16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+// Two fp16 values -> lanes 0 and 1 of an fp32 vector.
+inline __m128 two_halves(const uint8_t* p0, const uint8_t* p1) {
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits16(p0) | bits16(p1) << 16)));
+}
+
+// Blocks b and b + 1 of a row at once: their codes fill one 64-byte vector, so one vpdpbusd per
+// activation row covers both, and lanes 0-7 / 8-15 take block b's / b + 1's scale product
+// (a permute of the two). The offsets' terms (m or -ZERO d, times x's scaled block sums) sum in
+// lanes 0 and 1 of a 128-bit accumulator. A lone last block pairs with zero codes.
 template <typename B, int M>
 void dot_row_32(const uint8_t* row, const Activations& a, float* out, int64_t N) {
   const int64_t nb = a.blocks();
-  __m256 acc[2][M];
-  float bias[M];
-  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps(), bias[m] = 0.f;
-  const auto block = [&](int64_t b, __m256* acc_b) {
-    const uint8_t* p = row + b * B::BYTES;
-    prefetch_l2(p);
-    const Block32 w = B::decode(p);
-    __m256i q = w.q;
-    __mmask32 negative = 0;
-    if constexpr (B::SIGNED) negative = _mm256_movepi8_mask(q), q = _mm256_abs_epi8(q);
-    const float offset = B::HAS_MIN ? w.m : -static_cast<float>(B::ZERO) * w.d;
+  const __m512i lane_block = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[M];
+  __m128 bias[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), bias[m] = _mm_setzero_ps();
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool pair = b + 1 < nb;
+    const uint8_t* p0 = row + b * B::BYTES;
+    const uint8_t* p1 = pair ? p0 + B::BYTES : p0;
+    prefetch_l2(p0);
+    __m512i q = _mm512_castsi256_si512(B::decode(p0).q);
+    q = _mm512_inserti64x4(q, pair ? B::decode(p1).q : _mm256_setzero_si256(), 1);
+    __mmask64 negative = 0;
+    if constexpr (B::SIGNED) negative = _mm512_movepi8_mask(q), q = _mm512_abs_epi8(q);
+    const __m128 d = two_halves(p0, p1);  // a lone block's twin is itself: its codes are zero
+    __m128 offset = _mm_setzero_ps();
+    if constexpr (B::HAS_MIN)
+      offset = two_halves(p0 + 2, p1 + 2);
+    else if constexpr (B::ZERO != 0)
+      offset = _mm_mul_ps(d, _mm_set1_ps(-static_cast<float>(B::ZERO)));
+    const __mmask64 x_mask = pair ? ~0ull : 0xFFFFFFFFull;
     for (int m = 0; m < M; ++m) {
-      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.block_codes(m, b)));
-      if constexpr (B::SIGNED) xq = _mm256_mask_sub_epi8(xq, negative, _mm256_setzero_si256(), xq);
-      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xq);
-      acc_b[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(w.d * a.block_scale(m, b)),
-                                 acc_b[m]);
-      if constexpr (B::HAS_MIN || B::ZERO != 0) bias[m] += offset * a.sums[m * nb + b];
+      __m512i xq = _mm512_maskz_loadu_epi8(x_mask, a.block_codes(m, b));
+      if constexpr (B::SIGNED) xq = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq);
+      const __mmask8 two = pair ? 3 : 1;
+      const float* x_scale = a.scale.data() + m * nb + b;
+      const __m128 dd = _mm_mul_ps(d, _mm_maskz_loadu_ps(two, x_scale));
+      const __m512 scale = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(dd));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
+      if constexpr (B::HAS_MIN || B::ZERO != 0)
+        bias[m] = _mm_fmadd_ps(offset, _mm_maskz_loadu_ps(two, a.sums.data() + m * nb + b), bias[m]);
     }
-  };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) block(b, acc[0]), block(b + 1, acc[1]);
-  if (b < nb) block(b, acc[0]);
+  }
   for (int m = 0; m < M; ++m) {
-    const __m256 s = _mm256_add_ps(acc[0][m], acc[1][m]);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    out[m * N] = _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(s4, s4), s4)) + bias[m];
+    const __m128 b2 = _mm_add_ps(bias[m], _mm_movehdup_ps(bias[m]));  // lane 0: both blocks'
+    out[m * N] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(b2);
   }
 }
 
