@@ -163,19 +163,28 @@ convert_hf_to_gguf.main()
 """
 
 
-def convert(hf_dir: Path, out_path: Path, outtype: str = "f32") -> Path:
-    """llama.cpp's converter on an HF directory."""
-    if outtype not in CONVERTER_OUTTYPES:
-        raise ValueError(f"the converter writes {CONVERTER_OUTTYPES}, not {outtype!r}")
+def convert(hf_dir: Path, outputs: dict[str, Path]) -> None:
+    """llama.cpp's converter on an HF directory, once per {outtype: file}, the runs in parallel."""
+    if bad := set(outputs) - set(CONVERTER_OUTTYPES):
+        raise ValueError(f"the converter writes {CONVERTER_OUTTYPES}, not {sorted(bad)}")
     src = llama_cpp_dir()
-    cmd = [sys.executable, "-c", _CONVERT, str(src), str(hf_dir)]
-    cmd += ["--outtype", outtype, "--outfile", str(out_path)]
     # without NO_LOCAL_GGUF the converter uses the sdist's own gguf-py, the one it was written for
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf failed:\n{result.stderr[-4000:]}")
-    return out_path
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CONVERT, str(src), str(hf_dir)]
+            + ["--outtype", outtype, "--outfile", str(path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for outtype, path in outputs.items()
+    ]
+    errors = [run.communicate()[1] for run in runs]
+    for run, err in zip(runs, errors, strict=True):
+        if run.returncode != 0:
+            raise RuntimeError(f"convert_hf_to_gguf failed:\n{err[-4000:]}")
 
 
 def quantize(src: Path, out_path: Path, qtype: str) -> Path:
@@ -211,16 +220,14 @@ def make_gguf_files(
     out_dir = Path(out_dir)
     paths: dict[str, Path] = {"hf": out_dir / "hf"}
     make_hf_checkpoint(config, paths["hf"])
-    f32 = None
-    for t in types:
-        path = out_dir / f"{name}-{t}.gguf"
-        if t in CONVERTER_OUTTYPES:
-            convert(paths["hf"], path, t)
-        else:
-            if f32 is None:
-                f32 = paths.get("f32") or convert(paths["hf"], out_dir / f"{name}-f32.gguf")
-            quantize(f32, path, t)
-        paths[t] = path
+    converted = [t for t in types if t in CONVERTER_OUTTYPES]
+    quantized = [t for t in types if t not in CONVERTER_OUTTYPES]
+    if quantized and "f32" not in converted:
+        converted.append("f32")
+    paths.update({t: out_dir / f"{name}-{t}.gguf" for t in converted + quantized})
+    convert(paths["hf"], {t: paths[t] for t in converted})
+    for t in quantized:
+        quantize(paths["f32"], paths[t], t)
     return paths
 
 
