@@ -62,14 +62,18 @@ def test_health_version_models(server, client):
     assert models[0].max_model_len == MAX_MODEL_LEN
 
 
-def test_api_key_required_except_health(server):
+def test_api_key_required_except_health_metrics_and_version(server):
     status, body = server.request("GET", "/v1/models", headers={})
     assert status == 401 and body["error"]["code"] == 401
     wrong = {"Authorization": "Bearer nope"}
     assert server.request("POST", "/v1/completions", {"prompt": "x"}, wrong)[0] == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="nope").models.list()
-    assert server.request("GET", "/health", headers={})[0] == 200
+    for path in ("/health", "/metrics", "/version"):  # open for probes and scrapers, as vLLM
+        assert server.request("GET", path, headers={})[0] == 200
+    for scheme in ("bearer", "BEARER", "Bearer"):  # the scheme is case-insensitive (RFC 9110)
+        headers = {"Authorization": f"{scheme} {API_KEY}"}
+        assert server.request("GET", "/v1/models", headers=headers)[0] == 200
 
 
 def test_completion_usage_and_streamed_text(client, tokenizer):

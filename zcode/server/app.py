@@ -2,13 +2,19 @@
 
 Every error leaves as `{"error": {"message", "type", "param", "code"}}`: user mistakes
 (pydantic validation, `ApiError`, the engine's `ValidationError`) are 400 (404 for an unknown
-model), and only our own failures are 500. The gate in front of the routes checks the API key,
-caps the request body, refuses new generations while the server drains (503), and counts the
-generations in flight so that shutdown knows when they are done.
+model), and only our own failures are 500. The gate in front of the routes checks the API key
+(`Authorization: Bearer KEY`, the scheme in any case, as HTTP allows), caps the request body,
+refuses a body holding a lone UTF-16 surrogate (JSON can escape one, `"\\ud800"`, but it is not
+Unicode and nothing downstream can encode it), refuses new generations while the server drains
+(503), and counts the generations in flight so that shutdown knows when they are done.
+
+`/health` is always open; `/metrics` and `/version` are open too unless `protect_metrics` (as in
+vLLM, where scrapers read them without the key).
 """
 
 import asyncio
 import hmac
+import json
 import logging
 from contextlib import asynccontextmanager, suppress
 from importlib import metadata
@@ -36,12 +42,18 @@ from zcode.server.serving import ServerState, error_body
 logger = logging.getLogger(__name__)
 
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
-OPEN_PATHS = ("/health",)
+ALWAYS_OPEN_PATHS = ("/health",)
+SCRAPER_PATHS = ("/metrics", "/version")
 
 
 def build_app(
-    state: ServerState, api_key: str | None = None, max_request_bytes: int = 1 << 20
+    state: ServerState,
+    api_key: str | None = None,
+    max_request_bytes: int = 1 << 20,
+    protect_metrics: bool = False,
 ) -> FastAPI:
+    """protect_metrics: /metrics and /version need the API key too (when there is one)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not state.engine.is_alive:
@@ -122,7 +134,8 @@ def build_app(
         registry = state.engine.metrics
         return Response(registry.render() if registry else b"", media_type=CONTENT_TYPE)
 
-    return _Gate(app, state, api_key, max_request_bytes)
+    open_paths = ALWAYS_OPEN_PATHS + (() if protect_metrics else SCRAPER_PATHS)
+    return _Gate(app, state, api_key, max_request_bytes, open_paths)
 
 
 def _model_card(state: ServerState) -> dict:
@@ -223,9 +236,17 @@ def _add_error_handlers(app: FastAPI) -> None:
 class _Gate:
     """ASGI middleware: API key, body size, admission during drain, in-flight count."""
 
-    def __init__(self, app, state: ServerState, api_key: str | None, max_request_bytes: int):
+    def __init__(
+        self,
+        app,
+        state: ServerState,
+        api_key: str | None,
+        max_request_bytes: int,
+        open_paths: tuple[str, ...] = ALWAYS_OPEN_PATHS,
+    ):
         self.app, self.state = app, state
         self.api_key, self.max_request_bytes = api_key, max_request_bytes
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -233,9 +254,8 @@ class _Gate:
             return
         path = scope["path"]
         headers = dict(scope["headers"])
-        if self.api_key and path not in OPEN_PATHS:
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+        if self.api_key and path not in self.open_paths:
+            if not _authorized(headers.get(b"authorization", b""), self.api_key):
                 await _send(send, _error("invalid or missing API key", "AuthenticationError", 401))
                 return
         generates = path in GENERATE_PATHS
@@ -246,6 +266,13 @@ class _Gate:
         if body is None:
             message = f"the request body is larger than {self.max_request_bytes} bytes"
             await _send(send, _error(message, "RequestTooLargeError", 413))
+            return
+        if _has_lone_surrogate(body):
+            message = (
+                "the request holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                "escape), which is not valid Unicode"
+            )
+            await _send(send, _error(message, "BadRequestError", 400))
             return
         replayed = False
 
@@ -281,6 +308,28 @@ class _Gate:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+def _authorized(header: bytes, api_key: str) -> bool:
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), api_key.encode())
+
+
+def _has_lone_surrogate(body: bytes) -> bool:
+    """True if the JSON body escapes a surrogate that is not half of a pair."""
+    if b"\\ud" not in body.lower():
+        return False  # the common case: no surrogate escape at all, nothing parsed
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return False  # not JSON: the route's own parsing says so
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    except RecursionError:
+        return False
+    return False
 
 
 async def _send(send, response: Response) -> None:

@@ -55,10 +55,11 @@ def run_server(
     max_request_bytes: int = 1 << 20,
     shutdown_timeout_s: float = 30.0,
     engine_args: dict | None = None,
+    protect_metrics: bool = False,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     state = build_state(model, served_model_name, engine_args or {})
-    app = build_app(state, api_key, max_request_bytes)
+    app = build_app(state, api_key, max_request_bytes, protect_metrics)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5
     )
