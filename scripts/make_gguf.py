@@ -56,7 +56,17 @@ KQUANT_DIMS = {
         hidden_size=256, intermediate_size=512, head_dim=64, moe_intermediate_size=256
     ),
     "glm_moe_dsa": dict(
-        hidden_size=256, intermediate_size=512, moe_intermediate_size=256, v_head_dim=64
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        v_head_dim=64,
+        # GlmMoeDsaConfig defaults to 0.5, which the converter writes as a rope dimension count
+        # that llama.cpp's glm-dsa loader refuses (kv_a_mqa rows = kv_lora_rank + rope dims)
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 1.0,
+        },
     ),
 }
 
