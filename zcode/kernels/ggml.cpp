@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -79,6 +80,29 @@ inline __m512i nibbles64(const uint8_t* p) {
 }
 
 // ---- The 32-element block types: codes q (unsigned, but Q8_0's signed) and w = d (q - ZERO) + m.
+// decode: one block's codes in element order (dequantization); pair: blocks p0 and p1 (nullptr:
+// none, zero codes) in the paired order of Activations.
+
+// Two blocks' 16 nibble bytes -> 64 codes: low nibbles of both, then high nibbles of both.
+inline __m512i pair_nibbles(const uint8_t* q0, const uint8_t* q1) {
+  const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q0));
+  const __m128i b1 = q1 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(q1)) : _mm_setzero_si128();
+  const __m256i b = _mm256_set_m128i(b1, b0);
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+  return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+}
+
+// Two blocks' fifth bits (bit j: element j) as a mask over pair_nibbles' bytes.
+inline __m512i pair_add_high_bits(__m512i q, const uint8_t* qh0, const uint8_t* qh1) {
+  uint32_t h0, h1 = 0;
+  std::memcpy(&h0, qh0, 4);
+  if (qh1) std::memcpy(&h1, qh1, 4);
+  const uint64_t bits = (h0 & 0xFFFFull) | (h1 & 0xFFFFull) << 16 |
+                        static_cast<uint64_t>(h0 >> 16) << 32 | static_cast<uint64_t>(h1 >> 16) << 48;
+  return _mm512_mask_add_epi8(q, bits, q, _mm512_set1_epi8(16));
+}
+
+inline const uint8_t* plus(const uint8_t* p, int64_t n) { return p ? p + n : nullptr; }
 
 struct Block32 {
   __m256i q;
@@ -89,11 +113,17 @@ struct BQ4_0 {
   static constexpr int64_t BYTES = 18, ZERO = 8;
   static constexpr bool HAS_MIN = false, SIGNED = false;
   static Block32 decode(const uint8_t* p) { return {nibbles32(p + 2), half(p), 0.f}; }
+  static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
+    return pair_nibbles(p0 + 2, plus(p1, 2));
+  }
 };
 struct BQ4_1 {
   static constexpr int64_t BYTES = 20, ZERO = 0;
   static constexpr bool HAS_MIN = true, SIGNED = false;
   static Block32 decode(const uint8_t* p) { return {nibbles32(p + 4), half(p), half(p + 2)}; }
+  static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
+    return pair_nibbles(p0 + 4, plus(p1, 4));
+  }
 };
 inline __m256i add_high_bits(__m256i q, const uint8_t* qh) {
   uint32_t bits;
@@ -106,6 +136,9 @@ struct BQ5_0 {
   static Block32 decode(const uint8_t* p) {
     return {add_high_bits(nibbles32(p + 6), p + 2), half(p), 0.f};
   }
+  static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
+    return pair_add_high_bits(pair_nibbles(p0 + 6, plus(p1, 6)), p0 + 2, plus(p1, 2));
+  }
 };
 struct BQ5_1 {
   static constexpr int64_t BYTES = 24, ZERO = 0;
@@ -113,12 +146,20 @@ struct BQ5_1 {
   static Block32 decode(const uint8_t* p) {
     return {add_high_bits(nibbles32(p + 8), p + 4), half(p), half(p + 2)};
   }
+  static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
+    return pair_add_high_bits(pair_nibbles(p0 + 8, plus(p1, 8)), p0 + 4, plus(p1, 4));
+  }
 };
 struct BQ8_0 {
   static constexpr int64_t BYTES = 34, ZERO = 0;
   static constexpr bool HAS_MIN = false, SIGNED = true;
   static Block32 decode(const uint8_t* p) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)), half(p), 0.f};
+  }
+  static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
+    const __m256i q1 = p1 ? decode(p1).q : _mm256_setzero_si256();
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(decode(p0).q), q1, 1);
+    return _mm512_shuffle_i64x2(q, q, _MM_SHUFFLE(3, 1, 2, 0));  // 16-byte quarters 0, 2, 1, 3
   }
 };
 
@@ -254,24 +295,36 @@ struct BQ6_K {
 
 // ---- Activations quantized per block: x ~= scale * codes.
 
+// The codes of 32-blocks are stored by pairs of blocks b, b + 1 in the order their weights' codes
+// load as one 64-byte vector (pair_nibbles): b's elements 0-15, b + 1's 0-15, b's 16-31,
+// b + 1's 16-31; an odd last block is paired with zeros.
 struct Activations {
-  int64_t M = 0, K = 0, block = 0;
-  std::vector<int8_t> codes;  // [M, K]
-  std::vector<float> scale;   // [M, K / block]: amax / 127
-  std::vector<float> sums;    // per block: 32-blocks: [M, K / 32] scale * sum of codes;
+  int64_t M = 0, K = 0, block = 0, code_stride = 0;
+  int64_t scale_stride = 0;   // blocks, rounded up to pairs for 32-blocks (the twin's are zeros)
+  std::vector<int8_t> codes;  // [M, code_stride]: 32-blocks by pairs, 256-blocks in order
+  std::vector<float> scale;   // [M, scale_stride]: amax / 127
+  std::vector<float> sums;    // per block: 32-blocks: [M, scale_stride] scale * sum of codes;
                               // 256-blocks: [M, K / 256, 32]: scale * sums per 16 (16 lanes),
                               // then 8 zeros and scale * sums per 32 (8 lanes)
   int64_t blocks() const { return K / block; }
-  const int8_t* block_codes(int64_t m, int64_t b) const { return codes.data() + m * K + b * block; }
-  float block_scale(int64_t m, int64_t b) const { return scale[m * blocks() + b]; }
+  // Where element k of block b (k a multiple of 16; b even for 32-blocks: the pair's start) is.
+  int64_t code_offset(int64_t b, int64_t k) const {
+    return block == QK ? b / 2 * 64 + k / 16 * 32 + b % 2 * 16 : b * block + k;
+  }
+  const int8_t* block_codes(int64_t m, int64_t b) const {
+    return codes.data() + m * code_stride + code_offset(b, 0);
+  }
+  float block_scale(int64_t m, int64_t b) const { return scale[m * scale_stride + b]; }
 };
 
 Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t block) {
   Activations a;
   a.M = M, a.K = K, a.block = block;
-  a.codes.assign(M * K, 0);
-  a.scale.assign(M * (K / block), 0.f);
-  a.sums.assign(M * (K / block) * (block == QK ? 1 : 32), 0.f);
+  a.code_stride = block == QK ? (K / QK + 1) / 2 * 64 : K;
+  a.codes.assign(M * a.code_stride, 0);
+  a.scale_stride = block == QK ? (K / QK + 1) / 2 * 2 : K / block;
+  a.scale.assign(M * a.scale_stride, 0.f);
+  a.sums.assign(M * a.scale_stride * (block == QK ? 1 : 32), 0.f);
   const __m512 qmax = _mm512_set1_ps(127.f), qmin = _mm512_set1_ps(-127.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < K / block; ++b) {
@@ -280,7 +333,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t b
       for (int64_t k = 0; k < block; k += 16)
         amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + k)));
       const float scale = _mm512_reduce_max_ps(amax) / 127.f;
-      const int64_t i = m * (K / block) + b;
+      const int64_t i = m * a.scale_stride + b;
       a.scale[i] = scale;
       if (scale == 0.f) continue;  // codes and sums stay zero
       int32_t sums16[16];
@@ -288,7 +341,8 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t b
         __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xb + k), _mm512_set1_ps(scale)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512i qi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(q, qmin), qmax));
-        _mm512_mask_cvtepi32_storeu_epi8(a.codes.data() + m * K + b * block + k, 0xFFFF, qi);
+        _mm512_mask_cvtepi32_storeu_epi8(a.codes.data() + m * a.code_stride + a.code_offset(b, k),
+                                         0xFFFF, qi);
         sums16[k / 16] = _mm512_reduce_add_epi32(qi);
       }
       if (block == QK) {
@@ -324,39 +378,40 @@ inline __m128 two_halves(const uint8_t* p0, const uint8_t* p1) {
 template <typename B, int M>
 void dot_row_32(const uint8_t* row, const Activations& a, float* out, int64_t N) {
   const int64_t nb = a.blocks();
-  const __m512i lane_block = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  // Lane l of a pair's dot covers 4 codes at byte 4l: block b's for l in 0-3 and 8-11.
+  const __m512i lane_block = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
   __m512 acc[M];
   __m128 bias[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), bias[m] = _mm_setzero_ps();
-  for (int64_t b = 0; b < nb; b += 2) {
-    const bool pair = b + 1 < nb;
+  const auto two_floats = [](const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); };
+  const auto step = [&](int64_t b, auto pair) {
     const uint8_t* p0 = row + b * B::BYTES;
-    const uint8_t* p1 = pair ? p0 + B::BYTES : p0;
+    const uint8_t* p1 = pair ? p0 + B::BYTES : p0;  // a lone block's twin is itself, times zeros
     prefetch_l2(p0);
-    __m512i q = _mm512_castsi256_si512(B::decode(p0).q);
-    q = _mm512_inserti64x4(q, pair ? B::decode(p1).q : _mm256_setzero_si256(), 1);
+    __m512i q = B::pair(p0, pair ? p1 : nullptr);
     __mmask64 negative = 0;
     if constexpr (B::SIGNED) negative = _mm512_movepi8_mask(q), q = _mm512_abs_epi8(q);
-    const __m128 d = two_halves(p0, p1);  // a lone block's twin is itself: its codes are zero
+    const __m128 d = two_halves(p0, p1);
     __m128 offset = _mm_setzero_ps();
     if constexpr (B::HAS_MIN)
       offset = two_halves(p0 + 2, p1 + 2);
     else if constexpr (B::ZERO != 0)
       offset = _mm_mul_ps(d, _mm_set1_ps(-static_cast<float>(B::ZERO)));
-    const __mmask64 x_mask = pair ? ~0ull : 0xFFFFFFFFull;
     for (int m = 0; m < M; ++m) {
-      __m512i xq = _mm512_maskz_loadu_epi8(x_mask, a.block_codes(m, b));
+      __m512i xq = _mm512_loadu_si512(a.block_codes(m, b));
       if constexpr (B::SIGNED) xq = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
       const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq);
-      const __mmask8 two = pair ? 3 : 1;
-      const float* x_scale = a.scale.data() + m * nb + b;
-      const __m128 dd = _mm_mul_ps(d, _mm_maskz_loadu_ps(two, x_scale));
+      const int64_t i = m * a.scale_stride + b;
+      const __m128 dd = _mm_mul_ps(d, two_floats(a.scale.data() + i));
       const __m512 scale = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(dd));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
       if constexpr (B::HAS_MIN || B::ZERO != 0)
-        bias[m] = _mm_fmadd_ps(offset, _mm_maskz_loadu_ps(two, a.sums.data() + m * nb + b), bias[m]);
+        bias[m] = _mm_fmadd_ps(offset, two_floats(a.sums.data() + i), bias[m]);
     }
-  }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) step(b, std::true_type{});
+  if (b < nb) step(b, std::false_type{});
   for (int m = 0; m < M; ++m) {
     const __m128 b2 = _mm_add_ps(bias[m], _mm_movehdup_ps(bias[m]));  // lane 0: both blocks'
     out[m * N] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(b2);
@@ -380,7 +435,7 @@ void dot_row_k(const uint8_t* row, const Activations& a, float* out, int64_t N) 
         sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), w.lane_scale[c], sum);
       }
       acc[m] = _mm512_fmadd_ps(sum, _mm512_set1_ps(w.d * a.block_scale(m, b)), acc[m]);
-      const float* sums = a.sums.data() + (m * a.blocks() + b) * 32 + (B::SUMS16 ? 0 : 16);
+      const float* sums = a.sums.data() + (m * a.scale_stride + b) * 32 + (B::SUMS16 ? 0 : 16);
       acc[m] = _mm512_fmadd_ps(w.offset, _mm512_loadu_ps(sums), acc[m]);
     }
   }
