@@ -109,3 +109,31 @@ def test_broken_templates_are_template_errors(template, match):
 def test_malformed_messages(messages):
     with pytest.raises(ValidationError):
         render_chat("{{ messages }}", messages)
+
+
+NESTED_LOOPS = (
+    "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{{ messages[0].content }}"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "match"),
+    [
+        (NESTED_LOOPS, "longer than 0.2 s"),
+        (
+            "{% for m in messages %}{% for i in range(100000) %}x{% endfor %}{% endfor %}",
+            "longer than",
+        ),
+        ("{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}", "longer than 100000 char"),
+        ("{{ 'x' * 1000000000 }}", "longer than 100000 char"),
+        ("{{ [1] * 1000000000 }}", "longer than 100000 char"),
+        ("{{ 2 ** 100000000 }}", "power"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "failed to render"),
+    ],
+    ids=["nested-ranges", "loop-per-message", "output", "str-mul", "list-mul", "pow", "recursion"],
+)
+def test_runaway_templates_fail_within_their_budget(template, match):
+    with pytest.raises(TemplateError, match=match):
+        render_chat(template, MESSAGES, time_limit_s=0.2, max_chars=100_000)
+    assert render_chat("{{ range(3) | list }}{{ range(5)[-1] }}", MESSAGES) == "[0, 1, 2]4"

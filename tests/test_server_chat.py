@@ -441,3 +441,39 @@ def test_incoming_reasoning_field_is_rendered(server):
     finally:
         llm.tokenizer.chat_template = original
     assert prompt == "[|2+2?][Two and two.|]"
+
+
+def test_a_runaway_template_neither_blocks_health_nor_runs_unbounded(server, client, monkeypatch):
+    import http.client
+    import threading
+
+    from zcode.chat import template
+
+    monkeypatch.setattr(template, "RENDER_TIME_LIMIT_S", 10.0)
+    llm = server.state.llm
+    nested = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    monkeypatch.setattr(llm.tokenizer, "chat_template", nested, raising=False)
+    errors = []
+
+    def request():
+        try:
+            chat(client, "x")
+        except openai.BadRequestError as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    while not server.state.num_inflight and thread.is_alive():  # the request reached the app
+        time.sleep(0.01)
+    time.sleep(0.2)  # and, on the loop or not, began rendering
+    health = []
+    for _ in range(3):
+        conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        conn.request("GET", "/health")
+        health.append(conn.getresponse().status)
+        conn.close()
+    answered_while_rendering = thread.is_alive()
+    thread.join()
+    assert health == [200] * 3 and answered_while_rendering
+    [error] = errors
+    assert "longer than 10 s" in error.body["message"]

@@ -94,13 +94,7 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> dict:
         state.check_model(body.model)
         state.require_tokenizer()
-        if body.messages is not None:
-            text = state.llm.apply_chat_template(
-                normalize_messages(body.messages), add_generation_prompt=body.add_generation_prompt
-            )
-            tokens = state.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = await asyncio.to_thread(_tokenize, state, body)  # templates render off the loop
         result = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
         if body.return_token_strs:
             result["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)
@@ -136,6 +130,15 @@ def build_app(
 
     open_paths = ALWAYS_OPEN_PATHS + (() if protect_metrics else SCRAPER_PATHS)
     return _Gate(app, state, api_key, max_request_bytes, open_paths)
+
+
+def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
+    if body.messages is None:
+        return state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    text = state.llm.apply_chat_template(
+        normalize_messages(body.messages), add_generation_prompt=body.add_generation_prompt
+    )
+    return state.tokenizer.encode(text, add_special_tokens=False)
 
 
 def _model_card(state: ServerState) -> dict:

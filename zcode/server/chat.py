@@ -7,6 +7,7 @@ template renders them; the output is split into reasoning, content and GLM tool 
 `usage.prompt_tokens` is the length of our tokenization of the rendered prompt, counted once.
 """
 
+import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing
@@ -97,6 +98,14 @@ class Chat:
         prefix = "</think>" if self.reasoning and prompt_opens_reasoning(prompt_text) else ""
         return prefix + CALL_START + (name or ""), StructuredOutputsParams(grammar=grammar)
 
+    def _prompt(self, req: ChatCompletionRequest, tools: list[dict] | None, forced: bool):
+        """(prompt text, forced-call prefix, its grammar, prompt token ids)."""
+        prompt_text = self.render(req, tools, forced)
+        call_prefix, call_grammar = self._forced_call(req, prompt_text) if forced else ("", None)
+        prompt_text += call_prefix
+        prompt_ids = self.state.tokenizer.encode(prompt_text, add_special_tokens=False)
+        return prompt_text, call_prefix, call_grammar, prompt_ids
+
     async def create(self, req: ChatCompletionRequest):
         state = self.state
         state.check_model(req.model)
@@ -112,10 +121,11 @@ class Chat:
             )
         tools = req.raw_tools if use_tools else None
         forced = use_tools and req.tool_choice not in (None, "auto")
-        prompt_text = self.render(req, tools, forced)
-        call_prefix, call_grammar = self._forced_call(req, prompt_text) if forced else ("", None)
-        prompt_text += call_prefix
-        prompt_ids = state.tokenizer.encode(prompt_text, add_special_tokens=False)
+        # A template is untrusted code and a long prompt takes a while to tokenize: both run in
+        # a worker thread (the render within its budget), so the event loop keeps serving.
+        prompt_text, call_prefix, call_grammar, prompt_ids = await asyncio.to_thread(
+            self._prompt, req, tools, forced
+        )
         max_tokens = req.requested_max_tokens
         state.check_prompt(prompt_ids, max_tokens)
         if max_tokens is None:

@@ -6,6 +6,7 @@ echo the prompt's logprobs come first (the first token has none: `null`). `max_t
 echo returns the prompt alone (the engine generates one token that is dropped).
 """
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ class Completions:
         req.check()
         state.check_logit_bias(req.logit_bias)
         ffn_plan = state.ffn_plan(req.max_latency_ms)
-        prompts = self._prompts(req)
+        prompts = await asyncio.to_thread(self._prompts, req)  # tokenizing 1 MiB takes a while
         num_logprobs = req.logprobs
         prompt_logprobs = req.prompt_logprobs
         if req.echo and num_logprobs is not None and prompt_logprobs is None:
