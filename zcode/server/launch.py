@@ -4,17 +4,25 @@ SIGTERM does not close the listening socket at once (uvicorn's default, which tu
 into connection errors): it starts a drain. New generations get 503, in-flight ones may finish
 for up to `shutdown_timeout_s`, what is still running then is aborted (its clients see
 finish_reason "abort"), and the process exits 0. A second SIGTERM, or Ctrl-C, stops at once.
+
+Start-up takes the port first (a port in use is a clear error before minutes of model loading),
+then loads the model, then builds the C++ kernels (a first build takes tens of seconds, which
+the first request would otherwise wait for), and only then serves: `/health` answers 200 once
+the server can answer requests without delay.
 """
 
 import asyncio
+import importlib.util
 import logging
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
 
 import uvicorn
 
+from zcode.errors import ValidationError
 from zcode.llm import LLM
 from zcode.loader.checkpoint import DEFAULT_MODEL_FILE, resolve_model_path
 from zcode.server.app import build_app
@@ -58,7 +66,13 @@ def run_server(
     protect_metrics: bool = False,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    state = build_state(model, served_model_name, engine_args or {})
+    sock = listening_socket(host, port)
+    try:
+        state = build_state(model, served_model_name, engine_args or {})
+        build_kernels()
+    except BaseException:
+        sock.close()
+        raise
     app = build_app(state, api_key, max_request_bytes, protect_metrics)
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=5
@@ -68,19 +82,54 @@ def run_server(
         state.model_name,
         state.max_model_len,
         host,
-        port,
+        sock.getsockname()[1],
     )
     server = _GracefulServer(config, state, shutdown_timeout_s)
     # The engine steps on the main thread (see AsyncEngine.claim_caller_thread); uvicorn serves
     # from a second thread, which does not install signal handlers, so we forward them.
     state.engine.claim_caller_thread()
-    http = threading.Thread(target=server.run, name="zcode-http")
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="zcode-http")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, server.handle_exit)
     http.start()
     state.engine.run()  # returns when the app's shutdown stops the engine, or if it dies
     server.should_exit = True
     http.join()
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port) and listening; a ValidationError if it cannot be had."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, address = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValidationError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = " (is another server running there?)" if "in use" in str(e.strerror) else ""
+        raise ValidationError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_kernels() -> None:
+    """Builds (or loads the cached build of) the C++ kernels now rather than on first use."""
+    from zcode.kernels import gemv
+
+    built = {"gemv": gemv.available()}
+    if importlib.util.find_spec("zcode.kernels.ggml") is not None:
+        from zcode.kernels import ggml
+
+        built["ggml"] = ggml.available()
+    logger.info(
+        "C++ kernels: %s",
+        ", ".join(f"{name} {'ready' if ok else 'unavailable'}" for name, ok in built.items()),
+    )
 
 
 class _GracefulServer(uvicorn.Server):
