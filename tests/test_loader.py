@@ -299,3 +299,19 @@ def test_gguf_quantized_tensors_are_dequantized_by_gguf(tmp_path, qtype):
     packed = native.model.layers[0].mlp.down_proj.packed
     assert packed.type_name == qtype.name
     torch.testing.assert_close(packed.dequantize(), expected, rtol=0, atol=0)
+
+
+def test_safetensors_load_as_views_of_the_file(ckpt):
+    """dtype None keeps the stored dtype, and the weights are the file's (copy-on-write) pages."""
+    net, _ = load_model(ckpt)
+    weight = net.model.layers[0].self_attn.q_proj.weight
+    assert weight.dtype == torch.float32
+    target = str((ckpt / "model.safetensors").resolve())
+    maps = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == target:
+            maps.append(tuple(int(x, 16) for x in fields[0].split("-")))
+    assert any(lo <= weight.data_ptr() < hi for lo, hi in maps)
+    bf16, _ = load_model(ckpt, torch.bfloat16)
+    assert bf16.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16

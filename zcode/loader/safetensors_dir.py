@@ -4,6 +4,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
@@ -40,16 +41,57 @@ def shard_files(model_dir: Path) -> list[Path]:
 
 
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """Yields (name, tensor, file) for every tensor; a damaged file raises CheckpointError."""
+    """Yields (name, tensor, file) for every tensor; a damaged file raises CheckpointError.
+
+    Tensors are views of a copy-on-write memory map of the file (zero-copy: a page is read when
+    first touched, and a write copies only that page); safetensors' `safe_open` still checks the
+    header and the file size first. A tensor whose dtype or alignment a view cannot take is read
+    by safe_open."""
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt")
             names = list(handle.keys())
         except Exception as e:
             raise CheckpointError(f"{path}: not a readable safetensors file: {e}") from e
+        header, data = _mapped(path)
         for name in names:
-            try:
-                tensor = handle.get_tensor(name)
-            except Exception as e:
-                raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
+            tensor = _view(data, header.get(name))
+            if tensor is None:
+                try:
+                    tensor = handle.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
             yield name, tensor, path
+
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _mapped(path: Path) -> tuple[dict, torch.Tensor]:
+    """(header, uint8 tensor of the data section) of a file safe_open has already checked."""
+    raw = np.memmap(path, mode="c", dtype=np.uint8)
+    header_len = int.from_bytes(raw[:8].tobytes(), "little")
+    header = json.loads(raw[8 : 8 + header_len].tobytes())
+    return header, torch.from_numpy(raw[8 + header_len :])
+
+
+def _view(data: torch.Tensor, info: dict | None) -> torch.Tensor | None:
+    if info is None or info.get("dtype") not in _DTYPES:
+        return None
+    dtype = _DTYPES[info["dtype"]]
+    start, end = info["data_offsets"]
+    size = dtype.itemsize
+    if (data.data_ptr() + start) % size or (end - start) % size:
+        return None
+    return data[start:end].view(dtype).view(info["shape"])
