@@ -325,3 +325,18 @@ def test_explicit_dtype_dequantizes(gguf_files):
     assert not any(isinstance(m, (QuantizedLinear, GgufEmbedding)) for m in net.modules())
     assert net.model.layers[1].mlp.experts[3].up_proj.weight.dtype == torch.bfloat16
     assert net.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_glm_tokenizer_matches_the_checkpoint(gguf_files):
+    """tokenizer.ggml.model gpt2 with pre-tokenizer glm4: the HF tokenizer's ids and template."""
+    from transformers import AutoTokenizer
+
+    files = gguf_files("glm4")
+    _, ours = load_model(files["f16"])
+    hf = AutoTokenizer.from_pretrained(files["hf"])
+    text = "[gMASK]<sop><|user|>\nthe cat, café 1234"
+    assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False)
+    messages = [{"role": "user", "content": "hi"}]
+    rendered = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == "[gMASK]<sop><|user|>\nhi<|assistant|>\n"
+    assert ours.eos_token == "<|endoftext|>"
