@@ -53,6 +53,7 @@ TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
 ]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+USER_HI = [{"role": "user", "content": "hi"}]
 CHUNK_CHARS = 3
 
 
@@ -477,3 +478,13 @@ def test_a_runaway_template_neither_blocks_health_nor_runs_unbounded(server, cli
     assert health == [200] * 3 and answered_while_rendering
     [error] = errors
     assert "longer than 10 s" in error.body["message"]
+
+
+def test_tools_reach_the_template_as_the_client_sent_them():
+    from zcode.server.protocol import ChatCompletionRequest
+
+    tools = [{"function": {"strict": True, "parameters": {"type": "object"}, "name": "f"},
+              "type": "function"}]  # fmt: skip
+    request = ChatCompletionRequest.model_validate({"messages": USER_HI, "tools": tools})
+    assert request.raw_tools == tools  # key order and `strict` kept: transformers renders these
+    assert json.dumps(request.raw_tools) == json.dumps(tools)

@@ -47,3 +47,11 @@ def test_ctrl_c_during_start_up_exits_without_a_traceback():
     proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "Traceback" not in output, output
+
+
+def test_a_chat_template_given_at_start_up_replaces_the_checkpoints():
+    from zcode.server.launch import build_state
+
+    engine_args = {"max_model_len": 64, "kv_cache_bytes": 8 << 20}
+    state = build_state(None, None, engine_args, chat_template="<{{ messages[0].content }}>")
+    assert state.llm.apply_chat_template([{"role": "user", "content": "hi"}]) == "<hi>"

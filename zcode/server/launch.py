@@ -41,9 +41,21 @@ def default_model_name(model: str | None) -> str:
     return model
 
 
-def build_state(model: str | None, served_model_name: str | None, engine_args: dict) -> ServerState:
-    """Loads the model and wires the engine thread, metrics and server state together."""
+def build_state(
+    model: str | None,
+    served_model_name: str | None,
+    engine_args: dict,
+    chat_template: str | None = None,
+) -> ServerState:
+    """Loads the model and wires the engine thread, metrics and server state together.
+
+    chat_template: the Jinja source that replaces the checkpoint's own template.
+    """
     llm = LLM(model, **engine_args)
+    if chat_template is not None:
+        if llm.tokenizer is None:
+            raise ValidationError("a chat template needs a tokenizer; this model has none")
+        llm.tokenizer.chat_template = chat_template
     name = served_model_name or default_model_name(model)
     engine = AsyncEngine(llm.engine, Metrics(name))
     if llm.sparsity is not None:
@@ -64,11 +76,14 @@ def run_server(
     shutdown_timeout_s: float = 30.0,
     engine_args: dict | None = None,
     protect_metrics: bool = False,
+    chat_template: str | None = None,
 ) -> None:
+    """protect_metrics: /metrics and /version need the API key too; chat_template: Jinja source
+    used instead of the checkpoint's template."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sock = listening_socket(host, port)
     try:
-        state = build_state(model, served_model_name, engine_args or {})
+        state = build_state(model, served_model_name, engine_args or {}, chat_template)
         build_kernels()
     except BaseException:
         sock.close()
