@@ -340,3 +340,49 @@ def test_glm_tokenizer_matches_the_checkpoint(gguf_files):
     rendered = ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == "[gMASK]<sop><|user|>\nhi<|assistant|>\n"
     assert ours.eos_token == "<|endoftext|>"
+
+
+@pytest.mark.slow  # one more converter run, ~2 min on a loaded 2-core machine
+def test_nextn_layer_goes_to_mtp_weights(gguf_files, tmp_path):
+    """A GLM-4.5-style checkpoint with its NextN layer (model.layers.N, N = num_hidden_layers):
+    the converter writes blk.N.*, which the loader keeps in net.mtp_weights by GGUF name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    files = gguf_files("glm4_moe")
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(files["hf"], hf_dir)
+    tensors = load_file(hf_dir / "model.safetensors")
+    num_layers = 3
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    generator = torch.Generator().manual_seed(1)
+    for name in [n for n in tensors if n.startswith(last)]:
+        noise = torch.randn(tensors[name].shape, generator=generator) * 0.01
+        tensors[mtp + name[len(last) :]] = tensors[name] + noise
+    hidden = 64
+    tensors[mtp + "eh_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=generator)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[mtp + norm + ".weight"] = torch.randn(hidden, generator=generator)
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    path = tmp_path / "mtp.gguf"
+    _make_gguf().convert(hf_dir, {"f16": path})
+
+    net, _ = _load(path)
+    assert net.config.num_hidden_layers == num_layers
+    assert net.config.num_nextn_predict_layers == 1
+    assert net.mtp_weights and all(n.startswith("blk.3.") for n in net.mtp_weights)
+    eh_proj = net.mtp_weights["blk.3.nextn.eh_proj.weight"]
+    assert isinstance(eh_proj, GgufWeight) and eh_proj.type_name == "F16"
+    torch.testing.assert_close(
+        eh_proj.dequantize(), tensors[mtp + "eh_proj.weight"].half().float(), rtol=0, atol=0
+    )
+    gate_exps = net.mtp_weights["blk.3.ffn_gate_exps.weight"]  # [E * N, row_bytes]
+    assert gate_exps.out_features == 8 * 32
+    ids = prompt_ids()
+    torch.testing.assert_close(
+        PagedRunner(net).prefill_then_decode("seq", ids, PREFILL_LEN),
+        _ours(files["f16"], ids),
+        rtol=0,
+        atol=0,
+    )

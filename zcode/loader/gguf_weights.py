@@ -67,11 +67,9 @@ class _GgufFiller:
                 self._replace(name, self._linear(name, module))
         embed = GgufEmbedding(self._packed("token_embd.weight"))
         net.model.embed_tokens = embed
-        if "output.weight" in self.tensors:
-            net.lm_head = QuantizedLinear(self._packed("output.weight"), None, "")
-            net.lm_head.format = format_name(net.lm_head.packed.ggml_type)
-        else:  # tied: the same bytes
-            net.lm_head = QuantizedLinear(embed.packed, None, format_name(embed.packed.ggml_type))
+        # tied (no output.weight): the lm_head reads the embedding's bytes
+        head = self._packed("output.weight") if "output.weight" in self.tensors else embed.packed
+        net.lm_head = QuantizedLinear(head, None, format_name(head.ggml_type))
         persistent = set(net.state_dict(keep_vars=True))
         for name, tensor in list(net.named_parameters()) + list(net.named_buffers()):
             if tensor.is_meta and name in persistent:
