@@ -182,18 +182,20 @@ def test_string_values_keep_their_whitespace_and_unicode():
     assert "✓" in GlmToolParser(TOOLS).parse(text)[1][0].arguments
 
 
-def test_a_call_name_is_emitted_before_its_arguments():
+def test_a_call_name_is_emitted_before_its_arguments_and_they_stream_one_by_one():
     parser = GlmToolParser(TOOLS)
     assert parser.feed("Sure <tool").content == "Sure"  # the space might precede a call
     first = parser.feed("_call>get_weather<arg_key>city</arg_key><arg_value>Pa")
     assert first.content == "" and [(d.index, d.name, d.arguments) for d in first.tool_calls] == [
         (0, "get_weather", "")
     ]
-    assert parser.feed("ris</arg_value></tool_").tool_calls == []
-    last = parser.feed("call>")
-    assert [(d.index, d.id, d.arguments) for d in last.tool_calls] == [
-        (0, None, '{"city": "Paris"}')
+    pair = parser.feed("ris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_")
+    assert [(d.index, d.id, d.arguments) for d in pair.tool_calls] == [
+        (0, None, '{"city": "Paris"'),  # each argument as soon as its value is complete
+        (0, None, ', "days": 2'),
     ]
+    last = parser.feed("call>")
+    assert [(d.index, d.id, d.arguments) for d in last.tool_calls] == [(0, None, "}")]
     assert parser.feed("\n").content == ""
     assert parser.finish().content == ""
 
@@ -244,3 +246,8 @@ def test_odd_schemas_are_understood_or_ignored():
             ("c", {"s": 1, "n": 1, "x": 1}),
         ],
     )
+
+
+def test_a_key_given_twice_keeps_its_first_value():
+    text = call("search", [("q", "a"), ("q", "b")], "47")
+    assert parse(text)[1] == [("search", {"q": "a"})]

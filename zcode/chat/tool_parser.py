@@ -15,8 +15,10 @@ puts between calls are not an answer). A call cut off by the end of generation i
 name is complete (a `<` followed it), with the argument pairs that were complete.
 
 One state machine serves both paths: `parse` feeds the whole text, so streamed and non-streamed
-results agree by construction. Streaming emits a call's id and name once the name is complete
-and its whole arguments JSON once `</tool_call>` arrives.
+results agree by construction. Streaming emits a call's id and name once the name is complete,
+then its arguments JSON an argument at a time, each fragment once its `</arg_value>` arrives:
+`{"city": "Paris"`, then `, "days": 2`, then `}` at `</tool_call>`. The fragments concatenate to
+the call's `arguments`; a key given twice keeps its first value (a fragment cannot be taken back).
 """
 
 import json
@@ -75,6 +77,10 @@ class GlmToolParser:
         self._in_value = False  # the scan stopped inside an `<arg_value>`
         self._name: str | None = None  # the current call's name, once complete
         self._call_id: str | None = None  # set when the current call is kept
+        self._arguments = ""  # the current call's arguments JSON emitted so far, less the `}`
+        self._keys: set[str] = set()  # the current call's argument keys emitted so far
+        self._pair_from = 0  # where in `_buf` the next argument pair may start
+        self._value_end_from = 0  # where in `_buf` to look for a `</arg_value>` not yet seen
         self._calls: list[ToolCall] = []
 
     @property
@@ -137,19 +143,49 @@ class GlmToolParser:
                         ToolCallDelta(len(self._calls), self._call_id, self._name, "")
                     )
         end = self._find_call_end()
+        if self._call_id is not None:
+            self._emit_pairs(out, len(self._buf) if end < 0 else end)
         if end < 0 and not final:
             return False
-        body, rest = (
-            (self._buf, "") if end < 0 else (self._buf[:end], self._buf[end + len(CALL_END) :])
-        )
+        rest = "" if end < 0 else self._buf[end + len(CALL_END) :]
         if self._call_id is not None:
-            arguments = self._arguments(self._name, body)
-            out.tool_calls.append(ToolCallDelta(len(self._calls), None, None, arguments))
+            closing = "}" if self._arguments else "{}"
+            out.tool_calls.append(ToolCallDelta(len(self._calls), None, None, closing))
+            arguments = self._arguments + closing
             self._calls.append(ToolCall(self._call_id, self._name, arguments))
         self._buf = rest
         self._in_call, self._after_call = False, True
         self._name = self._call_id = None
+        self._arguments, self._keys, self._pair_from, self._value_end_from = "", set(), 0, 0
         return True
+
+    def _emit_pairs(self, out: ToolStreamDelta, body_end: int) -> None:
+        """Emits the argument pairs completed in `_buf[:body_end]` since the last call."""
+        string_args = (self._string_args or {}).get(self._name, frozenset())
+        while True:
+            # Only a new `</arg_value>` can complete a pair: look for one before matching.
+            value_end = self._buf.find(VALUE_END, self._value_end_from, body_end)
+            if value_end < 0:
+                self._value_end_from = max(self._pair_from, body_end - len(VALUE_END) + 1)
+                return
+            match = _ARG.search(self._buf, self._pair_from, body_end)
+            if match is None:
+                self._value_end_from = value_end + 1
+                continue
+            self._pair_from = self._value_end_from = match.end()
+            key, value = match.group(1).strip(), match.group(2)
+            if key in self._keys:
+                continue
+            self._keys.add(key)
+            value = value if key in string_args else _decode(value)
+            fragment = (
+                ("{" if not self._arguments else ", ")
+                + json.dumps(key, ensure_ascii=False)
+                + ": "
+                + json.dumps(value, ensure_ascii=False)
+            )
+            self._arguments += fragment
+            out.tool_calls.append(ToolCallDelta(len(self._calls), None, None, fragment))
 
     def _find_call_end(self) -> int:
         """Offset in `_buf` of the `</tool_call>` closing the current call, or -1 for not yet.
@@ -178,14 +214,6 @@ class GlmToolParser:
         if self._string_args is None:
             return bool(name)
         return name in self._string_args
-
-    def _arguments(self, name: str, body: str) -> str:
-        string_args = (self._string_args or {}).get(name, frozenset())
-        arguments = {}
-        for key, value in _ARG.findall(body):
-            key = key.strip()
-            arguments[key] = value if key in string_args else _decode(value)
-        return json.dumps(arguments, ensure_ascii=False)
 
 
 def _decode(value: str):
