@@ -54,8 +54,10 @@ def default_model_path() -> Path:
 def default_llm() -> LLM:
     from zcode.llm import LLM
 
+    # Dequantized to fp32, the oracle's reading of the file: tests against transformers compare
+    # exactly. (Run as stored, the default, the Q4_1 blocks meet llama.cpp: test_gguf_loader.py.)
     # 256 MiB of KV cache holds ~5.6k tokens of SmolLM2-135M: every perplexity window at once.
-    return LLM(None, kv_cache_bytes=256 << 20)
+    return LLM(None, dtype="float32", kv_cache_bytes=256 << 20)
 
 
 @pytest.fixture(scope="session")

@@ -269,7 +269,7 @@ def test_smollm2_gptq_hadamard_round_trip_is_bit_identical(tmp_path):
     from zcode.llm import LLM
     from zcode.quant.activations import collect_hessians
 
-    llm = LLM(None, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+    llm = LLM(None, dtype="float32", kv_cache_bytes=64 << 20, enable_prefix_caching=False)
     names = quantizable_modules(llm.model)
     tokens = corpus_tokens(llm.tokenizer, "calibration", 256)
     # GPTQ for the first and last layers and lm_head; the rest falls back to RTN (a full GPTQ

@@ -158,7 +158,7 @@ def test_smollm2_int8_greedy_mostly_agrees(one_thread):
 
     # Its own instance: the session's default_llm is shared, and prefix caching would mix KV of
     # both precisions.
-    llm = LLM(None, kv_cache_bytes=64 << 20, enable_prefix_caching=False)
+    llm = LLM(None, dtype="float32", kv_cache_bytes=64 << 20, enable_prefix_caching=False)
     prompts = [
         llm.encode("The capital of France is"),
         llm.encode("Once upon a time, in a small village by the sea,"),

@@ -226,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="F1,F2",
         help="weight formats to measure (default: %(default)s)",
     )
-    _add_dtype_option(profile)
+    _add_dtype_option(profile, default="float32")
     profile.set_defaults(run=_profile)
 
     serve = commands.add_parser(
@@ -413,12 +413,15 @@ def _add_thinking_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_dtype_option(parser: argparse.ArgumentParser) -> None:
+def _add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    choices = ["auto", "float32", "bfloat16"] if default == "auto" else ["float32", "bfloat16"]
     parser.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16"],
-        default="float32",
-        help="dtype the weights are computed in (default: %(default)s)",
+        choices=choices,
+        default=default,
+        help="dtype the weights are computed in; auto runs them as the file stores them (a GGUF "
+        "file's quantized blocks, memory-mapped), float32 where --sparsity or --quality rewrites "
+        "them (default: %(default)s)",
     )
 
 
@@ -483,8 +486,11 @@ def _quality_profile(args: argparse.Namespace) -> dict | None:
         raise ValidationError(f"{args.profile}: not a profile JSON ({e})") from e
 
 
-def load_llm(model: str | None, dtype: str, **engine_args) -> LLM:
-    """The one place a command loads a model."""
+def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engine_args) -> LLM:
+    """The one place a command loads a model. `float_weights`: the command rewrites weights (a
+    precision plan, quality variants), so "auto" loads them as float32."""
+    if float_weights and dtype == "auto":
+        dtype = "float32"
     return LLM(model, dtype=dtype, **engine_args)
 
 
@@ -514,6 +520,7 @@ def _generate(args: argparse.Namespace) -> None:
     llm = load_llm(
         args.model,
         args.dtype,
+        float_weights=profile is not None,
         **({"compile": True} if args.compile else {}),
         **({"per_request_depth": True} if skips else {}),
         **_sparsity_args(args),
@@ -626,6 +633,7 @@ def _ppl(args: argparse.Namespace) -> None:
     llm = load_llm(
         args.model,
         args.dtype,
+        float_weights=plan is not None,
         **({"per_request_depth": True} if skips else {}),
         **_sparsity_args(args),
     )

@@ -4,12 +4,19 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "auto": the weights as the checkpoint stores them (a GGUF file's quantized blocks, memory-mapped;
+# safetensors in their stored dtype), activations in the model's norm dtype (fp32 for GGUF).
+DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_bytes: int = 1 << 30
     block_size: int = 16
@@ -32,5 +39,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> torch.dtype | None:
+        """The dtype weights are converted to at load; None keeps them as stored."""
         return DTYPES[self.dtype]

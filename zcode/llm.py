@@ -21,7 +21,9 @@ class LLM:
     """A model loaded for offline generation.
 
     `model` is a HF directory or a .gguf file; None loads the embedded default
-    (SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to `dtype`).
+    (SmolLM2-135M-Instruct, Q4_1 GGUF). `dtype="auto"` (the default) runs the weights as stored:
+    a GGUF file's quantized blocks memory-mapped, safetensors in their stored dtype; "float32" or
+    "bfloat16" converts them at load (what the adaptive features that rewrite weights need).
     """
 
     def __init__(
@@ -30,7 +32,10 @@ class LLM:
         """`sparsity`: a calibration artifact (`zcode calibrate`) whose default plan is applied
         before the KV cache is sized, and which `max_latency_ms` plans from."""
         self.config = EngineConfig(**engine_args)
-        net, self.tokenizer = load_model(model, self.config.torch_dtype)
+        dtype = self.config.torch_dtype
+        if dtype is None and sparsity is not None:
+            dtype = torch.float32  # sparse FFN kernels read rows of float weights
+        net, self.tokenizer = load_model(model, dtype)
         self.sparsity = None
         if sparsity is not None:
             from zcode.sparsity.apply import apply_default_plan

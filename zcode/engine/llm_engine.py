@@ -30,14 +30,14 @@ class LLMEngine:
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
         layers = model.attention_layers()
-        num_blocks = KVCache.num_blocks_for(
-            config.kv_cache_bytes, layers, config.block_size, config.torch_dtype
-        )
+        # The KV cache holds activations: the dtype the model computes in, whatever its weights.
+        dtype = model.model.norm.weight.dtype
+        num_blocks = KVCache.num_blocks_for(config.kv_cache_bytes, layers, config.block_size, dtype)
         self.runner = ModelRunner(
             model,
             num_blocks,
             config.block_size,
-            config.torch_dtype,
+            dtype,
             compile=config.compile,
             max_num_seqs=config.max_num_seqs,
             per_request_depth=config.per_request_depth,
