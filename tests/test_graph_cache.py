@@ -81,12 +81,6 @@ def test_buckets_cover_max_num_seqs():
     assert batch_buckets(64)[-1] == 64
 
 
-def test_moe_models_refuse_compilation(tiny_checkpoint):
-    net, _ = load_model(tiny_checkpoint("glm4_moe").path)
-    with pytest.raises(NotImplementedError, match="MoE"):
-        LLMEngine(net, None, EngineConfig(kv_cache_bytes=1 << 20, compile=True))
-
-
 def test_sparse_ffn_models_refuse_compilation(tiny_checkpoint):
     from zcode.sparsity.sparse_mlp import SparseMLP
 

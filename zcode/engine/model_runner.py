@@ -12,8 +12,8 @@ from zcode.engine.scheduler import ScheduledSeq
 from zcode.engine.sequence import Sequence
 from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
-from zcode.layers.moe import MoE
 from zcode.models.base import Backbone
+from zcode.sparsity.expert_skip import AdaptiveMoE
 from zcode.sparsity.sparse_mlp import SparseMLP
 
 LOGICAL_BLOCKS_PER_BLOCK = 4
@@ -53,10 +53,10 @@ class ModelRunner:
         # One block past those the block manager hands out: padding rows of a compiled decode
         # step write their KV there (with pages: the null page).
         self.pad_block = num_blocks
-        if compile and any(isinstance(m, MoE) for m in model.modules()):
+        if compile and any(isinstance(m, AdaptiveMoE) for m in model.modules()):
             raise NotImplementedError(
-                "compiled decode of MoE models: expert dispatch has data-dependent shapes, "
-                "which a single static-shape graph cannot hold yet"
+                "compiled decode with adaptive expert counts (moe_mass): its expert loop is not "
+                "a torch op yet"
             )
         if compile and any(isinstance(m, SparseMLP) for m in model.modules()):
             raise NotImplementedError(

@@ -3,16 +3,33 @@ group-limited top-k, and `moe_experts`, the routed SwiGLU experts over stacked e
 
 References: zcode.layers.moe.TopkRouter itself, and MoE.forward's loop (one expert at a time over
 the tokens routed to it, weighted, summed with index_add_). The router's output is returned
-sorted by expert id per token, so variants are compared as sets. CPU variant: `sorted` experts
-permute the tokens once by expert (a stable sort of the flat assignments) and run each expert on
-one contiguous slice, instead of a torch.where scan per expert.
+sorted by expert id per token, so variants are compared as sets. CPU variants of `moe_experts`:
+`sorted` permutes the tokens once by expert (a stable sort of the flat assignments) and runs each
+expert on one contiguous slice, instead of a torch.where scan per expert; `fused` is the C++ op
+below, one call for the whole layer.
+
+`torch.ops.zcode.moe_fused(x, weights, expert_ids, w_gate, w_up, w_down, num_shared)` (moe.cpp,
+AVX-512 BF16): fp32 or bf16 expert weights as lists, one tensor per expert (zero-copy views of
+the experts' Linear weights, so a module swap or a memory-mapped file needs no restacking), the
+last `num_shared` experts applied to every token with weight 1. Experts hit by few tokens
+(decode) are GEMV passes, all in two parallel regions (gate/up rows with SiLU-mul, then output
+columns with the weighted sum); experts hit by many (prefill) a GEMM per projection. No host
+sync, no Python per expert; its fake kernel lets a compiled decode graph call it.
 """
+
+import functools
+import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from zcode.kernels.registry import define_op, register
 from zcode.layers.moe import TopkRouter
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("moe.cpp")
 
 # (tokens, hidden, experts, top_k, groups, top groups)
 ROUTING_SHAPES = ((1, 64, 8, 2, 2, 1), (7, 48, 16, 4, 4, 2), (33, 32, 64, 6, 8, 3))
@@ -149,3 +166,50 @@ def experts_sorted(x, weights, expert_ids, w_gate, w_up, w_down) -> torch.Tensor
         out_rows[start:end] = F.linear(act, w_down[e])
     out_rows.mul_(weights.flatten()[order, None].to(x.dtype))
     return torch.zeros_like(x).index_add_(0, token_ids, out_rows)
+
+
+def fused_supports(x, weights, expert_ids, w_gate, w_up, w_down) -> bool:
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and w_gate.dtype == x.dtype
+        and fused_available()
+    )
+
+
+@register("moe_experts", "fused", supports=fused_supports)
+def experts_fused(x, weights, expert_ids, w_gate, w_up, w_down) -> torch.Tensor:
+    lists = [list(w.contiguous().unbind(0)) for w in (w_gate, w_up, w_down)]
+    return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 0)
+
+
+@torch.compiler.assume_constant_result  # compiled graphs take the answer, not the build
+def fused_available() -> bool:
+    """True when moe.cpp builds and loads here (built on first call); then torch.ops.zcode has
+    moe_fused."""
+    return _load()
+
+
+@functools.cache
+def _load() -> bool:
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(
+            name="zcode_moe_v2",
+            sources=[str(SOURCE)],
+            # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+        )
+    except Exception as e:  # no compiler or no AVX-512 BF16: an expected state
+        logger.warning("C++ MoE kernel unavailable, using the expert loop: %s", e)
+        return False
+
+    # Output shape for tracing (torch.compile): the kernel itself never runs on fakes.
+    @torch.library.register_fake("zcode::moe_fused")
+    def _(x, weights, expert_ids, w_gate, w_up, w_down, num_shared):
+        return torch.empty_like(x)
+
+    return True

@@ -1,11 +1,34 @@
 """DeepSeek-V3-style MoE (GLM-4.5+, GLM-5): sigmoid router with bias-corrected group top-k,
-routed SwiGLU experts and an always-on shared expert."""
+routed SwiGLU experts and an always-on shared expert.
+
+The experts stay modules (`experts.E.{gate,up,down}_proj`, HF names): the loader, the weight
+formats (QuantizedLinear) and expert skipping replace them one by one. A step runs them one of
+two ways, neither a Python loop over the step's experts on the float path:
+- fp32 / bf16 `Linear` experts: `torch.ops.zcode.moe_fused` (zcode/kernels/moe.cpp), one C++ call
+  for the routed and the shared experts over lists of the experts' weights (gathered once, and
+  again when a module is swapped);
+- any other module (QuantizedLinear of any format, hooked modules): `routed_by_module`, the
+  experts' own forwards; at decode all selected experts' gate/up projections are one group GEMV
+  (`linear_group`: the activation read and quantized once). Compiled graphs call it as the
+  opaque op `zcode::moe_modules`, so neither path breaks a decode graph.
+"""
+
+import itertools
+import operator
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zcode.layers.linear import Linear, linear_group
 from zcode.layers.mlp import GatedMLP
+from zcode.quant.formats import GEMV_MAX_ROWS
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+_PROJECTIONS = operator.itemgetter("gate_proj", "up_proj", "down_proj")
+_SUBMODULES = operator.attrgetter("_modules")
+_HOOKS = operator.attrgetter("_forward_hooks", "_forward_pre_hooks")
 
 
 class TopkRouter(nn.Module):
@@ -64,13 +87,122 @@ class MoE(nn.Module):
             GatedMLP(c.hidden_size, c.moe_intermediate_size) for _ in range(c.n_routed_experts)
         )
         self.shared_experts = GatedMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
+        # (projection modules per expert, shared last) -> their weights as three lists, or None
+        # where they are not all plain float Linears of one dtype.
+        self._projections: tuple = ()
+        self._fused_weights: tuple[list, list, list] | None = None
+        self.layer_key = id(self)
+        _LAYERS[self.layer_key] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
         weights, expert_ids = self.gate(x)  # [T, top_k]
+        if (lists := self.fused_weights(x)) is not None:
+            return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 1)
+        if torch.compiler.is_compiling():
+            routed = torch.ops.zcode.moe_modules(x, weights, expert_ids, self.layer_key)
+        else:
+            routed = self.routed_by_module(x, weights, expert_ids)
+        return routed + self.shared_experts(x)
+
+    def fused_weights(self, x: torch.Tensor) -> tuple[list, list, list] | None:
+        """(gate, up, down) weight lists, routed experts then the shared one, when the C++ op
+        runs this step; checked per step in C (~10 us at 128 experts): a swapped module or a
+        hook (calibration expects its module's own calls) sends the step to the modules."""
+        if x.dtype not in FUSED_DTYPES or x.device.type != "cpu" or not _fused_available():
+            return None
+        mlps = (*self.experts, self.shared_experts)
+        if torch.compiler.is_compiling():  # traced once per graph; dynamo guards the modules
+            return self._gather(tuple((m.gate_proj, m.up_proj, m.down_proj) for m in mlps), x.dtype)
+        projections = tuple(map(_PROJECTIONS, map(_SUBMODULES, mlps)))
+        if projections != self._projections:
+            self._projections = projections
+            self._fused_weights = self._gather(projections, x.dtype)
+        lists = self._fused_weights
+        if lists is None or lists[0][0].dtype != x.dtype or _hooked(mlps, projections):
+            return None
+        return lists
+
+    @staticmethod
+    def _gather(projections: tuple, dtype: torch.dtype) -> tuple[list, list, list] | None:
+        linears = [p for trio in projections for p in trio]
+        if not all(
+            type(p) is Linear
+            and p.bias is None
+            and p.weight.dtype == dtype
+            and p.weight.device.type == "cpu"
+            and p.weight.is_contiguous()
+            for p in linears
+        ):
+            return None
+        gate, up, down = ([trio[i].weight for trio in projections] for i in range(3))
+        return gate, up, down
+
+    def routed_by_module(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts through their own modules, any weight format: [T, D]."""
+        mlps = tuple(self.experts)
+        hooked = _hooked(mlps, tuple(map(_PROJECTIONS, map(_SUBMODULES, mlps))))
+        if x.shape[0] <= GEMV_MAX_ROWS and not hooked:
+            return self._routed_decode(x, weights, expert_ids)
+        # Tokens sorted by expert once; each expert runs on its contiguous slice.
+        top_k = expert_ids.shape[1]
+        order = expert_ids.flatten().argsort(stable=True)
+        counts = torch.bincount(expert_ids.flatten(), minlength=len(self.experts)).tolist()
+        token_ids = order // top_k
+        rows = x[token_ids]  # [T * k, D], grouped by expert
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                out_rows[start : start + count] = expert(rows[start : start + count])
+                start += count
+        out_rows.mul_(weights.flatten()[order, None].to(x.dtype))
+        return torch.zeros_like(x).index_add_(0, token_ids, out_rows)
+
+    def _routed_decode(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """A few tokens: every token through the union of their experts (the same weight bytes
+        as each expert on its own tokens), gate/up of all of them in one group call, each
+        expert's output weighted by its routing weight per token (0 where not routed)."""
+        active = expert_ids.unique().tolist()
+        mlps = [self.experts[e] for e in active]
+        gate_up = linear_group(x, [p for m in mlps for p in (m.gate_proj, m.up_proj)])
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=torch.float32)
+        gains = dense.scatter_(1, expert_ids, weights.float())[:, active].to(x.dtype)  # [T, A]
         out = torch.zeros_like(x)
-        for expert_id in expert_ids.unique().tolist():
-            token_ids, slot = torch.where(expert_ids == expert_id)
-            expert_out = self.experts[expert_id](x[token_ids])
-            out.index_add_(0, token_ids, expert_out * weights[token_ids, slot, None].to(x.dtype))
-        return out + self.shared_experts(x)
+        for i, m in enumerate(mlps):
+            act = m.activation(gate_up[2 * i]) * gate_up[2 * i + 1]
+            out.addcmul_(m.down_proj(act), gains[:, i : i + 1])
+        return out
+
+
+def _hooked(mlps: tuple, projections: tuple) -> bool:
+    """Whether any of these experts or their projections has a forward hook (in C: map/chain)."""
+    modules = itertools.chain(mlps, itertools.chain.from_iterable(projections))
+    return any(itertools.chain.from_iterable(map(_HOOKS, modules)))
+
+
+# Compiled graphs name a MoE layer by key (an opaque op takes no module): id -> layer.
+_LAYERS: weakref.WeakValueDictionary[int, MoE] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("zcode::moe_modules", mutates_args=())
+def _moe_modules(
+    x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, layer: int
+) -> torch.Tensor:
+    return _LAYERS[layer].routed_by_module(x, weights, expert_ids)
+
+
+@_moe_modules.register_fake
+def _(x, weights, expert_ids, layer):
+    return torch.empty_like(x)
+
+
+@torch.compiler.assume_constant_result  # compiled graphs take the answer, not the build
+def _fused_available() -> bool:
+    from zcode.kernels.moe import fused_available  # zcode.kernels.moe imports this module
+
+    return fused_available()

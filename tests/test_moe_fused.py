@@ -1,0 +1,218 @@
+"""The fused MoE paths against the reference expert loop.
+
+`torch.ops.zcode.moe_fused` (zcode/kernels/moe.cpp) on fp32 and bf16 weights, and
+`MoE.routed_by_module` for QuantizedLinear experts, each against the loop MoE.forward used to be
+(one expert at a time over its tokens, index_add_) at 1..16 tokens, with experts no token picks,
+experts every token picks and top_k = E; module swaps and hooks after a fused call; compiled
+decode of the tiny MoE checkpoints against eager.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from zcode.kernels import moe as moe_kernels
+from zcode.layers.moe import MoE
+from zcode.quant.linear import QuantizedLinear
+
+pytestmark = pytest.mark.skipif(
+    not moe_kernels.fused_available(), reason="C++ MoE kernel does not build here"
+)
+
+HIDDEN, INTER, NUM_EXPERTS = 96, 40, 8
+
+
+def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """MoE.forward as it was: the routed experts one at a time, then the shared expert."""
+    weights, expert_ids = moe.gate(x)
+    out = torch.zeros_like(x)
+    for expert_id in expert_ids.unique().tolist():
+        token_ids, slot = torch.where(expert_ids == expert_id)
+        expert_out = moe.experts[expert_id](x[token_ids])
+        out.index_add_(0, token_ids, expert_out * weights[token_ids, slot, None].to(x.dtype))
+    return out + moe.shared_experts(x)
+
+
+def make_moe(top_k: int = 2, num_experts: int = NUM_EXPERTS, seed: int = 0) -> MoE:
+    config = SimpleNamespace(
+        hidden_size=HIDDEN,
+        n_routed_experts=num_experts,
+        num_experts_per_tok=top_k,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=INTER,
+        n_shared_experts=1,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    moe = MoE(config)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * p.shape[-1] ** -0.5)
+    return moe.requires_grad_(False)
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    return {"rtol": 0, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0, "atol": 0.05}
+
+
+def assert_fused_matches(x_dtype, weights, expert_ids, lists, num_shared, x):
+    """The op against the reference loop in float64 on the same (rounded) weights."""
+    out = torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, num_shared)
+    as64 = [[w.double() for w in ws] for ws in lists]
+    expected = torch.zeros(x.shape, dtype=torch.float64)
+    num_routed = len(lists[0]) - num_shared
+    for t in range(x.shape[0]):
+        slots = [(int(e), float(w)) for e, w in zip(expert_ids[t], weights[t])]
+        slots += [(num_routed + s, 1.0) for s in range(num_shared)]
+        for e, w in slots:
+            h = x[t].double()
+            act = torch.nn.functional.silu(as64[0][e] @ h) * (as64[1][e] @ h)
+            expected[t] += w * (as64[2][e] @ act)
+    assert out.dtype == x_dtype and out.shape == x.shape
+    torch.testing.assert_close(out.double(), expected, **tolerance(x_dtype))
+
+
+def random_lists(num_experts, dtype, generator, inter=INTER):
+    return [
+        [
+            torch.randn(inter, HIDDEN, generator=generator).to(dtype) * HIDDEN**-0.5
+            for _ in range(num_experts)
+        ],
+        [
+            torch.randn(inter, HIDDEN, generator=generator).to(dtype) * HIDDEN**-0.5
+            for _ in range(num_experts)
+        ],
+        [
+            torch.randn(HIDDEN, inter, generator=generator).to(dtype) * inter**-0.5
+            for _ in range(num_experts)
+        ],
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 5, 8, 9, 16, 40])
+def test_fused_op_matches_reference(dtype, num_tokens):
+    generator = torch.Generator().manual_seed(num_tokens)
+    top_k = 3
+    lists = random_lists(NUM_EXPERTS + 1, dtype, generator)  # + 1 shared, of another size
+    for ws, w in zip(lists, random_lists(1, dtype, generator, inter=2 * INTER)):
+        ws[-1] = w[0]
+    x = torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype)
+    # Experts 0..5 only: 6 and 7 are hit by no token; 16 or 40 tokens hit some more than 8
+    # times (the GEMM path), and the shared expert takes every token.
+    scores = torch.rand(num_tokens, 6, generator=generator)
+    weights, expert_ids = scores.topk(top_k, dim=-1)
+    assert_fused_matches(dtype, weights, expert_ids, lists, 1, x)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 16])
+def test_every_token_every_expert(num_tokens):
+    """top_k = E: every expert takes every token (a pass of all tokens, or GEMMs past 8)."""
+    generator = torch.Generator().manual_seed(1)
+    lists = random_lists(4, torch.float32, generator)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator)
+    weights = torch.rand(num_tokens, 4, generator=generator)
+    expert_ids = torch.stack([torch.randperm(4, generator=generator) for _ in range(num_tokens)])
+    assert_fused_matches(torch.float32, weights, expert_ids, lists, 0, x)
+
+
+def test_fused_op_refuses_bad_weights():
+    lists = random_lists(2, torch.float32, torch.Generator().manual_seed(0))
+    x, weights, ids = torch.randn(1, HIDDEN), torch.ones(1, 1), torch.tensor([[2]])
+    with pytest.raises(RuntimeError, match="out of range"):
+        torch.ops.zcode.moe_fused(x, weights, ids, *lists, 0)
+    lists[1][0] = lists[1][0].bfloat16()
+    with pytest.raises(RuntimeError, match="weights must be"):
+        torch.ops.zcode.moe_fused(x, weights, torch.tensor([[0]]), *lists, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 4, 16])
+def test_layer_takes_fused_op(dtype, num_tokens):
+    moe = make_moe().to(dtype)
+    moe.gate.float()
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(2)).to(dtype)
+    assert moe.fused_weights(x) is not None
+    with torch.inference_mode():
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "w4a8", "bf16"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16])
+def test_quantized_experts_match_reference(fmt, num_tokens):
+    """QuantizedLinear experts take the experts' own modules (one group GEMV for all selected
+    gate/up at decode): the same as the loop over the same quantized modules."""
+    moe = make_moe(top_k=4)
+    for expert in moe.experts:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(expert, name, QuantizedLinear.from_linear(getattr(expert, name), fmt))
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(3))
+    assert moe.fused_weights(x) is None
+    with torch.inference_mode():
+        # int8 and bf16 round activations to bf16, at a kernel chosen per row count
+        atol = 2e-5 if fmt == "w4a8" else 2e-2
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=atol)
+
+
+def test_swapped_expert_and_hooks_leave_the_fused_path():
+    moe = make_moe(top_k=NUM_EXPERTS)  # every expert in every step
+    x = torch.randn(2, HIDDEN, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        moe(x)  # gathers the weight lists
+        expert = moe.experts[3]
+        expert.down_proj = QuantizedLinear.from_linear(expert.down_proj, "int8")
+        assert moe.fused_weights(x) is None
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-5)
+        moe.experts[3] = make_moe(seed=1).experts[3]  # a float expert again, another weight
+        assert moe.fused_weights(x) is not None
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-5)
+
+        seen = []
+        handle = moe.experts[5].gate_proj.register_forward_pre_hook(
+            lambda _m, args: seen.append(args[0].shape[0])
+        )
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-5)
+        assert seen == [2, 2]  # the layer and the reference: the expert's own rows, once each
+        handle.remove()
+        assert moe.fused_weights(x) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, fmt", [("glm4_moe", None), ("glm_moe_dsa", None), ("glm4_moe", "int8")]
+)
+def test_compiled_moe_decode_matches_eager(tiny_checkpoint, name, fmt):
+    """Float experts: moe_fused in the graph; int8 experts: the opaque zcode::moe_modules."""
+    from zcode.config import EngineConfig
+    from zcode.engine.llm_engine import LLMEngine
+    from zcode.loader import load_model
+    from zcode.quant.apply import apply_precision, quantizable_modules
+    from zcode.sampling_params import SamplingParams
+
+    net, _ = load_model(tiny_checkpoint(name).path)
+    if fmt is not None:
+        apply_precision(net, {n: fmt for n in quantizable_modules(net) if ".experts." in n})
+    prompts = [[5, 9, 14, 3, 22, 7], [40, 41, 2, 3, 90, 12, 13, 60, 61]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def generate(compile: bool):
+        config = EngineConfig(kv_cache_bytes=1 << 20, compile=compile, max_num_seqs=2)
+        engine = LLMEngine(net, None, config)
+        seqs = [engine.add_request(p, params) for p in prompts]
+        logits, execute = [], engine.runner.execute
+        engine.runner.execute = lambda s: logits.append(execute(s)) or logits[-1]
+        while engine.has_unfinished():
+            engine.step()
+        return engine, [s.output_token_ids for s in seqs], logits
+
+    _, eager_tokens, eager_logits = generate(compile=False)
+    compiled, tokens, logits = generate(compile=True)
+    assert compiled.stats()["num_graph_compiles"] > 0
+    assert compiled.runner.graphs.direct  # later steps called the graph without dynamo
+    assert tokens == eager_tokens
+    for step_eager, step in zip(eager_logits, logits, strict=True):
+        for a, b in zip(step_eager, step, strict=True):
+            torch.testing.assert_close(b[-1], a[-1], rtol=0, atol=1e-4)
