@@ -104,6 +104,26 @@ inline __m512i pair_add_high_bits(__m512i q, const uint8_t* qh0, const uint8_t* 
 
 inline const uint8_t* plus(const uint8_t* p, int64_t n) { return p ? p + n : nullptr; }
 
+inline uint32_t bits16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+// Two blocks' scales and offsets (w = d q + offset) as [d0, offset0, d1, offset1]: blocks with a
+// min store (d, m) as adjacent fp16; the others' offset is -ZERO d.
+inline __m128 d_and_min(const uint8_t* p0, const uint8_t* p1) {
+  uint32_t dm0, dm1;
+  std::memcpy(&dm0, p0, 4);
+  std::memcpy(&dm1, p1, 4);
+  return _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(static_cast<int>(dm0)), dm1, 1));
+}
+template <int ZERO>
+inline __m128 d_and_zero(const uint8_t* p0, const uint8_t* p1) {
+  const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits16(p0) | bits16(p1) << 16)));
+  return _mm_mul_ps(_mm_unpacklo_ps(d, d), _mm_setr_ps(1.f, -ZERO, 1.f, -ZERO));
+}
+
 struct Block32 {
   __m256i q;
   float d, m;
@@ -113,6 +133,7 @@ struct BQ4_0 {
   static constexpr int64_t BYTES = 18, ZERO = 8;
   static constexpr bool HAS_MIN = false, SIGNED = false;
   static Block32 decode(const uint8_t* p) { return {nibbles32(p + 2), half(p), 0.f}; }
+  static __m128 scales(const uint8_t* p0, const uint8_t* p1) { return d_and_zero<ZERO>(p0, p1); }
   static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
     return pair_nibbles(p0 + 2, plus(p1, 2));
   }
@@ -121,6 +142,7 @@ struct BQ4_1 {
   static constexpr int64_t BYTES = 20, ZERO = 0;
   static constexpr bool HAS_MIN = true, SIGNED = false;
   static Block32 decode(const uint8_t* p) { return {nibbles32(p + 4), half(p), half(p + 2)}; }
+  static __m128 scales(const uint8_t* p0, const uint8_t* p1) { return d_and_min(p0, p1); }
   static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
     return pair_nibbles(p0 + 4, plus(p1, 4));
   }
@@ -136,6 +158,7 @@ struct BQ5_0 {
   static Block32 decode(const uint8_t* p) {
     return {add_high_bits(nibbles32(p + 6), p + 2), half(p), 0.f};
   }
+  static __m128 scales(const uint8_t* p0, const uint8_t* p1) { return d_and_zero<ZERO>(p0, p1); }
   static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
     return pair_add_high_bits(pair_nibbles(p0 + 6, plus(p1, 6)), p0 + 2, plus(p1, 2));
   }
@@ -146,6 +169,7 @@ struct BQ5_1 {
   static Block32 decode(const uint8_t* p) {
     return {add_high_bits(nibbles32(p + 8), p + 4), half(p), half(p + 2)};
   }
+  static __m128 scales(const uint8_t* p0, const uint8_t* p1) { return d_and_min(p0, p1); }
   static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
     return pair_add_high_bits(pair_nibbles(p0 + 8, plus(p1, 8)), p0 + 4, plus(p1, 4));
   }
@@ -156,6 +180,7 @@ struct BQ8_0 {
   static Block32 decode(const uint8_t* p) {
     return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2)), half(p), 0.f};
   }
+  static __m128 scales(const uint8_t* p0, const uint8_t* p1) { return d_and_zero<0>(p0, p1); }
   static __m512i pair(const uint8_t* p0, const uint8_t* p1) {
     const __m256i q1 = p1 ? decode(p1).q : _mm256_setzero_si256();
     const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(decode(p0).q), q1, 1);
@@ -303,7 +328,8 @@ struct Activations {
   int64_t scale_stride = 0;   // blocks, rounded up to pairs for 32-blocks (the twin's are zeros)
   std::vector<int8_t> codes;  // [M, code_stride]: 32-blocks by pairs, 256-blocks in order
   std::vector<float> scale;   // [M, scale_stride]: amax / 127
-  std::vector<float> sums;    // per block: 32-blocks: [M, scale_stride] scale * sum of codes;
+  std::vector<float> sums;    // per block: 32-blocks: [M, scale_stride, 2] scale, and scale *
+                              // sum of codes (the pair's four in one load);
                               // 256-blocks: [M, K / 256, 32]: scale * sums per 16 (16 lanes),
                               // then 8 zeros and scale * sums per 32 (8 lanes)
   int64_t blocks() const { return K / block; }
@@ -324,7 +350,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t b
   a.codes.assign(M * a.code_stride, 0);
   a.scale_stride = block == QK ? (K / QK + 1) / 2 * 2 : K / block;
   a.scale.assign(M * a.scale_stride, 0.f);
-  a.sums.assign(M * a.scale_stride * (block == QK ? 1 : 32), 0.f);
+  a.sums.assign(M * a.scale_stride * (block == QK ? 2 : 32), 0.f);
   const __m512 qmax = _mm512_set1_ps(127.f), qmin = _mm512_set1_ps(-127.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < K / block; ++b) {
@@ -346,7 +372,8 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t b
         sums16[k / 16] = _mm512_reduce_add_epi32(qi);
       }
       if (block == QK) {
-        a.sums[i] = scale * static_cast<float>(sums16[0] + sums16[1]);
+        a.sums[2 * i] = scale;
+        a.sums[2 * i + 1] = scale * static_cast<float>(sums16[0] + sums16[1]);
       } else {
         float* s = a.sums.data() + i * 32;
         for (int g = 0; g < 16; ++g) s[g] = scale * static_cast<float>(sums16[g]);
@@ -360,30 +387,19 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t b
 
 // ---- Dot products of one weight row with M activation rows: out[m * N] += nothing; out[m * N] =.
 
-inline uint32_t bits16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return h;
-}
-
-// Two fp16 values -> lanes 0 and 1 of an fp32 vector.
-inline __m128 two_halves(const uint8_t* p0, const uint8_t* p1) {
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits16(p0) | bits16(p1) << 16)));
-}
-
 // Blocks b and b + 1 of a row at once: their codes fill one 64-byte vector, so one vpdpbusd per
-// activation row covers both, and lanes 0-7 / 8-15 take block b's / b + 1's scale product
-// (a permute of the two). The offsets' terms (m or -ZERO d, times x's scaled block sums) sum in
-// lanes 0 and 1 of a 128-bit accumulator. A lone last block pairs with zero codes.
+// activation row covers both. One product of [d0, offset0, d1, offset1] with x's [scale0, sum0,
+// scale1, sum1] gives both blocks' scale products (lanes 0 and 2, permuted onto the dot's lanes)
+// and offset terms (lanes 1 and 3, summed apart). A lone last block pairs with zero codes and
+// zero activation scales.
 template <typename B, int M>
 void dot_row_32(const uint8_t* row, const Activations& a, float* out, int64_t N) {
   const int64_t nb = a.blocks();
   // Lane l of a pair's dot covers 4 codes at byte 4l: block b's for l in 0-3 and 8-11.
-  const __m512i lane_block = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i lane_block = _mm512_set_epi32(2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0);
   __m512 acc[M];
   __m128 bias[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), bias[m] = _mm_setzero_ps();
-  const auto two_floats = [](const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); };
   const auto step = [&](int64_t b, auto pair) {
     const uint8_t* p0 = row + b * B::BYTES;
     const uint8_t* p1 = pair ? p0 + B::BYTES : p0;  // a lone block's twin is itself, times zeros
@@ -391,30 +407,24 @@ void dot_row_32(const uint8_t* row, const Activations& a, float* out, int64_t N)
     __m512i q = B::pair(p0, pair ? p1 : nullptr);
     __mmask64 negative = 0;
     if constexpr (B::SIGNED) negative = _mm512_movepi8_mask(q), q = _mm512_abs_epi8(q);
-    const __m128 d = two_halves(p0, p1);
-    __m128 offset = _mm_setzero_ps();
-    if constexpr (B::HAS_MIN)
-      offset = two_halves(p0 + 2, p1 + 2);
-    else if constexpr (B::ZERO != 0)
-      offset = _mm_mul_ps(d, _mm_set1_ps(-static_cast<float>(B::ZERO)));
+    const __m128 scales = B::scales(p0, p1);
     for (int m = 0; m < M; ++m) {
       __m512i xq = _mm512_loadu_si512(a.block_codes(m, b));
       if constexpr (B::SIGNED) xq = _mm512_mask_sub_epi8(xq, negative, _mm512_setzero_si512(), xq);
       const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq);
-      const int64_t i = m * a.scale_stride + b;
-      const __m128 dd = _mm_mul_ps(d, two_floats(a.scale.data() + i));
-      const __m512 scale = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(dd));
+      const __m128 products =
+          _mm_mul_ps(scales, _mm_loadu_ps(a.sums.data() + 2 * (m * a.scale_stride + b)));
+      const __m512 scale = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(products));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
-      if constexpr (B::HAS_MIN || B::ZERO != 0)
-        bias[m] = _mm_fmadd_ps(offset, two_floats(a.sums.data() + i), bias[m]);
+      if constexpr (B::HAS_MIN || B::ZERO != 0) bias[m] = _mm_add_ps(bias[m], products);
     }
   };
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) step(b, std::true_type{});
   if (b < nb) step(b, std::false_type{});
   for (int m = 0; m < M; ++m) {
-    const __m128 b2 = _mm_add_ps(bias[m], _mm_movehdup_ps(bias[m]));  // lane 0: both blocks'
-    out[m * N] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(b2);
+    const __m128 odd = _mm_movehdup_ps(bias[m]);  // lanes 0, 2: the offset terms of 1, 3
+    out[m * N] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(_mm_add_ss(odd, _mm_movehl_ps(odd, odd)));
   }
 }
 
