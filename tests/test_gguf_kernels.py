@@ -174,6 +174,8 @@ def test_embedding_lookup_is_the_package():
     got = GgufEmbedding(w)(ids)
     assert got.shape == (2, 3, 64)
     assert got.equal(w.dequantize()[ids])
+    with pytest.raises(RuntimeError, match="out of"):
+        GgufEmbedding(w)(torch.tensor([100]))
 
 
 # Byte offsets of fp16 fields per type: flipping their exponent bits could make them inf.
@@ -218,3 +220,5 @@ def test_fake_kernels_give_shapes():
         ws = [torch.empty(5, 68, dtype=torch.uint8), torch.empty(2, 68, dtype=torch.uint8)]
         assert torch.ops.zcode.ggml_gemv(x, ws, [8, 8]).shape == (3, 7)
         assert torch.ops.zcode.ggml_dequantize(ws[0], 8, 64).shape == (5, 64)
+        row_ids = torch.empty(4, dtype=torch.long)
+        assert torch.ops.zcode.ggml_dequantize(ws[0], 8, 64, row_ids).shape == (4, 64)

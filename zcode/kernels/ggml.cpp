@@ -27,7 +27,7 @@
 // (Q4_K_M files mix Q4_K and Q6_K in one q/k/v group), returns [M, N_0 + N_1 + ...] fp32, and
 // quantizes x once per activation format the group needs.
 //
-// ggml_dequantize: rows -> fp32, rounding exactly as the gguf package does (its products and
+// ggml_dequantize: rows (all, or those of a list of ids: an embedding lookup) -> fp32, rounding exactly as the gguf package does (its products and
 // sums in the same order, no fused multiply-adds: this file is built with -ffp-contract=off).
 
 #include <torch/extension.h>
@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -679,17 +680,29 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const std::vector<torch::Tensor>
   return out;
 }
 
-torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int64_t in_features) {
-  // data: uint8 [R, row_bytes] -> fp32 [R, in_features]
+torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int64_t in_features,
+                              const std::optional<torch::Tensor>& row_ids) {
+  // data: uint8 [R, row_bytes], row_ids: int64 [T] or None (all rows)
+  // -> fp32 [T or R, in_features]: row t is data[row_ids[t]] (an embedding lookup)
   check_rows(data, ggml_type, in_features, "ggml_dequantize");
   const int64_t R = data.size(0), stride = data.stride(0);
-  auto out = torch::empty({R, in_features}, data.options().dtype(at::kFloat));
+  torch::Tensor ids;
+  if (row_ids) {
+    ids = row_ids->to(at::kLong).contiguous();
+    TORCH_CHECK(ids.dim() == 1, "ggml_dequantize: row_ids must be 1-D");
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t t = 0; t < ids.numel(); ++t)
+      TORCH_CHECK(id[t] >= 0 && id[t] < R, "ggml_dequantize: row id ", id[t], " out of [0, ", R, ")");
+  }
+  const int64_t T = row_ids ? ids.numel() : R;
+  const int64_t* id = row_ids ? ids.data_ptr<int64_t>() : nullptr;
+  auto out = torch::empty({T, in_features}, data.options().dtype(at::kFloat));
   const uint8_t* w = data.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES / (in_features * 4));
-  at::parallel_for(0, R, grain, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      dequantize_row(ggml_type, w + r * stride, in_features, o + r * in_features);
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      dequantize_row(ggml_type, w + (id ? id[t] : t) * stride, in_features, o + t * in_features);
   });
   return out;
 }
@@ -698,7 +711,8 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
 // zcode namespace, which gemv.cpp defines too).
 TORCH_LIBRARY_FRAGMENT(zcode, m) {
   m.def("ggml_gemv(Tensor x, Tensor[] ws, int[] ggml_types) -> Tensor");
-  m.def("ggml_dequantize(Tensor data, int ggml_type, int in_features) -> Tensor");
+  m.def("ggml_dequantize(Tensor data, int ggml_type, int in_features, Tensor? row_ids=None) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zcode, CPU, m) {

@@ -8,9 +8,10 @@ Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it
   quantized to int8 inside the call as llama.cpp does (per 32 for the 32-block types, per 256
   with sums per 16 for the K-quants; fp32 scales amax / 127, round half to even), and each block
   is an exact VNNI integer dot product; float rows multiply fp32 x.
-- `torch.ops.zcode.ggml_dequantize(data, ggml_type, in_features)`: rows [R, row_bytes] -> fp32
-  [R, K], bit for bit the `gguf` package's dequantize (embedding lookups, and the prefill path:
-  row tiles dequantized, then a GEMM).
+- `torch.ops.zcode.ggml_dequantize(data, ggml_type, in_features, row_ids=None)`: rows
+  [R, row_bytes] -> fp32 [R, K], or only rows row_ids [T] -> [T, K] (an embedding lookup, ~3 us),
+  bit for bit the `gguf` package's dequantize (also the prefill path: row tiles dequantized, then
+  a GEMM).
 
 Built once with torch.utils.cpp_extension.load and -march=native (cached by torch);
 `available()` is False where the ISA or the compiler is missing, and zcode.quant.gguf keeps the
@@ -61,5 +62,6 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], sum(w.shape[0] for w in ws), dtype=torch.float32)
 
     @torch.library.register_fake("zcode::ggml_dequantize")
-    def _(data, ggml_type, in_features):
-        return data.new_empty(data.shape[0], in_features, dtype=torch.float32)
+    def _(data, ggml_type, in_features, row_ids=None):
+        num_rows = data.shape[0] if row_ids is None else row_ids.shape[0]
+        return data.new_empty(num_rows, in_features, dtype=torch.float32)

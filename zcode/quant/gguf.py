@@ -224,11 +224,13 @@ class GgufEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, D] fp32
-        rows = self.packed.data.index_select(0, input_ids.reshape(-1))
-        if ggml_available() and has_kernel(self.packed.ggml_type):
-            out = torch.ops.zcode.ggml_dequantize(rows, self.packed.ggml_type, self.embedding_dim)
+        ids, ggml_type = input_ids.reshape(-1), self.packed.ggml_type
+        if ggml_available() and has_kernel(ggml_type):
+            out = torch.ops.zcode.ggml_dequantize(
+                self.packed.data, ggml_type, self.embedding_dim, ids
+            )
         else:
-            out = dequantize_rows(rows, self.packed.ggml_type)
+            out = dequantize_rows(self.packed.data.index_select(0, ids), ggml_type)
         return out.view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
