@@ -89,23 +89,25 @@ struct Experts {
   int64_t D;
 };
 
-// out[m * stride] (m < M) = sum_k w[k] x[m * K + k]; R weight rows share the activation loads.
+// sums[r][m] = w[r] . x[m] (K of each; the tail masked): R weight rows share each activation
+// load.
 template <typename F, int M, int R>
-inline void dot_rows(const typename F::T* x, const typename F::T* const* w, __m512 (&acc)[R][M],
+inline void dot_rows(const typename F::T* x, const typename F::T* const* w, float (&sums)[R][M],
                      int64_t K) {
+  __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += F::LANES) {
-    typename F::V wv[R];
+    typename F::V xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
     for (int r = 0; r < R; ++r) {
       prefetch_l2(w[r] + k);
-      wv[r] = F::load(w[r] + k, K - k);
-    }
-    for (int m = 0; m < M; ++m) {
-      const typename F::V xv = F::load(x + m * K + k, K - k);
-      for (int r = 0; r < R; ++r) acc[r][m] = F::madd(acc[r][m], wv[r], xv);
+      const typename F::V wv = F::load(w[r] + k, K - k);
+      for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
     }
   }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 // Phase 1 for rows r0..r1 of one pass's gate (which = 0) or up (1) matrix:
@@ -121,16 +123,16 @@ void gate_up_rows(const Experts<F>& ex, const Pass& p, int which, const typename
   for (; r + R <= r1; r += R) {
     const typename F::T* rows[R];
     for (int i = 0; i < R; ++i) rows[i] = w + (r + i) * D;
-    __m512 acc[R][M];
-    dot_rows<F, M, R>(xg, rows, acc, D);
+    float sums[R][M];
+    dot_rows<F, M, R>(xg, rows, sums, D);
     for (int i = 0; i < R; ++i)
-      for (int m = 0; m < M; ++m) o[m * 2 * I + r + i] = _mm512_reduce_add_ps(acc[i][m]);
+      for (int m = 0; m < M; ++m) o[m * 2 * I + r + i] = sums[i][m];
   }
   for (; r < r1; ++r) {
     const typename F::T* rows[1] = {w + r * D};
-    __m512 acc[1][M];
-    dot_rows<F, M, 1>(xg, rows, acc, D);
-    for (int m = 0; m < M; ++m) o[m * 2 * I + r] = _mm512_reduce_add_ps(acc[0][m]);
+    float sums[1][M];
+    dot_rows<F, M, 1>(xg, rows, sums, D);
+    for (int m = 0; m < M; ++m) o[m * 2 * I + r] = sums[0][m];
   }
 }
 
@@ -158,21 +160,20 @@ void down_cols(const Experts<F>& ex, const Pass& p, const typename F::T* act,
   int64_t n = n0;
   for (; n < n1; n += R) {
     const int rows = std::min<int64_t>(R, n1 - n);
-    __m512 acc[R][M];
+    float sums[R][M];
     if (rows == R) {
       const typename F::T* w[R];
       for (int r = 0; r < R; ++r) w[r] = wd + (n + r) * I;
-      dot_rows<F, M, R>(act, w, acc, I);
+      dot_rows<F, M, R>(act, w, sums, I);
     } else {
       const typename F::T* w[1] = {wd + n * I};
-      __m512 one[1][M];
+      float one[1][M];
       dot_rows<F, M, 1>(act, w, one, I);
-      for (int m = 0; m < M; ++m) acc[0][m] = one[0][m];
+      for (int m = 0; m < M; ++m) sums[0][m] = one[0][m];
     }
     for (int r = 0; r < rows; ++r)
       for (int m = 0; m < M; ++m)
-        out[tokens[p.first + m] * D + n + r] +=
-            gains[p.first + m] * _mm512_reduce_add_ps(acc[r][m]);
+        out[tokens[p.first + m] * D + n + r] += gains[p.first + m] * sums[r][m];
   }
 }
 
@@ -226,7 +227,8 @@ void run_passes(const Experts<F>& ex, const std::vector<Pass>& passes, const typ
   const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   at::parallel_for(0, row_offsets.back(), std::max<int64_t>(16, GRAIN_BYTES / row_bytes),
                    [&](int64_t r0, int64_t r1) {
-    size_t s = std::upper_bound(row_offsets.begin(), row_offsets.end(), r0) - row_offsets.begin() - 1;
+    size_t s =
+        std::upper_bound(row_offsets.begin(), row_offsets.end(), r0) - row_offsets.begin() - 1;
     for (; r0 < r1; ++s) {
       const int64_t end = std::min(r1, row_offsets[s + 1]);
       const Pass& p = passes[s / 2];

@@ -121,6 +121,8 @@ class MoE(nn.Module):
         lists = self._fused_weights
         if lists is None or lists[0][0].dtype != x.dtype or _hooked(mlps, projections):
             return None
+        if lists[0][0].requires_grad and torch.is_grad_enabled():  # the op has no backward
+            return None
         return lists
 
     @staticmethod
