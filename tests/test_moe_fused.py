@@ -34,7 +34,9 @@ def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out + moe.shared_experts(x)
 
 
-def make_moe(top_k: int = 2, num_experts: int = NUM_EXPERTS, seed: int = 0) -> MoE:
+def make_moe(
+    top_k: int = 2, num_experts: int = NUM_EXPERTS, seed: int = 0, inter: int = INTER
+) -> MoE:
     config = SimpleNamespace(
         hidden_size=HIDDEN,
         n_routed_experts=num_experts,
@@ -43,7 +45,7 @@ def make_moe(top_k: int = 2, num_experts: int = NUM_EXPERTS, seed: int = 0) -> M
         topk_group=1,
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
-        moe_intermediate_size=INTER,
+        moe_intermediate_size=inter,
         n_shared_experts=1,
     )
     generator = torch.Generator().manual_seed(seed)
@@ -155,6 +157,30 @@ def test_quantized_experts_match_reference(fmt, num_tokens):
         # int8 and bf16 round activations to bf16, at a kernel chosen per row count
         atol = 2e-5 if fmt == "w4a8" else 2e-2
         torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 9])
+def test_gguf_experts_match_reference(num_tokens):
+    """GGUF Q8_0 / Q4_K experts, as the loader makes them from a file's stacked expert tensors:
+    at decode all selected gate/up in one ggml_gemv call."""
+    from gguf import GGMLQuantizationType
+
+    from zcode.quant.gguf import GgufWeight, format_name
+
+    generator = torch.Generator().manual_seed(5)
+    moe = make_moe(top_k=4, inter=256)
+    for expert in moe.experts:
+        for name, qtype in (
+            ("gate_proj", GGMLQuantizationType.Q8_0),
+            ("up_proj", GGMLQuantizationType.Q8_0),
+            ("down_proj", GGMLQuantizationType.Q4_K),
+        ):
+            old = getattr(expert, name)
+            packed = GgufWeight.random(qtype, old.out_features, old.in_features, generator)
+            setattr(expert, name, QuantizedLinear(packed, None, format_name(qtype)))
+    x = torch.randn(num_tokens, HIDDEN, generator=generator)
+    with torch.inference_mode():
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-4)
 
 
 def test_swapped_expert_and_hooks_leave_the_fused_path():
