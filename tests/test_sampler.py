@@ -4,7 +4,7 @@ log-probabilities."""
 import pytest
 import torch
 
-from zcode.engine.sampler import Sampler
+from zcode.engine.sampler import AnomalyGuard, Sampler
 from zcode.engine.sequence import Sequence
 from zcode.sampling_params import SamplingParams
 
@@ -155,3 +155,53 @@ def test_out_of_range_penalties_and_non_finite_values_are_refused(params):
 
     with pytest.raises(ValidationError):
         SamplingParams(**params)
+
+
+def _run(sampler: Sampler, seq: Sequence, logits: torch.Tensor, steps: int) -> list:
+    """Samples `steps` tokens for seq (appending them as the engine does); the anomalies seen."""
+    seen = []
+    for _ in range(steps):
+        [token], _ = sampler(logits[None], [seq])
+        seq.token_ids.append(token)
+        seen.append(sampler.anomaly(seq))
+    return seen
+
+
+def test_nan_logits_are_an_anomaly_of_that_row_only():
+    sampler = Sampler()
+    seqs = _seqs(2, temperature=1.0) + _seqs(1, temperature=0)
+    logits = _logits(rows=3)
+    logits[1, 5] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[0, 3] = float("-inf")  # what a grammar does: fine
+    tokens, _ = sampler(logits, seqs)  # no crash in multinomial
+    assert [sampler.anomaly(s) for s in seqs] == [None, "nan_logits", "nan_logits"]
+    assert all(0 <= t < VOCAB for t in tokens)
+
+
+def test_a_burst_of_improbable_tokens_is_caught_within_its_length():
+    guard = AnomalyGuard(burst_len=8, burst_prob=1e-4)
+    uniform = torch.zeros(50_000)  # corrupted KV: every token 2e-5 likely
+    seen = _run(Sampler(guard), _seqs(1, temperature=1.0, seed=0)[0], uniform, 8)
+    assert seen == [None] * 7 + ["improbable_burst"]
+    peaked = torch.full((50_000,), -20.0)
+    peaked[:3] = 0.0  # healthy: a few likely tokens
+    assert _run(Sampler(guard), _seqs(1, temperature=1.0, seed=0)[0], peaked, 40) == [None] * 40
+
+
+def test_a_repetition_loop_is_caught_and_varied_text_is_not():
+    guard = AnomalyGuard(repeat_window=32, max_period=8, repeat_check_every=4)
+    seq = _seqs(1, token_ids=[0])[0]
+    seq.token_ids += [1, 2, 3] * 20  # a period-3 loop, 60 tokens so far
+    sampler = Sampler(guard)
+    sampler._watch(seq, 1, 0.9, False)  # the 61st token does not complete a check step
+    assert sampler.anomaly(seq) is None
+    seq.token_ids += [1, 2, 3]
+    sampler._watch(seq, 1, 0.9, False)  # 64 tokens: checked
+    assert sampler.anomaly(seq) == "repetition"
+    varied = _seqs(1, token_ids=[0])[0]
+    varied.token_ids += [
+        int(t) for t in torch.randint(0, 1000, (63,), generator=torch.Generator().manual_seed(0))
+    ]  # noqa: E501
+    sampler._watch(varied, 5, 0.9, False)
+    assert sampler.anomaly(varied) is None

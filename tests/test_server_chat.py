@@ -130,12 +130,16 @@ class ParrotEngine:
             reason = ("stop" if done else "length") if finished else None
             if "ERROR" in r.answer and len(r.token_ids) == 2:  # as LLMEngine isolates a failure
                 finished, reason = True, "error"
+            stop_reason = None
+            if "LOOP" in r.answer and len(r.token_ids) == 2:  # as the anomaly guard ends one
+                finished, reason, stop_reason = True, "anomaly", "repetition"
             if finished:
                 del self.requests[request_id]
             outputs.append(
                 RequestOutput(
                     request_id, r.prompt_ids, r.answer[: r.num_chars], list(r.token_ids),
-                    finished, reason, delta_text=delta, delta_token_ids=r.token_ids[-1:],
+                    finished, reason, stop_reason, delta_text=delta,
+                    delta_token_ids=r.token_ids[-1:],
                 )
             )  # fmt: skip
         time.sleep(0.001)
@@ -488,3 +492,15 @@ def test_tools_reach_the_template_as_the_client_sent_them():
     request = ChatCompletionRequest.model_validate({"messages": USER_HI, "tools": tools})
     assert request.raw_tools == tools  # key order and `strict` kept: transformers renders these
     assert json.dumps(request.raw_tools) == json.dumps(tools)
+
+
+def test_anomalies_are_counted_by_kind_on_metrics(server, client):
+    import http.client
+
+    out = chat(client, "LOOP LOOP LOOP", extra_body=NO_THINKING)
+    assert out.choices[0].finish_reason == "anomaly"
+    assert out.choices[0].model_extra["stop_reason"] == "repetition"
+    conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    assert 'zcode:request_anomalies_total{kind="repetition",model_name="parrot"} 1.0' in text

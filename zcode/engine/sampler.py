@@ -1,13 +1,55 @@
-"""Picks the next token for each sequence from its logits, honouring per-request parameters."""
+"""Picks the next token for each sequence from its logits, honouring per-request parameters,
+and watches each sequence for the signs of a broken step (`AnomalyGuard`)."""
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from zcode.engine.sequence import Sequence
 
 
+@dataclass(frozen=True)
+class AnomalyGuard:
+    """What counts as an anomaly (GLM-5's "scaling pain": garbled output, repetition loops and
+    rare-character bursts from KV races), per sequence:
+
+    - `nan_logits`: a NaN or +inf logit (a grammar's -inf is fine);
+    - `repetition`: the last `repeat_window` output tokens repeat a block of at most
+      `max_period` tokens (checked every `repeat_check_every` tokens);
+    - `improbable_burst`: `burst_len` tokens in a row each had probability below `burst_prob`
+      in the distribution they were drawn from (near-uniform logits, the mark of corrupted KV).
+    """
+
+    burst_len: int = 8
+    burst_prob: float = 1e-4
+    repeat_window: int = 256
+    max_period: int = 64
+    repeat_check_every: int = 16
+
+    def checks_repetition_at(self, num_output_tokens: int) -> bool:
+        n = num_output_tokens
+        return n >= self.repeat_window + self.max_period and n % self.repeat_check_every == 0
+
+    def is_repeating(self, output_token_ids: list[int]) -> bool:
+        tail = np.asarray(output_token_ids[-(self.repeat_window + self.max_period) :])
+        window = tail[self.max_period :]
+        return any(
+            np.array_equal(window, tail[self.max_period - p : len(tail) - p])
+            for p in range(1, self.max_period + 1)
+        )
+
+
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, guard: AnomalyGuard | None = None) -> None:
         self._generators: dict[int, torch.Generator] = {}
+        self.guard = guard or AnomalyGuard()
+        self._num_improbable: dict[int, int] = {}  # seq_id -> improbable tokens in a row
+        self._anomalies: dict[int, str] = {}  # seq_id -> the kind its last token showed
+
+    def anomaly(self, seq: Sequence) -> str | None:
+        """The anomaly the token just sampled for `seq` showed, if any (then `seq` should end)."""
+        return self._anomalies.pop(seq.seq_id, None)
 
     def __call__(
         self, logits: torch.Tensor, seqs: list[Sequence]
@@ -16,17 +58,24 @@ class Sampler:
         wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = self._penalise(logits, seqs)
+        broken = (torch.isnan(logits) | torch.isposinf(logits)).any(-1)  # [B]
+        if broken.any():
+            logits = logits.masked_fill(broken[:, None], 0.0)  # a token to return; seq ends
         # numpy's argmax (first maximum, like torch's) is vectorised: ~3 us for a 49152-token
         # vocabulary where torch's max takes ~27 us and its argmax ~75.
         greedy = logits.numpy().argmax(-1)
+        lse = torch.logsumexp(logits, dim=-1)  # [B], for the greedy tokens' probabilities
         tokens = []
         for i, seq in enumerate(seqs):
             if seq.params.greedy:
                 tokens.append(int(greedy[i]))
+                prob = float(torch.exp(logits[i, tokens[-1]] - lse[i]))
             else:
                 probs = self._filtered_probs(logits[i], seq)
                 generator = self._generator(seq)
                 tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+                prob = float(probs[tokens[-1]])
+            self._watch(seq, tokens[-1], prob, bool(broken[i]))
         if raw_logprobs is None:
             return tokens, [None] * len(seqs)
         return tokens, [
@@ -43,6 +92,21 @@ class Sampler:
 
     def release(self, seq: Sequence) -> None:
         self._generators.pop(seq.seq_id, None)
+        self._num_improbable.pop(seq.seq_id, None)
+        self._anomalies.pop(seq.seq_id, None)
+
+    def _watch(self, seq: Sequence, token: int, prob: float, broken: bool) -> None:
+        guard = self.guard
+        run = self._num_improbable.get(seq.seq_id, 0) + 1 if prob < guard.burst_prob else 0
+        self._num_improbable[seq.seq_id] = run
+        if broken:
+            self._anomalies[seq.seq_id] = "nan_logits"
+        elif run >= guard.burst_len:
+            self._anomalies[seq.seq_id] = "improbable_burst"
+        elif guard.checks_repetition_at(seq.num_output_tokens + 1) and guard.is_repeating(
+            seq.output_token_ids + [token]
+        ):
+            self._anomalies[seq.seq_id] = "repetition"
 
     @staticmethod
     def _penalise(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

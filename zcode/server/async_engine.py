@@ -279,7 +279,7 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
                 if self.metrics is not None:
-                    self.metrics.request_finished(stream, out.finish_reason, now)
+                    self.metrics.request_finished(stream, out.finish_reason, now, out.stop_reason)
             by_loop.setdefault(stream.loop, []).append((stream.queue, out))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)

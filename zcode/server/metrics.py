@@ -73,6 +73,13 @@ class Metrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        # AnomalyGuard's kinds (finish_reason "anomaly", the kind as stop_reason)
+        self.anomalies = Counter(
+            "zcode:request_anomalies",
+            "Requests ended by the anomaly guard, by kind.",
+            ["model_name", "kind"],
+            registry=self.registry,
+        )
         self.ttft = histogram(
             "zcode:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS_S
         )
@@ -106,9 +113,13 @@ class Metrics:
             self.itl.observe(now - stream.last_token_time)
         stream.last_token_time = now
 
-    def request_finished(self, stream, finish_reason: str | None, now: float) -> None:
+    def request_finished(
+        self, stream, finish_reason: str | None, now: float, stop_reason=None
+    ) -> None:
         self.e2e.observe(now - stream.arrival_time)
         self.request_success.labels(self.model_name, finish_reason or "abort").inc()
+        if finish_reason == "anomaly":
+            self.anomalies.labels(self.model_name, str(stop_reason)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
