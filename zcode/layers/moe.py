@@ -57,12 +57,14 @@ class TopkRouter(nn.Module):
         # x: [T, D] -> weights [T, top_k] fp32, expert ids [T, top_k]
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
-        grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
-        group_ids = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices
-        group_keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_ids, True)
-        expert_keep = group_keep.repeat_interleave(self.num_experts // self.num_groups, dim=1)
-        choice = choice.masked_fill(~expert_keep, float("-inf"))
+        if self.topk_groups < self.num_groups:  # else every group is kept (GLM-4.5: 1 of 1)
+            grouped = choice.view(-1, self.num_groups, self.num_experts // self.num_groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
+            group_ids = group_scores.topk(self.topk_groups, dim=-1, sorted=False).indices
+            group_keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            group_keep.scatter_(1, group_ids, True)
+            expert_keep = group_keep.repeat_interleave(self.num_experts // self.num_groups, dim=1)
+            choice = choice.masked_fill(~expert_keep, float("-inf"))
         expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
@@ -88,9 +90,10 @@ class MoE(nn.Module):
         )
         self.shared_experts = GatedMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
         # (projection modules per expert, shared last) -> their weights as three lists, or None
-        # where they are not all plain float Linears of one dtype.
+        # where they are not all plain float Linears of one dtype; and those modules' hook dicts.
         self._projections: tuple = ()
         self._fused_weights: tuple[list, list, list] | None = None
+        self._hook_dicts: list[dict] = []
         self.layer_key = id(self)
         _LAYERS[self.layer_key] = self
 
@@ -107,7 +110,7 @@ class MoE(nn.Module):
 
     def fused_weights(self, x: torch.Tensor) -> tuple[list, list, list] | None:
         """(gate, up, down) weight lists, routed experts then the shared one, when the C++ op
-        runs this step; checked per step in C (~10 us at 128 experts): a swapped module or a
+        runs this step; checked per step in C (~20 us at 128 experts): a swapped module or a
         hook (calibration expects its module's own calls) sends the step to the modules."""
         if x.dtype not in FUSED_DTYPES or x.device.type != "cpu" or not _fused_available():
             return None
@@ -118,8 +121,10 @@ class MoE(nn.Module):
         if projections != self._projections:
             self._projections = projections
             self._fused_weights = self._gather(projections, x.dtype)
+            modules = itertools.chain(mlps, itertools.chain.from_iterable(projections))
+            self._hook_dicts = list(itertools.chain.from_iterable(map(_HOOKS, modules)))
         lists = self._fused_weights
-        if lists is None or lists[0][0].dtype != x.dtype or _hooked(mlps, projections):
+        if lists is None or lists[0][0].dtype != x.dtype or any(self._hook_dicts):
             return None
         if lists[0][0].requires_grad and torch.is_grad_enabled():  # the op has no backward
             return None
