@@ -89,10 +89,10 @@ struct Experts {
   int64_t D;
 };
 
-// sums[r][m] = w[r] . x[m] (K of each; the tail masked): R weight rows share each activation
-// load.
+// sums[r][m] = w[r] . x[m] for R adjacent weight rows w[r] = w + r * K (the tail of K masked):
+// the rows share each activation load.
 template <typename F, int M, int R>
-inline void dot_rows(const typename F::T* x, const typename F::T* const* w, float (&sums)[R][M],
+inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
                      int64_t K) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
@@ -101,8 +101,8 @@ inline void dot_rows(const typename F::T* x, const typename F::T* const* w, floa
     typename F::V xv[M];
     for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
     for (int r = 0; r < R; ++r) {
-      prefetch_l2(w[r] + k);
-      const typename F::V wv = F::load(w[r] + k, K - k);
+      prefetch_l2(w + r * K + k);
+      const typename F::V wv = F::load(w + r * K + k, K - k);
       for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
     }
   }
@@ -121,17 +121,14 @@ void gate_up_rows(const Experts<F>& ex, const Pass& p, int which, const typename
   constexpr int R = M <= 4 ? 2 : 1;  // adjacent rows per step: one stream, shared x loads
   int64_t r = r0;
   for (; r + R <= r1; r += R) {
-    const typename F::T* rows[R];
-    for (int i = 0; i < R; ++i) rows[i] = w + (r + i) * D;
     float sums[R][M];
-    dot_rows<F, M, R>(xg, rows, sums, D);
+    dot_rows<F, M, R>(xg, w + r * D, sums, D);
     for (int i = 0; i < R; ++i)
       for (int m = 0; m < M; ++m) o[m * 2 * I + r + i] = sums[i][m];
   }
   for (; r < r1; ++r) {
-    const typename F::T* rows[1] = {w + r * D};
     float sums[1][M];
-    dot_rows<F, M, 1>(xg, rows, sums, D);
+    dot_rows<F, M, 1>(xg, w + r * D, sums, D);
     for (int m = 0; m < M; ++m) o[m * 2 * I + r] = sums[0][m];
   }
 }
@@ -162,13 +159,10 @@ void down_cols(const Experts<F>& ex, const Pass& p, const typename F::T* act,
     const int rows = std::min<int64_t>(R, n1 - n);
     float sums[R][M];
     if (rows == R) {
-      const typename F::T* w[R];
-      for (int r = 0; r < R; ++r) w[r] = wd + (n + r) * I;
-      dot_rows<F, M, R>(act, w, sums, I);
+      dot_rows<F, M, R>(act, wd + n * I, sums, I);
     } else {
-      const typename F::T* w[1] = {wd + n * I};
       float one[1][M];
-      dot_rows<F, M, 1>(act, w, one, I);
+      dot_rows<F, M, 1>(act, wd + n * I, one, I);
       for (int m = 0; m < M; ++m) sums[0][m] = one[0][m];
     }
     for (int r = 0; r < rows; ++r)
