@@ -196,7 +196,7 @@ def _load() -> bool:
 
     try:
         load(
-            name="zcode_moe_v5",
+            name="zcode_moe_v7",
             sources=[str(SOURCE)],
             # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers.
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
