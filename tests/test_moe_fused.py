@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from zcode.kernels import moe as moe_kernels
+from zcode.layers.mlp import GeluGatedMLP
 from zcode.layers.moe import MoE
 from zcode.quant.linear import QuantizedLinear
 
@@ -195,6 +196,13 @@ def test_swapped_expert_and_hooks_leave_the_fused_path():
         moe.experts[3] = make_moe(seed=1).experts[3]  # a float expert again, another weight
         assert moe.fused_weights(x) is not None
         torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-5)
+
+        gelu = GeluGatedMLP(HIDDEN, INTER).requires_grad_(False)  # another kind of expert
+        gelu.load_state_dict(moe.experts[1].state_dict())
+        moe.experts[1] = gelu
+        assert moe.fused_weights(x) is None
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-5)
+        moe.experts[1] = make_moe().experts[1]
 
         seen = []
         handle = moe.experts[5].gate_proj.register_forward_pre_hook(

@@ -115,6 +115,8 @@ class MoE(nn.Module):
         if x.dtype not in FUSED_DTYPES or x.device.type != "cpu" or not _fused_available():
             return None
         mlps = (*self.experts, self.shared_experts)
+        if not _all_gated_mlps(mlps):
+            return None
         if torch.compiler.is_compiling():  # traced once per graph; dynamo guards the modules
             return self._gather(tuple((m.gate_proj, m.up_proj, m.down_proj) for m in mlps), x.dtype)
         projections = tuple(map(_PROJECTIONS, map(_SUBMODULES, mlps)))
@@ -150,8 +152,11 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """The routed experts through their own modules, any weight format: [T, D]."""
         mlps = tuple(self.experts)
-        hooked = _hooked(mlps, tuple(map(_PROJECTIONS, map(_SUBMODULES, mlps))))
-        if x.shape[0] <= GEMV_MAX_ROWS and not hooked:
+        if (
+            x.shape[0] <= GEMV_MAX_ROWS
+            and _all_gated_mlps(mlps)
+            and not _hooked(mlps, tuple(map(_PROJECTIONS, map(_SUBMODULES, mlps))))
+        ):
             return self._routed_decode(x, weights, expert_ids)
         # Tokens sorted by expert once; each expert runs on its contiguous slice.
         top_k = expert_ids.shape[1]
@@ -184,6 +189,14 @@ class MoE(nn.Module):
             act = m.activation(gate_up[2 * i]) * gate_up[2 * i + 1]
             out.addcmul_(m.down_proj(act), gains[:, i : i + 1])
         return out
+
+
+def _all_gated_mlps(mlps: tuple) -> bool:
+    """Whether every expert is a plain GatedMLP (SiLU, gate/up/down): what the fused paths run;
+    any other module (a swapped-in expert of another kind) runs its own forward."""
+    if torch.compiler.is_compiling():
+        return all(type(m) is GatedMLP for m in mlps)
+    return set(map(type, mlps)) == {GatedMLP}  # in C: ~3 us at 128 experts
 
 
 def _hooked(mlps: tuple, projections: tuple) -> bool:
