@@ -214,6 +214,18 @@ def test_swapped_expert_and_hooks_leave_the_fused_path():
         assert moe.fused_weights(x) is not None
 
 
+def test_copied_layer_has_its_own_key():
+    """Compiled graphs find a layer's modules by its key: a deep copy must not find the original."""
+    import copy
+
+    from zcode.layers.moe import _LAYERS
+
+    moe = make_moe()
+    twin = copy.deepcopy(moe)
+    assert twin.layer_key != moe.layer_key
+    assert _LAYERS[twin.layer_key] is twin and _LAYERS[moe.layer_key] is moe
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, fmt", [("glm4_moe", None), ("glm_moe_dsa", None), ("glm4_moe", "int8")]

@@ -94,8 +94,15 @@ class MoE(nn.Module):
         self._projections: tuple = ()
         self._fused_weights: tuple[list, list, list] | None = None
         self._hook_dicts: list[dict] = []
+        self._register()
+
+    def _register(self) -> None:
         self.layer_key = id(self)
         _LAYERS[self.layer_key] = self
+
+    def __setstate__(self, state: dict) -> None:  # a deep copy or an unpickled layer: its own key
+        super().__setstate__(state)
+        self._register()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
