@@ -158,6 +158,22 @@ def test_gguf_tokenizer_keeps_template_and_special_tokens(default_gguf):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
+def test_gguf_tokenizer_cache_gives_back_the_built_tokenizer(default_gguf, tmp_path):
+    built = load_gguf_tokenizer(default_gguf, cache_dir=tmp_path)
+    [entry] = (tmp_path / "tokenizers").iterdir()
+    cached = load_gguf_tokenizer(default_gguf, cache_dir=tmp_path)
+    assert cached.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
+    assert cached.chat_template == built.chat_template and "<|im_start|>" in cached.chat_template
+    assert cached.special_tokens_map == built.special_tokens_map
+    text = "Hello world, café 日本語 🤖\n<|im_start|>user"
+    assert cached.encode(text) == built.encode(text)
+    # A damaged entry is rebuilt, not trusted.
+    (entry / "tokenizer.json").write_text("{")
+    again = load_gguf_tokenizer(default_gguf, cache_dir=tmp_path)
+    assert again.encode(text) == built.encode(text)
+    assert again.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
+
+
 # The two below run transformers' own GGUF path, which parses the file with gguf.GGUFReader (~10 s).
 @pytest.mark.slow
 def test_gguf_config_matches_transformers(default_gguf):
