@@ -5,6 +5,7 @@ The tiny model has no tokenizer; a fake one spells token i as a fixed two-letter
 three-letter stop string always spans two tokens.
 """
 
+import copy
 import string
 
 import pytest
@@ -255,3 +256,46 @@ def test_abort_frees_blocks(tiny):
     assert not engine.has_unfinished() and engine.step() == []
     engine.abort("running")  # aborting twice, or an unknown id, is a no-op
     engine.abort("never-seen")
+
+
+def test_anomaly_guard_ends_a_request_whose_weights_turn_nan(tiny):
+    """Fault injection: NaN in one layer's weights. The request ends at the first broken token
+    with finish_reason "anomaly" (its kind as stop_reason) instead of emitting garbage."""
+    net, _ = tiny
+    broken = copy.deepcopy(net)
+    with torch.no_grad():
+        broken.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    engine = _engine(broken)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    [out], _ = _run(engine, [_prompt(12, seed=3)], params)
+    assert (out.finish_reason, out.stop_reason) == ("anomaly", "nan_logits")
+    assert len(out.token_ids) == 1
+    assert not engine.has_unfinished()
+
+
+def test_anomaly_guard_ends_only_the_request_whose_kv_is_corrupted(tiny):
+    """Fault injection: one request's KV blocks overwritten with NaN after its prefill (a KV
+    race). That request ends as an anomaly within one token; the request beside it runs on, token
+    for token as it runs alone."""
+    net, _ = tiny
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    healthy, victim = _prompt(9, seed=4), _prompt(11, seed=5)
+    [alone], _ = _run(_engine(net), [healthy], params)
+    engine = _engine(net)
+    seqs = [engine.add_request(p, params) for p in (healthy, victim)]
+    engine.step()  # both prefills, one token each
+    for attn in net.attention_layers():
+        for cache in attn.cache.values():
+            cache[seqs[1].block_table] = float("nan")
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert (final[seqs[1].request_id].finish_reason, final[seqs[1].request_id].stop_reason) == (
+        "anomaly",
+        "nan_logits",
+    )
+    assert len(final[seqs[1].request_id].token_ids) == 2
+    assert final[seqs[0].request_id].token_ids == alone.token_ids
+    assert final[seqs[0].request_id].finish_reason == "length"

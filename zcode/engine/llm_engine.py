@@ -106,6 +106,11 @@ class LLMEngine:
             raise ValidationError(
                 f"token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}"
             )
+        bad = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValidationError(
+                f"logit_bias token ids out of vocabulary (size {self.vocab_size}): {bad[:5]}"
+            )
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValidationError(
@@ -257,6 +262,8 @@ class LLMEngine:
         if seq.grammar is not None:
             seq.grammar.accept(token)
         reason, stop_reason = self._stop_check(seq, token)
+        if (anomaly := self.sampler.anomaly(seq)) is not None:
+            reason, stop_reason = "anomaly", anomaly  # the guard's kind, in /metrics too
         if reason is not None:
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
