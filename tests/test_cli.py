@@ -75,6 +75,7 @@ def test_help_explains_every_option(command, capsys):
         (["chat", "--temperature", "-1"], "temperature must be >= 0"),
         (["ppl", "missing.txt"], "missing.txt: No such file or directory"),
         (["ppl", "f.txt", "--window", "64", "--stride", "65"], "--stride must be between 1"),
+        (["serve", "--chat-template", "missing.jinja"], "--chat-template missing.jinja"),
     ],
 )
 def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, tmp_path):
@@ -86,6 +87,21 @@ def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, t
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("zcode: error: ") and message in err and err.count("\n") == 1
+
+
+def test_serve_passes_the_template_file_and_metrics_protection_on(monkeypatch, tmp_path):
+    import zcode.server
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    calls = []
+    monkeypatch.setattr(zcode.server, "run_server", lambda *a, **k: calls.append(k))
+    cli.main(["serve", "--chat-template", str(template), "--protect-metrics", "--api-key", "k"])
+    [kwargs] = calls
+    assert kwargs["chat_template"] == template.read_text()
+    assert kwargs["protect_metrics"] is True and kwargs["api_key"] == "k"
+    cli.main(["serve"])
+    assert calls[1]["chat_template"] is None and calls[1]["protect_metrics"] is False
 
 
 class FakeLLM:

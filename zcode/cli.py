@@ -249,7 +249,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every route but /health (default: none)",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and "
+        "/version (default: none)",
+    )
+    serve.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="with --api-key, require the key on /metrics and /version too",
+    )
+    serve.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="a Jinja chat template file used instead of the checkpoint's",
     )
     serve.add_argument(
         "--served-model-name",
@@ -780,6 +791,12 @@ def _serve(args: argparse.Namespace) -> None:
     if args.per_request_depth:
         engine_args["per_request_depth"] = True
     engine_args.update(_sparsity_args(args))
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValidationError(f"--chat-template {args.chat_template}: {e}") from None
     run_server(
         args.model,
         host=args.host,
@@ -789,6 +806,8 @@ def _serve(args: argparse.Namespace) -> None:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         engine_args=engine_args,
+        protect_metrics=args.protect_metrics,
+        chat_template=chat_template,
     )
 
 
