@@ -66,11 +66,11 @@ class Timing:
 class ZCodeRunner:
     batch_mode = "batched"
 
-    def __init__(self, dtype: str, compile: bool = False) -> None:
+    def __init__(self, dtype: str, compile: bool = False, model: Path | None = None) -> None:
         from zcode import LLM
 
         # Repeats reuse the same prompts: without this the prefix cache would skip their prefill.
-        self.llm = LLM(None, dtype=dtype, enable_prefix_caching=False, compile=compile)
+        self.llm = LLM(model, dtype=dtype, enable_prefix_caching=False, compile=compile)
         self.format = dtype + (" compiled decode" if compile else "")
         self.bytes_per_token = _param_bytes(self.llm.model)
 
@@ -153,7 +153,7 @@ class LlamaCppRunner:
     batch_mode = "sequential"
     format = "Q4_1 (file)"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, logits_all: bool = False) -> None:
         llama_cpp = _import_llama_cpp()
         # ggml's AMX kernels fault (ldtilecfg: general protection) in this machine kind's VM,
         # which advertises AMX; without extra buffer types ggml runs its plain CPU kernels,
@@ -174,6 +174,7 @@ class LlamaCppRunner:
                 n_batch=512,
                 n_threads=NUM_THREADS,
                 n_threads_batch=NUM_THREADS,
+                logits_all=logits_all,
                 verbose=False,
             )
         finally:
