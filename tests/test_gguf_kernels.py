@@ -145,12 +145,16 @@ def test_gemm_path_matches_reference(ggml_type):
     generator = _generator(5, ggml_type)
     num_in = _in_features(ggml_type, 2)
     w = GgufWeight.random(ggml_type, 37, num_in, generator)
-    x = torch.randn(ggml.MAX_ROWS + 1, num_in, generator=generator)
-    ref = x.double() @ w.dequantize(torch.float64).T
+    x = torch.randn(ggml.MAX_ROWS + 1, num_in, generator=generator) * 3
+    x[0, :7] = 0.0
     got = w.linear_fast(x)  # past the GEMV's rows: dequantize + fp32 GEMM
     assert got.equal(w.mm_dequantized(x))
+    # x quantized as the GEMV quantizes it: the same references, and a prompt token gets what
+    # it would get decoded, up to fp32 summation order.
+    _check_gemv(got, x, [w])
+    decoded = torch.cat([w.mm_gemv(x[:4]), w.mm_gemv(x[4:])])
     scale = x.double().abs() @ w.dequantize(torch.float64).abs().T
-    assert ((got.double() - ref).abs() <= 1e-5 * scale).all()
+    assert ((got.double() - decoded.double()).abs() <= 1e-5 * scale).all()
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)

@@ -44,11 +44,11 @@ def tolerance(packed: PackedWeight, x: torch.Tensor) -> tuple[float, float]:
     """(rtol, atol): W8A8 is exact up to fp32. The bf16-activation kernels round inputs (the
     atol: the typical size of a sum of K rounding errors, for the worst row pair) and may round
     the output to bf16 (the rtol: 2^-9 relative, with margin; large outputs of real models'
-    correlated activations exceed the atol alone). GGUF weights: the bound on what the GEMV's
-    int8 activations can move an output, plus fp32 rounding."""
+    correlated activations exceed the atol alone). GGUF weights: the reference quantizes x as
+    the kernels do, so only fp32 rounding (of sums of up to K products) separates them."""
     if isinstance(packed, GgufWeight):
         ref_scale = float(x.float().abs().max()) * float(packed.dequantize().abs().sum(1).max())
-        return 1e-5, packed.activation_error_bound(x) + 1e-5 * ref_scale
+        return 1e-5, 1e-5 * ref_scale
     if type(packed).__name__ in EXACT_FORMATS:
         return 1e-5, 1e-5 * float(x.abs().max()) * packed.in_features**0.5
     w_norm = packed.dequantize().norm(dim=1).max()

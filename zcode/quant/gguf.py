@@ -5,7 +5,8 @@ Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K..Q6_K, and the float types F32 / F16 /
 is a contiguous run of bytes, so `data` is a uint8 tensor [N, row_bytes], usually a view of the
 memory-mapped file: loading reads nothing, and a decode step reads each block once.
 
-- `linear_reference`: the `gguf` package's own dequantize, then fp32 F.linear: the oracle.
+- `linear_reference`: the `gguf` package's own dequantize, then fp32 F.linear of x quantized per
+  activation block as llama.cpp's dot products quantize it: the oracle.
 - `linear_fast`: the C++ kernels (zcode.kernels.ggml), see the class docstring; the package's
   dequantize tile by tile where they do not build or lack the type.
 
@@ -162,18 +163,11 @@ class GgufWeight(PackedWeight):
         return self.mm_dequantized(x)
 
     def linear_reference(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.dequantize())
-
-    def activation_error_bound(self, x: torch.Tensor) -> float:
-        """The most the fast GEMV's int8 activations can move an output from the reference's:
-        max over (m, n) of sum_k |w[n, k]| scale[m, k] / 2, with scale the per-block amax / 127
-        of x (round to nearest is off by at most half a step); 0 for the float types."""
-        block_size = ACTIVATION_BLOCK.get(GGMLQuantizationType(self.ggml_type), 0)
-        if not block_size:
-            return 0.0
-        blocks = x.double().reshape(x.shape[0], -1, block_size)  # [M, K / B, B]
-        step = (blocks.abs().amax(dim=2, keepdim=True) / 127).expand_as(blocks)
-        return float((step.reshape(x.shape) @ self.dequantize(torch.float64).abs().T).max()) / 2
+        """The gguf package's dequantize times x quantized per activation block in torch: what
+        llama.cpp computes, so the kernels, which quantize x themselves, are held to it tightly,
+        and an autotuner that picks the reference computes what the kernels compute. (The
+        unquantized product is the tests' second float64 reference.)"""
+        return F.linear(self.quantized_activations(x), self.dequantize())
 
     @classmethod
     def gemv_group(cls, x: torch.Tensor, weights: Sequence["GgufWeight"]) -> torch.Tensor | None:
@@ -188,10 +182,26 @@ class GgufWeight(PackedWeight):
     def mm_gemv(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemv_group(x, [self])
 
+    def quantized_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] as the GEMV multiplies it: int8 codes per activation block (llama.cpp's
+        Q8_0 / Q8_1 / Q8_K; scale amax / 127, round half to even, as ggml.cpp) times their
+        scale, fp32; x itself for the float types. The GEMM paths multiply this, so a prompt
+        token gets the logits it would get decoded (and llama.cpp's, which quantizes both)."""
+        block = ACTIVATION_BLOCK.get(GGMLQuantizationType(self.ggml_type))
+        x = x.float()
+        if block is None:
+            return x
+        blocks = x.reshape(x.shape[0], -1, block)  # [M, K / block, block]
+        scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+        # An all-zero block has scale 0 and codes 0; NaN in x stays NaN.
+        codes = torch.round(blocks / torch.where(scale == 0, 1.0, scale)).clamp_(-127, 127)
+        return (codes * scale).view(x.shape)
+
     def mm_dequantized(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] @ W.T with W dequantized to fp32 by the C++ kernel, a tile of rows at a time."""
+        """x [M, K] @ W.T with W dequantized to fp32 by the C++ kernel, a tile of rows at a time,
+        x quantized as the GEMV quantizes it."""
         return linear_dequantized(
-            x.float(),
+            self.quantized_activations(x),
             self.out_features,
             lambda start, end: torch.ops.zcode.ggml_dequantize(
                 self.data[start:end], self.ggml_type, self.in_features
@@ -201,7 +211,7 @@ class GgufWeight(PackedWeight):
     def mm_package(self, x: torch.Tensor) -> torch.Tensor:
         """As mm_dequantized, with the `gguf` package's numpy dequantize (any type, no build)."""
         return linear_dequantized(
-            x.float(),
+            self.quantized_activations(x),
             self.out_features,
             lambda start, end: dequantize_rows(self.data[start:end], self.ggml_type),
         )
