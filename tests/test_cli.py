@@ -89,6 +89,15 @@ def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, t
     assert err.startswith("zcode: error: ") and message in err and err.count("\n") == 1
 
 
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"zcode {version('zcode')}"
+
+
 def test_serve_passes_the_template_file_and_metrics_protection_on(monkeypatch, tmp_path):
     import zcode.server
 

@@ -62,12 +62,17 @@ def test_autotune_skips_a_wrong_variant(cache_dir, monkeypatch):
 
 def test_autotune_reads_its_cache(cache_dir, monkeypatch):
     """A choice on disk is used without timing anything."""
-    (cache_dir / f"kernels-{autotune.fingerprint()}.json").write_text(
-        json.dumps({"silu_gate|small|float32|cpu": "cpu:inplace"})
-    )
+    autotune.cache_path().write_text(json.dumps({"silu_gate|small|float32|cpu": "cpu:inplace"}))
     monkeypatch.setattr(autotune, "tune", lambda *a: pytest.fail("timed despite the cache"))
     gate, up = torch.randn(2, 30), torch.randn(2, 30)
     assert kernels.get("silu_gate", gate, up) is OPS["silu_gate"].variants[0].fn
+
+
+def test_autotune_cache_is_keyed_by_the_kernel_sources(cache_dir):
+    """Choices made for other kernel code (a variant since fixed) are not read."""
+    name = autotune.cache_path().name
+    assert autotune.fingerprint() in name and autotune.code_version() in name
+    assert len(autotune.code_version()) == 12
 
 
 def test_unsupported_arguments_fall_back_to_the_reference(cache_dir):

@@ -35,11 +35,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"zcode: error: {message} (see '{self.prog} --help')\n")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("zcode")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="zcode",
         description="ZCode: run, inspect and measure GLM-family and Llama-style models on CPU.",
     )
+    parser.add_argument("--version", action="version", version=f"zcode {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser(

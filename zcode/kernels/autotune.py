@@ -1,12 +1,14 @@
 """Short autotune: for an (op, shape class, backend) the registry meets for the first time, check
 each supporting variant against the reference on the call's own arguments, time the correct ones
 (and the reference), keep the fastest, and remember it in memory and in a JSON file per machine
-(the user cache dir, keyed by the hardware fingerprint).
+(the user cache dir, keyed by the hardware fingerprint and a hash of the kernels' sources).
 
 Timing is best-of-REPS after WARMUP calls: on a shared machine other work only adds time. Under
 torch.compile tracing nothing is timed: an untuned shape class takes its first supporting variant.
 """
 
+import functools
+import hashlib
 import json
 import logging
 import os
@@ -37,7 +39,20 @@ _choices: dict[str, str] | None = None  # cache key -> variant key, loaded lazil
 
 
 def cache_path() -> Path:
-    return default_cache_dir() / f"kernels-{fingerprint()}.json"
+    return default_cache_dir() / f"kernels-{fingerprint()}-{code_version()}.json"
+
+
+@functools.cache
+def code_version() -> str:
+    """A hash of the kernels' and weight formats' sources: a choice made for other code (a
+    variant since fixed, a reference since changed) is not reused."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted([*(root / "kernels").rglob("*.cpp"), *(root / "kernels").rglob("*.py")]):
+        digest.update(path.read_bytes())
+    for path in sorted((root / "quant").glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def choose(op: str, args: Args) -> Variant:
