@@ -293,6 +293,9 @@ class FragileSampler:
     def release(self, seq) -> None:
         self.sampler.release(seq)
 
+    def anomaly(self, seq) -> str | None:
+        return self.sampler.anomaly(seq)
+
 
 def test_a_failing_sampler_or_output_only_fails_its_request(net, monkeypatch):
     engine = make_engine(net)

@@ -24,9 +24,12 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def server():
+    # float32: these tests compare outputs across requests (streamed with whole, echo with
+    # decode), which with the prefix cache split a prompt differently; the file's int8-activation
+    # kernels move a near-tie across such splits (see the notes), fp32 does not.
     with RemoteServer(
         "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mib", "64", "--shutdown-timeout", "20",
-        api_key=API_KEY,
+        "--dtype", "float32", api_key=API_KEY,
     ) as s:  # fmt: skip
         yield s
 
@@ -195,12 +198,7 @@ def test_echo_logprobs_for_lm_eval(client, tokenizer):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     scored = lp.token_logprobs[len(context) : n]
-    # The default model runs its Q4_1 blocks with activations quantized to int8 per block, as
-    # llama.cpp does: a prompt scored in one prefill and the same tokens decoded one at a time
-    # differ in fp32 summation order (attention), which flips a few activation codes downstream
-    # (measured up to 0.11 here; the first token, the same prefill rows, agrees exactly).
-    assert scored[0] == pytest.approx(expected[0], abs=1e-5)
-    assert scored == pytest.approx(expected, abs=0.2)
+    assert scored == pytest.approx(expected, abs=1e-3)
     # is_greedy as lm-eval computes it: every continuation token is the top choice
     for j in range(len(context), n):
         assert lp.token_logprobs[j] == pytest.approx(max(lp.top_logprobs[j].values()), abs=1e-5)

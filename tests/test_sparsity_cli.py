@@ -53,7 +53,7 @@ def test_generate_passes_skips_to_a_paged_engine(stream, capsys, monkeypatch):
     argv = ["generate", "hi", "--skip-layers", "3,4", "--skip-kv-heads", "5:2,6:0"]
     cli.main(argv + (["--stream"] if stream else []))
     assert capsys.readouterr().out.strip() == "ok"
-    assert seen["engine_args"] == {"per_request_depth": True}
+    assert seen["engine_args"] == {"float_weights": False, "per_request_depth": True}
     assert seen["skips"] == {"skip_layers": [3, 4], "skip_kv_heads": [(5, 2), (6, 0)]}
 
 
@@ -82,7 +82,7 @@ def test_ppl_scores_with_the_skips_on_a_paged_engine(capsys, monkeypatch, tmp_pa
     cli.main(["ppl", str(tmp_path / "t.txt"), "--skip-layers", "14", "--skip-kv-heads", "5:2"])
     assert "perplexity  2.7183" in capsys.readouterr().out
     assert seen == {
-        "engine_args": {"per_request_depth": True},
+        "engine_args": {"float_weights": False, "per_request_depth": True},
         "skips": {"skip_layers": [14], "skip_kv_heads": [(5, 2)]},
     }
 
