@@ -21,14 +21,12 @@ callers keep torch's kernels.
 """
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
+from zcode.kernels.cpp_build import build_ops
 from zcode.quant.formats import GEMV_MAX_ROWS
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
 MAX_ROWS = GEMV_MAX_ROWS
@@ -38,20 +36,7 @@ MAX_ROWS = GEMV_MAX_ROWS
 def available() -> bool:
     """True when the kernels build and load here (built on first call); then torch.ops.zcode
     has them."""
-    from torch.utils.cpp_extension import load
-
-    try:
-        load(
-            name="zcode_gemv_v1",
-            sources=[str(SOURCE)],
-            # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers; without it every
-            # call would run on one thread.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as e:  # no compiler or no AVX-512 BF16/VNNI: an expected state
-        logger.warning("C++ GEMV kernels unavailable, using torch's: %s", e)
+    if not build_ops("zcode_gemv_v1", SOURCE, "using torch's"):
         return False
     _register_fakes()
     return True

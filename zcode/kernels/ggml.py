@@ -19,14 +19,12 @@ Built once with torch.utils.cpp_extension.load and -march=native (cached by torc
 """
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
+from zcode.kernels.cpp_build import build_ops
 from zcode.quant.gguf import GEMV_MAX_ROWS
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("ggml.cpp")
 MAX_ROWS = GEMV_MAX_ROWS
@@ -36,20 +34,10 @@ MAX_ROWS = GEMV_MAX_ROWS
 def available() -> bool:
     """True when the kernels build and load here (built on first call); then torch.ops.zcode
     has them."""
-    from torch.utils.cpp_extension import load
-
-    try:
-        load(
-            name="zcode_ggml_v1",
-            sources=[str(SOURCE)],
-            # -fopenmp: at::parallel_for's threads; -ffp-contract=off: dequantize rounds each
-            # product and sum as the gguf package does, never fused.
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as e:  # no compiler or no AVX-512 VNNI: an expected state
-        logger.warning("C++ GGUF kernels unavailable, using the gguf package's: %s", e)
+    # -ffp-contract=off: dequantize rounds each product and sum as the gguf package does.
+    if not build_ops(
+        "zcode_ggml_v1", SOURCE, "using the gguf package's", extra_cflags=("-ffp-contract=off",)
+    ):
         return False
     _register_fakes()
     return True

@@ -18,16 +18,14 @@ sync, no Python per expert; its fake kernel lets a compiled decode graph call it
 """
 
 import functools
-import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from zcode.kernels.cpp_build import build_ops
 from zcode.kernels.registry import define_op, register
 from zcode.layers.moe import TopkRouter
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("moe.cpp")
 
@@ -192,19 +190,7 @@ def fused_available() -> bool:
 
 @functools.cache
 def _load() -> bool:
-    from torch.utils.cpp_extension import load
-
-    try:
-        load(
-            name="zcode_moe_v7",
-            sources=[str(SOURCE)],
-            # -fopenmp: at::parallel_for is OpenMP pragmas in ATen's headers.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as e:  # no compiler or no AVX-512 BF16: an expected state
-        logger.warning("C++ MoE kernel unavailable, using the expert loop: %s", e)
+    if not build_ops("zcode_moe_v7", SOURCE, "using the expert loop"):
         return False
 
     # Output shape for tracing (torch.compile): the kernel itself never runs on fakes.
