@@ -199,7 +199,10 @@ def test_smollm2_compiled_decode_matches_eager():
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
     llms = {
-        compile: LLM(None, kv_cache_bytes=16 << 20, compile=compile) for compile in (False, True)
+        # float32: eager and compiled are compared at atol 1e-4; int8 activation codes (the
+        # file's Q4_1 run as stored) turn fp32 rounding differences into near-tie flips.
+        compile: LLM(None, dtype="float32", kv_cache_bytes=16 << 20, compile=compile)
+        for compile in (False, True)
     }
     tokens, logits = {}, {}
     for compile, llm in llms.items():
