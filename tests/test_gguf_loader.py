@@ -33,7 +33,6 @@ from test_parity import LOGIT_TOL, PREFILL_LEN, TIE_GAP, oracle_logits, prompt_i
 from torch import nn
 
 from zcode.loader import CheckpointError, load_model
-from zcode.models import MODEL_REGISTRY
 from zcode.quant.gguf import GgufEmbedding, GgufWeight
 from zcode.quant.linear import QuantizedLinear
 
@@ -243,8 +242,6 @@ def test_default_model_matches_llama_cpp(default_model_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not GEMMA.is_file(), reason=f"{GEMMA} not downloaded")
 def test_gemma3_file_matches_llama_cpp():
-    if "gemma3_text" not in MODEL_REGISTRY:
-        pytest.skip("zcode.models has no gemma3_text model class yet")
     net, tokenizer = _load(GEMMA)
     assert net.config.layer_types[5] == "full_attention" and net.config.sliding_window == 512
     ids = tokenizer.encode("The capital of France is Paris. The capital of Germany is")
@@ -302,8 +299,6 @@ def test_weights_add_no_copy_to_peak_rss(default_model_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not GEMMA.is_file(), reason=f"{GEMMA} not downloaded")
 def test_gemma3_weights_add_no_copy_to_peak_rss():
-    if "gemma3_text" not in MODEL_REGISTRY:
-        pytest.skip("zcode.models has no gemma3_text model class yet")
     size = GEMMA.stat().st_size / 2**20
     rss = _peak_rss(GEMMA)
     print(f"Gemma-3-270M Q4_K_M ({size:.0f} MiB): peak RSS added (MiB) {rss}")
