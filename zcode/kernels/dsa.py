@@ -108,7 +108,7 @@ def sparse_attention_reference(
     positions (-1 = none) -> [T, H, Dv]."""
     num_seqs, context_len = keys.shape[:2]
     max_query = batch.query_index.shape[1]
-    keep = torch.zeros(num_seqs * max_query, context_len + 1, dtype=torch.bool)
+    keep = torch.zeros(num_seqs * max_query, context_len + 1, dtype=torch.bool, device=q.device)
     keep[batch.token_index[:, None], torch.where(ids < 0, context_len, ids)] = True
     keep = keep[:, :context_len].view(num_seqs, 1, max_query, context_len)
     mask = keep if batch.attn_mask is None else keep & batch.attn_mask

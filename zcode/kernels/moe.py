@@ -55,7 +55,7 @@ def routing_reference(
     with torch.no_grad():
         router.weight.copy_(weight)
         router.e_score_correction_bias.copy_(bias)
-    weights, ids = router(x)
+    weights, ids = router.to(x.device)(x)
     return sort_by_expert(weights, ids)
 
 

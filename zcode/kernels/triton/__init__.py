@@ -3,8 +3,9 @@ indexer score + top-k and sparse attention, and the fused sparse FFN.
 
 Triton is imported only when one of them first runs, so importing the registry stays cheap
 and a test can set TRITON_INTERPRET=1 (run the kernels on CPU tensors) before that happens.
-Their logic is tested on CPU under the interpreter (tests/test_kernels_triton.py); nothing here
-has been timed on a GPU.
+Their logic is tested on CPU under the interpreter (tests/test_kernels_triton.py);
+bench/bench_triton_gpu.py checks them on a GPU against the CPU reference and times them at
+GLM-sized shapes against the same reference run by PyTorch on the GPU.
 """
 
 import importlib

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from zcode.kernels.moe import permute_by_expert
+from zcode.kernels.triton.common import dot_dtype, gemm_blocks
 
 
 @triton.jit
@@ -98,11 +99,13 @@ def routing_supported(x, weight, bias, top_k, num_groups, *args) -> bool:
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, token_ids_ptr, offsets_ptr, wg_ptr, wu_ptr, act_ptr, hidden, inter,
+    x_ptr, token_ids_ptr, offsets_ptr, active_ptr, wg_ptr, wu_ptr, act_ptr, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """act[r] = silu(x[token(r)] @ Wg[e].T) * (x[token(r)] @ Wu[e].T) for expert e's rows r."""
-    e, m_block, n_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(active_ptr + tl.program_id(0))  # int64: E * I * D passes 2**31 at GLM-5 sizes
+    m_block, n_block = tl.program_id(1), tl.program_id(2)
     start, end = tl.load(offsets_ptr + e), tl.load(offsets_ptr + e + 1)
     rows = start + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     if start + m_block * BLOCK_M < end:
@@ -117,11 +120,13 @@ def _gate_up_kernel(
                 x_ptr + tokens[:, None] * hidden + ks[None, :],
                 mask=row_ok[:, None] & (ks[None, :] < hidden),
                 other=0.0,
-            ).to(tl.float32)
+            ).to(COMPUTE)
             w_offsets = e * inter * hidden + cols[None, :] * hidden + ks[:, None]  # [K, N]
             w_mask = (cols[None, :] < inter) & (ks[:, None] < hidden)
-            gate += tl.dot(x, tl.load(wg_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32))
-            up += tl.dot(x, tl.load(wu_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32))
+            w_gate = tl.load(wg_ptr + w_offsets, mask=w_mask, other=0.0).to(COMPUTE)
+            w_up = tl.load(wu_ptr + w_offsets, mask=w_mask, other=0.0).to(COMPUTE)
+            gate += tl.dot(x, w_gate, input_precision=PRECISION)
+            up += tl.dot(x, w_up, input_precision=PRECISION)
         act = gate * tl.sigmoid(gate) * up
         tl.store(
             act_ptr + rows[:, None] * inter + cols[None, :],
@@ -132,11 +137,13 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, offsets_ptr, wd_ptr, row_w_ptr, out_ptr, hidden, inter,
+    act_ptr, offsets_ptr, active_ptr, wd_ptr, row_w_ptr, out_ptr, hidden, inter,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out[r] = route_weight[r] * act[r] @ Wd[e].T for expert e's rows r."""
-    e, m_block, n_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(active_ptr + tl.program_id(0))
+    m_block, n_block = tl.program_id(1), tl.program_id(2)
     start, end = tl.load(offsets_ptr + e), tl.load(offsets_ptr + e + 1)
     rows = start + m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     if start + m_block * BLOCK_M < end:
@@ -149,13 +156,13 @@ def _down_kernel(
                 act_ptr + rows[:, None] * inter + ks[None, :],
                 mask=row_ok[:, None] & (ks[None, :] < inter),
                 other=0.0,
-            )
+            ).to(COMPUTE)
             w = tl.load(
                 wd_ptr + e * hidden * inter + cols[None, :] * inter + ks[:, None],
                 mask=(cols[None, :] < hidden) & (ks[:, None] < inter),
                 other=0.0,
-            ).to(tl.float32)
-            acc += tl.dot(act, w)
+            ).to(COMPUTE)
+            acc += tl.dot(act, w, input_precision=PRECISION)
         route_w = tl.load(row_w_ptr + rows, mask=row_ok, other=0.0)
         tl.store(
             out_ptr + rows[:, None] * hidden + cols[None, :],
@@ -169,21 +176,24 @@ def experts(x, weights, expert_ids, w_gate, w_up, w_down) -> torch.Tensor:
     num_experts, inter, hidden = w_gate.shape
     top_k = expert_ids.shape[1]
     order, offsets = permute_by_expert(expert_ids.cpu(), num_experts)
-    order, offsets = order.to(x.device), offsets.to(x.device)
+    counts = offsets[1:] - offsets[:-1]
+    active = counts.nonzero().flatten()  # a program grid over the experts this step routes to
+    block_m, block_n, block_k = gemm_blocks(int(counts.max()))
+    max_blocks = triton.cdiv(int(counts.max()), block_m)
+    order, offsets, active = (t.to(x.device) for t in (order, offsets, active))
     token_ids = order // top_k  # [T * k] rows grouped by expert
     row_weights = weights.flatten()[order].float().contiguous()
     num_rows = token_ids.numel()
-    block_m, block_n, block_k = 16, 32, 32
-    max_blocks = triton.cdiv(int((offsets[1:] - offsets[:-1]).max()), block_m)
+    dot = dot_dtype(w_gate)
     act = torch.empty(num_rows, inter, dtype=torch.float32, device=x.device)
-    _gate_up_kernel[(num_experts, max_blocks, triton.cdiv(inter, block_n))](
-        x.contiguous(), token_ids, offsets, w_gate.contiguous(), w_up.contiguous(), act,
-        hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    _gate_up_kernel[(active.numel(), max_blocks, triton.cdiv(inter, block_n))](
+        x.contiguous(), token_ids, offsets, active, w_gate.contiguous(), w_up.contiguous(), act,
+        hidden, inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot,
     )  # fmt: skip
     rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
-    _down_kernel[(num_experts, max_blocks, triton.cdiv(hidden, block_n))](
-        act, offsets, w_down.contiguous(), row_weights, rows_out, hidden, inter,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    _down_kernel[(active.numel(), max_blocks, triton.cdiv(hidden, block_n))](
+        act, offsets, active, w_down.contiguous(), row_weights, rows_out, hidden, inter,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot,
     )  # fmt: skip
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     return out.index_add_(0, token_ids, rows_out).to(x.dtype)

@@ -5,11 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
+from zcode.kernels.triton.common import dot_dtype, gemm_blocks
+
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr, wg_ptr, wu_ptr, ids_ptr, act_ptr, num_tokens, hidden, num_kept,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """act[t, j] = silu(x[t] . Wg[ids[j]]) * (x[t] . Wu[ids[j]])."""
     m_block, n_block = tl.program_id(0), tl.program_id(1)
@@ -25,11 +28,13 @@ def _gate_up_kernel(
             x_ptr + rows[:, None] * hidden + ks[None, :],
             mask=(rows[:, None] < num_tokens) & (ks[None, :] < hidden),
             other=0.0,
-        ).to(tl.float32)
+        ).to(COMPUTE)
         w_offsets = neurons[None, :] * hidden + ks[:, None]  # [K, N]: rows of W, transposed
         w_mask = col_ok[None, :] & (ks[:, None] < hidden)
-        gate += tl.dot(x, tl.load(wg_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32))
-        up += tl.dot(x, tl.load(wu_ptr + w_offsets, mask=w_mask, other=0.0).to(tl.float32))
+        w_gate = tl.load(wg_ptr + w_offsets, mask=w_mask, other=0.0).to(COMPUTE)
+        w_up = tl.load(wu_ptr + w_offsets, mask=w_mask, other=0.0).to(COMPUTE)
+        gate += tl.dot(x, w_gate, input_precision=PRECISION)
+        up += tl.dot(x, w_up, input_precision=PRECISION)
     tl.store(
         act_ptr + rows[:, None] * num_kept + cols[None, :],
         gate * tl.sigmoid(gate) * up,
@@ -41,6 +46,7 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr, wd_ptr, ids_ptr, out_ptr, num_tokens, hidden, inter, num_kept,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """out[t, d] = sum_j act[t, j] * Wd[d, ids[j]]."""
     m_block, n_block = tl.program_id(0), tl.program_id(1)
@@ -55,13 +61,13 @@ def _down_kernel(
             act_ptr + rows[:, None] * num_kept + ks[None, :],
             mask=(rows[:, None] < num_tokens) & k_ok[None, :],
             other=0.0,
-        )
+        ).to(COMPUTE)
         w = tl.load(
             wd_ptr + cols[None, :] * inter + neurons[:, None],  # [K, N]: columns of Wd
             mask=(cols[None, :] < hidden) & k_ok[:, None],
             other=0.0,
-        ).to(tl.float32)
-        acc += tl.dot(act, w)
+        ).to(COMPUTE)
+        acc += tl.dot(act, w, input_precision=PRECISION)
     tl.store(
         out_ptr + rows[:, None] * hidden + cols[None, :],
         acc,
@@ -73,16 +79,17 @@ def sparse_ffn(x, w_gate, w_up, w_down, neuron_ids) -> torch.Tensor:
     # x: [T, D]; w_gate, w_up: [I, D]; w_down: [D, I]; neuron_ids: [n] -> [T, D]
     num_tokens, hidden = x.shape
     inter, num_kept = w_gate.shape[0], neuron_ids.numel()
-    block_m, block_n, block_k = 16, 32, 32
+    block_m, block_n, block_k = gemm_blocks(num_tokens)
+    dot = dot_dtype(w_gate)
     act = torch.empty(num_tokens, num_kept, dtype=torch.float32, device=x.device)
     ids = neuron_ids.contiguous()
     _gate_up_kernel[(triton.cdiv(num_tokens, block_m), triton.cdiv(num_kept, block_n))](
         x.contiguous(), w_gate.contiguous(), w_up.contiguous(), ids, act, num_tokens, hidden,
-        num_kept, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_kept, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot,
     )  # fmt: skip
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(triton.cdiv(num_tokens, block_m), triton.cdiv(hidden, block_n))](
         act, w_down.contiguous(), ids, out, num_tokens, hidden, inter, num_kept,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot,
     )  # fmt: skip
     return out.to(x.dtype)
