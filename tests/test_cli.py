@@ -11,9 +11,11 @@ import io
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -313,3 +315,17 @@ def test_hw_reports_measured_machine_facts_as_json(tmp_path):
     facts = json.loads(result.stdout)
     assert facts["read_bandwidth_gbps"] > 0 and facts["fp32_gflops"] > 0
     assert list(tmp_path.glob("hardware-*.json")), "the probe result is cached"
+
+
+def test_ctrl_c_during_start_up_exits_130_without_a_traceback():
+    """Interrupted while it imports torch and loads the model: status 130, nothing on stderr
+    but what a user should read (the top-level imports are light, so main's handler is set)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zcode.cli", "generate", "hi"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )  # fmt: skip
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr

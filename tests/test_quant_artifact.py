@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from zcode import cli
+from zcode.errors import CheckpointError
 from zcode.layers.linear import Linear
 from zcode.loader import load_model
-from zcode.loader.errors import CheckpointError
 from zcode.quant import QuantizedLinear, apply_precision, quantizable_modules
 from zcode.quant.activations import HessianCollector
 from zcode.quant.artifact import METADATA_KEY, PLAN_FILE, WEIGHTS_FILE, save_artifact

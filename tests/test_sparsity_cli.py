@@ -77,7 +77,7 @@ def test_ppl_scores_with_the_skips_on_a_paged_engine(capsys, monkeypatch, tmp_pa
         return PerplexityResult(nll_sum=2.0, num_tokens=2)
 
     monkeypatch.setattr(cli, "load_llm", load)
-    monkeypatch.setattr(cli, "perplexity", score)
+    monkeypatch.setattr("zcode.ppl.perplexity", score)
     (tmp_path / "t.txt").write_text("abc")
     cli.main(["ppl", str(tmp_path / "t.txt"), "--skip-layers", "14", "--skip-kv-heads", "5:2"])
     assert "perplexity  2.7183" in capsys.readouterr().out

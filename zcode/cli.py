@@ -12,14 +12,15 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from zcode.errors import ValidationError
-from zcode.info import format_info, model_info
-from zcode.llm import LLM
-from zcode.loader.errors import CheckpointError
-from zcode.ppl import perplexity
-from zcode.sampling_params import SamplingParams
+# Only light modules at the top: `zcode --help` and a Ctrl-C during start-up must not wait on
+# torch; each command imports the engine when it runs.
+from zcode.errors import CheckpointError, ValidationError
+
+if TYPE_CHECKING:
+    from zcode.llm import LLM
+    from zcode.sampling_params import SamplingParams
 
 DEFAULT_MODEL_HELP = "default: the embedded SmolLM2-135M-Instruct"
 SAMPLING_HELP = (
@@ -507,15 +508,19 @@ def _quality_profile(args: argparse.Namespace) -> dict | None:
         raise ValidationError(f"{args.profile}: not a profile JSON ({e})") from e
 
 
-def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engine_args) -> LLM:
+def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engine_args) -> "LLM":
     """The one place a command loads a model. `float_weights`: the command rewrites weights (a
     precision plan, quality variants), so "auto" loads them as float32."""
     if float_weights and dtype == "auto":
         dtype = "float32"
+    from zcode.llm import LLM
+
     return LLM(model, dtype=dtype, **engine_args)
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def _sampling_params(args: argparse.Namespace) -> "SamplingParams":
+    from zcode.sampling_params import SamplingParams
+
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -618,6 +623,8 @@ def _chat(args: argparse.Namespace) -> None:
 
 
 def _info(args: argparse.Namespace) -> None:
+    from zcode.info import format_info, model_info
+
     info = model_info(args.model)
     print(json.dumps(info.to_dict(), indent=2) if args.json else format_info(info))
 
@@ -665,6 +672,8 @@ def _ppl(args: argparse.Namespace) -> None:
         raise ValidationError(
             f"{args.file}: perplexity needs at least 2 tokens, got {len(token_ids)}"
         )
+    from zcode.ppl import perplexity
+
     start = time.perf_counter()
     result = perplexity(llm, token_ids, args.window, args.stride, **skips)
     seconds = time.perf_counter() - start
@@ -682,7 +691,7 @@ def _read_plan(path: str) -> dict[str, str]:
         raise ValidationError(str(e)) from e
 
 
-def _apply_plan(llm: LLM, plan: dict[str, str], **options) -> None:
+def _apply_plan(llm: "LLM", plan: dict[str, str], **options) -> None:
     from zcode.quant import apply_precision
 
     try:

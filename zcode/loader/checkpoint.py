@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zcode.errors import CheckpointError
 from zcode.layers.rotary import RotaryEmbedding
-from zcode.loader.errors import CheckpointError
 from zcode.loader.gguf_file import load_gguf_tokenizer, read_gguf, read_gguf_config
 from zcode.loader.gguf_weights import dequantize_model, load_gguf_weights
 from zcode.loader.safetensors_dir import iter_safetensors, read_hf_config, shard_files

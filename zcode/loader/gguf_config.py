@@ -5,7 +5,7 @@ Architectures (`general.architecture` -> HF `model_type`): llama -> llama, glm4 
 glm4moe -> glm4_moe, glm-dsa -> glm_moe_dsa, gemma3 -> gemma3_text.
 """
 
-from zcode.loader.errors import CheckpointError
+from zcode.errors import CheckpointError
 
 MODEL_TYPES = {
     "llama": "llama",

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zcode.loader.errors import CheckpointError
+from zcode.errors import CheckpointError
 from zcode.loader.gguf_config import gguf_config_dict
 
 

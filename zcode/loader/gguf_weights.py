@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zcode.errors import CheckpointError
 from zcode.layers.linear import Linear
-from zcode.loader.errors import CheckpointError
 from zcode.loader.gguf_config import MODEL_TYPES
 from zcode.loader.gguf_file import GgufContents, GgufTensor
 from zcode.quant.gguf import GgufEmbedding, GgufWeight, dequantize_rows, format_name

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from zcode.loader.errors import CheckpointError
+from zcode.errors import CheckpointError
 
 
 def read_hf_config(model_dir: Path):

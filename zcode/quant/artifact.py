@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from zcode.loader.errors import CheckpointError
+from zcode.errors import CheckpointError
 from zcode.quant.formats import PackedWeight, round_up
 from zcode.quant.gptq import format_layout
 from zcode.quant.hadamard import RotatedLinear
