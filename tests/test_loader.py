@@ -107,6 +107,16 @@ def test_config_not_json(ckpt):
     assert str(ckpt / "config.json") in _load_error(ckpt)
 
 
+@pytest.mark.parametrize("key", ["hidden_size", "num_hidden_layers", "vocab_size"])
+def test_config_without_a_shape_key(ckpt, key):
+    """transformers would fill the key from its class default and build some other model."""
+    config = json.loads((ckpt / "config.json").read_text())
+    del config[key]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    message = _load_error(ckpt)
+    assert str(ckpt / "config.json") in message and key in message
+
+
 def test_unsupported_model_type(ckpt):
     config = json.loads((ckpt / "config.json").read_text())
     (ckpt / "config.json").write_text(json.dumps(config | {"model_type": "bert"}))

@@ -11,11 +11,26 @@ from transformers import AutoConfig
 
 from zcode.errors import CheckpointError
 
+# The keys that size a model: transformers fills a missing one with its config class's default
+# (a 4096-wide Llama), which would describe some other model without a word.
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
 
 def read_hf_config(model_dir: Path):
     config_file = model_dir / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{model_dir}: no config.json (not a HF model directory)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{config_file}: not a JSON file: {e}") from e
+    shape = raw.get("text_config", raw) if isinstance(raw, dict) else None
+    if not isinstance(shape, dict):
+        raise CheckpointError(f"{config_file}: not a model config (a JSON object is expected)")
+    if missing := [key for key in SHAPE_KEYS if key not in shape]:
+        raise CheckpointError(
+            f"{config_file}: no {', '.join(missing)}: the config does not give the model's shape"
+        )
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad config
