@@ -148,6 +148,42 @@ def test_chat_keeps_history_and_obeys_commands(capsys, monkeypatch):
     assert capsys.readouterr().out == "reply 1\nreply 2\nreply 3\n"
 
 
+class InterruptedLLM(FakeLLM):
+    """Ctrl-C comes while the first reply's second piece is computed (that piece still arrives:
+    the step in flight ends); records whether each stream was closed (LLM.stream aborts its
+    request when closed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed: list[bool] = []
+
+    def stream(self, messages, params, enable_thinking=None):
+        self.conversations.append([dict(m) for m in messages])
+        self.closed.append(False)
+        try:
+            for piece in ("reply", f" {len(self.conversations)}", " more"):
+                yield SimpleNamespace(delta_text=piece)
+                if len(self.conversations) == 1:
+                    os.kill(os.getpid(), signal.SIGINT)
+        finally:
+            self.closed[-1] = True
+
+
+def test_chat_ctrl_c_stops_the_reply_and_keeps_the_conversation(capsys, monkeypatch):
+    llm = InterruptedLLM()
+    monkeypatch.setattr(cli, "load_llm", lambda *a: llm)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nagain\n"))
+    cli.main(["chat"])
+    assert llm.conversations[1] == [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "reply 1"},
+        {"role": "user", "content": "again"},
+    ]
+    assert llm.closed == [True, True]
+    assert capsys.readouterr().out == "reply 1\nreply 2 more\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_generate_chat_and_ppl_on_the_default_model(tmp_path):
     source = Path(textwrap.__file__).read_text()[:4000]  # comfortably more than 300 tokens
     text_file = tmp_path / "textwrap.txt"

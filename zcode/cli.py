@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -590,17 +591,13 @@ def _chat(args: argparse.Namespace) -> None:
     if not getattr(llm.tokenizer, "chat_template", None):
         raise ValidationError("this model has no chat template: use 'zcode generate'")
     interactive = sys.stdin.isatty()
+    if interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+
+        print("/reset clears the conversation; /exit or Ctrl-D quits; Ctrl-C stops a reply")
     opening = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(opening)
-    if interactive:
-        print("/reset clears the conversation, /exit or Ctrl-D quits", file=sys.stderr)
-    while True:
-        try:
-            line = input("> " if interactive else "").strip()
-        except EOFError:
-            if interactive:
-                print(file=sys.stderr)  # the shell prompt starts on a line of its own
-            break
+    while (line := _read_turn("> " if interactive else "")) is not None:
         if line == "/exit":
             break
         if line == "/reset":
@@ -611,15 +608,49 @@ def _chat(args: argparse.Namespace) -> None:
         messages.append({"role": "user", "content": line})
         reply = []
         try:
-            for out in llm.stream(messages, params, args.thinking):
-                _write(out.delta_text)
-                reply.append(out.delta_text)
+            with _CtrlCStopsReply() as ctrl_c:
+                for out in llm.stream(messages, params, args.thinking):
+                    _write(out.delta_text)
+                    reply.append(out.delta_text)
+                    if ctrl_c.pressed:
+                        break  # closing the stream aborts the request
         except ValidationError as e:  # e.g. the conversation outgrew the context
             messages.pop()
             print(f"zcode: error: {e} (/reset starts a new conversation)", file=sys.stderr)
             continue
         _write("\n")
         messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _read_turn(prompt: str) -> str | None:
+    """The user's next line, stripped; None at end of input. Ctrl-C at the prompt clears the
+    line, as in a shell, and keeps the conversation."""
+    while True:
+        try:
+            return input(prompt).strip()
+        except EOFError:
+            if prompt:
+                print()  # the shell prompt starts on a line of its own
+            return None
+        except KeyboardInterrupt:
+            print()
+
+
+class _CtrlCStopsReply:
+    """While a reply streams, Ctrl-C sets `pressed` instead of raising: the stream stops after
+    the step in flight (never inside one, which would leave the engine half-updated), the words
+    so far stay in the conversation, and the prompt comes back."""
+
+    def __enter__(self) -> "_CtrlCStopsReply":
+        self.pressed = False
+        self._previous = signal.signal(signal.SIGINT, self._press)
+        return self
+
+    def _press(self, signum, frame) -> None:
+        self.pressed = True
+
+    def __exit__(self, *exc) -> None:
+        signal.signal(signal.SIGINT, self._previous)
 
 
 def _info(args: argparse.Namespace) -> None:
