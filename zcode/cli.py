@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from zcode.errors import ValidationError
-from zcode.info import format_info, model_info
+from zcode.info import FitOptions, format_info, model_info, shipped_configs
+from zcode.info_fit import DEFAULT_CONTEXT_LEN, DEFAULT_DISK_GBPS
 from zcode.llm import LLM
 from zcode.loader.errors import CheckpointError
 from zcode.ppl import perplexity
@@ -104,10 +105,34 @@ def build_parser() -> argparse.ArgumentParser:
         description="Describe a model from its config alone (a directory holding only config.json "
         "is enough): architecture, size, parameter count (and active parameters per token for "
         "MoE), KV-cache bytes per token, and the memory its weights need at fp32, bf16, int8 and "
-        "int4 plus the KV cache of one max-length sequence, against this machine's RAM.",
+        "int4 plus the KV cache of one max-length sequence, against this machine's RAM. Then the "
+        "fit plan: per llama.cpp file type (bf16, Q8_0, Q4_K_M, Q4_0) the file's size, whether "
+        "it fits this machine's RAM whole or with the routed experts left on disk (expert "
+        "offload: the disk read per token at a hit rate), and the batch-1 decode tok/s this "
+        "machine's cost model predicts (the hardware probe runs once if none is cached).",
     )
-    _add_model_argument(info, "HF model directory, its config.json, or a .gguf file")
+    _add_model_argument(
+        info,
+        f"HF model directory, its config.json, a .gguf file, or {', '.join(shipped_configs())}",
+    )
     info.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    info.add_argument(
+        "--context",
+        type=_positive_int,
+        default=DEFAULT_CONTEXT_LEN,
+        help=f"tokens of KV cache the fit plan reserves (default {DEFAULT_CONTEXT_LEN})",
+    )
+    info.add_argument(
+        "--hit-rate",
+        type=_fraction,
+        help="expert cache hit rate under offload (default: the cached share of the experts)",
+    )
+    info.add_argument(
+        "--disk-gbps",
+        type=_positive_float,
+        default=DEFAULT_DISK_GBPS,
+        help=f"disk read bandwidth for offloaded experts, GB/s (default {DEFAULT_DISK_GBPS})",
+    )
     info.set_defaults(run=_info)
 
     hw = commands.add_parser(
@@ -617,8 +642,45 @@ def _chat(args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return int(text)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, not {text!r}")
+    return value
+
+
 def _info(args: argparse.Namespace) -> None:
-    info = model_info(args.model)
+    from zcode.hardware import probe
+    from zcode.hardware.cost_model import CostModel
+
+    hardware = probe()
+    fit = FitOptions(
+        context_len=args.context,
+        hit_rate=args.hit_rate,
+        disk_gbps=args.disk_gbps,
+        cost=CostModel.cached(hardware),
+        read_bandwidth_gbps=hardware.read_bandwidth_gbps,
+    )
+    info = model_info(args.model, fit)
     print(json.dumps(info.to_dict(), indent=2) if args.json else format_info(info))
 
 
