@@ -145,7 +145,9 @@ def test_shipped_configs_count_like_transformers(published):
             oracle = AutoModelForCausalLM.from_config(config)
         assert info.num_params == sum(p.numel() for p in oracle.parameters()), name
     air, glm5 = published["glm-4.5-air"], published["glm-5"]
-    assert 105e9 < air.num_params < 111e9 and 11e9 < air.num_active_params < 13e9  # 106B-A12B
+    assert 105e9 < air.num_params < 108e9  # published as 106B total, 12B active (which counts
+    active_body = air.num_active_params - 2 * air.vocab_size * air.hidden_size  # no embedding)
+    assert 11.5e9 < active_body < 12.5e9
     assert 740e9 < glm5.num_params < 760e9 and glm5.num_experts == 256
 
 
@@ -157,7 +159,7 @@ def test_info_plans_the_published_glm_configs(published):
         per_param = {t: r.weight_bytes / info.num_params for t, r in rows.items()}
         assert per_param["bf16"] == pytest.approx(2, rel=0.01)
         assert per_param["q8_0"] == pytest.approx(34 / 32, rel=0.01)
-        assert 18 / 32 < per_param["q4_0"] < per_param["q4_k_m"] < 0.65
+        assert 18 / 32 < per_param["q4_0"] < per_param["q4_k_m"] < 0.7  # Q5_0, Q6_K, Q8_0 mixed in
         for r in rows.values():  # a token reads the active parameters' share
             active = info.num_active_params / info.num_params
             assert r.read_bytes_per_token < 1.1 * active * r.weight_bytes
