@@ -121,7 +121,7 @@ def test_cost_model_prediction_reads_the_linears_of_the_file(gguf_files):
         if "indexer.proj" in t.name:  # and the indexer's weights_proj
             num_bytes = 4 * int(t.n_elements)
         linear_mb += num_bytes * (share if "_exps." in t.name else 1) / 1e6
-    fit = plan_fit(net, None, context_len=16, cost=cost)
+    fit = model_info(gguf_files["hf"], FitOptions(context_len=16, cost=cost)).fit
     row = next(r for r in fit.formats if r.file_type == "q4_k_m")
     assert fit.predictor == "cost model"
     assert row.decode_tok_s == pytest.approx(1e3 / (c * linear_mb))

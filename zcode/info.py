@@ -27,6 +27,7 @@ from zcode.info_fit import (
 )
 from zcode.layers.moe import MoE
 from zcode.loader.checkpoint import CheckpointError, build_model, read_config, resolve_model_path
+from zcode.loader.gguf_config import MODEL_TYPES as GGUF_MODEL_TYPES
 
 # Quantized formats store 2-D weights in groups of 32 with one fp16 scale per group (llama.cpp's
 # Q8_0 / Q4_0: 8.5 and 4.5 bits per weight); norms and biases stay bf16.
@@ -163,10 +164,11 @@ def model_info(model: str | Path | None = None, fit: FitOptions | None = None) -
 
 
 def _plan_fit(net: torch.nn.Module, options: FitOptions) -> FitPlan | None:
-    try:
-        return plan_fit(net, _machine_memory(), **dataclasses.asdict(options))
-    except ValueError:  # an architecture llama.cpp's GGUF has no names for
+    if net.config.model_type not in GGUF_MODEL_TYPES.values():  # no GGUF names to plan with
         return None
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    fields["context_len"] = min(options.context_len, net.config.max_position_embeddings)
+    return plan_fit(net, _machine_memory(), **fields)
 
 
 def _gguf_storage(path: Path, expert_fraction: float) -> tuple[dict, int]:

@@ -168,12 +168,15 @@ def format_fit(fit: FitPlan, size) -> str:
         )
     else:
         how = "no decode prediction (no hardware probe)"
-    lines = [
-        "",
-        f"fit on this machine: {ram}, KV at {fit.context_len} tokens (float32), {how}",
-        f"{'file':<8}{'weights':>11}{'experts':>11}{'KV':>11}{'fits':>6}{'tok/s':>8}"
-        f"   offload: {'RAM':>10}{'fits':>6}{'cache':>11}{'hit':>6}{'disk/token':>12}{'tok/s':>8}",
-    ]
+    moe = any(r.expert_bytes for r in fit.formats)
+    header = f"{'file':<8}{'weights':>11}{'experts':>11}{'KV':>11}{'fits':>6}{'tok/s':>8}"
+    if moe:
+        header += (
+            f"   offload: {'RAM':>10}{'fits':>6}{'cache':>11}{'hit':>6}{'disk/token':>12}"
+            f"{'tok/s':>8}"
+        )
+    lines = ["", f"fit on this machine: {ram}, KV at {fit.context_len} tokens (float32), {how}"]
+    lines.append(header)
     for r in fit.formats:
         offload = ""
         if r.offload_fits is not None:
@@ -185,13 +188,14 @@ def format_fit(fit: FitPlan, size) -> str:
                 f"{size(r.disk_bytes_per_token):>12}{_rate(r.offload_tok_s):>8}"
             )
         lines.append(
-            f"{r.file_type:<8}{size(r.weight_bytes):>11}{size(r.expert_bytes):>11}"
+            f"{r.file_type:<8}{size(r.weight_bytes):>11}{size(r.expert_bytes) if moe else '-':>11}"
             f"{size(r.kv_bytes):>11}{_yes(r.fits):>6}{_rate(r.decode_tok_s):>8}{offload}"
         )
-    lines.append(
-        f"offload: experts read from disk at {fit.disk_gbps:g} GB/s (--disk-gbps), the RAM left "
-        "after dense weights and KV caches experts; hit rate = cached share (--hit-rate)"
-    )
+    if moe:
+        lines.append(
+            f"offload: experts read from disk at {fit.disk_gbps:g} GB/s (--disk-gbps), the RAM "
+            "left after dense weights and KV caches experts; hit rate = cached share (--hit-rate)"
+        )
     return "\n".join(lines)
 
 
