@@ -186,7 +186,7 @@ def fit_config(
 
     lo, hi = 1e-3, 1.0
     if count(at(hi)) < target_params:
-        raise ValueError(f"{shape} is published at {count(at(hi)):,} parameters; target is larger")
+        raise ValueError(f"{shape} at full scale has {count(at(hi)):,} parameters, below target")
     if count(at(lo)) > target_params:
         raise ValueError(f"{target_params:,} parameters is below the smallest {shape} shape")
     for _ in range(16):  # the count is non-decreasing in w (every scaled dim is); hi/lo -> 1.0005

@@ -105,6 +105,11 @@ def model_info(model: str | Path | None = None, fit: FitOptions | None = None) -
     the embedded default) read from its config only; with `fit`, the fit planner's table too."""
     if isinstance(model, str) and model in shipped_configs():
         model = CONFIGS_DIR / model / "config.json"
+    elif isinstance(model, str) and not Path(model).expanduser().exists():
+        raise CheckpointError(
+            f"{model}: no such model file or directory, nor a shipped config "
+            f"({', '.join(shipped_configs())})"
+        )
     path = resolve_model_path(model)
     config = read_config(path)
     try:
