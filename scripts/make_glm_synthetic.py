@@ -45,6 +45,7 @@ TINY_VOCAB_MAX = 272  # make_gguf.write_tokenizer: 256 bytes + 6 merges + 10 spe
 SHARD_BYTES = 1 << 30
 
 
+@functools.cache
 def make_gguf_module():
     spec = importlib.util.spec_from_file_location("make_gguf", ROOT / "scripts" / "make_gguf.py")
     module = importlib.util.module_from_spec(spec)
