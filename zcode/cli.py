@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 # Only light modules at the top: `zcode --help` and a Ctrl-C during start-up must not wait on
 # torch; each command imports the engine when it runs.
+from zcode.configs import DEFAULT_CONTEXT_LEN, DEFAULT_DISK_GBPS, shipped_configs
 from zcode.errors import CheckpointError, ValidationError
 
 if TYPE_CHECKING:
@@ -106,10 +107,34 @@ def build_parser() -> argparse.ArgumentParser:
         description="Describe a model from its config alone (a directory holding only config.json "
         "is enough): architecture, size, parameter count (and active parameters per token for "
         "MoE), KV-cache bytes per token, and the memory its weights need at fp32, bf16, int8 and "
-        "int4 plus the KV cache of one max-length sequence, against this machine's RAM.",
+        "int4 plus the KV cache of one max-length sequence, against this machine's RAM. Then the "
+        "fit plan: per llama.cpp file type (bf16, Q8_0, Q4_K_M, Q4_0) the file's size, whether "
+        "it fits this machine's RAM whole or with the routed experts left on disk (expert "
+        "offload: the disk read per token at a hit rate), and the batch-1 decode tok/s this "
+        "machine's cost model predicts (the hardware probe runs once if none is cached).",
     )
-    _add_model_argument(info, "HF model directory, its config.json, or a .gguf file")
+    _add_model_argument(
+        info,
+        f"HF model directory, its config.json, a .gguf file, or {', '.join(shipped_configs())}",
+    )
     info.add_argument("--json", action="store_true", help="print the facts as one JSON object")
+    info.add_argument(
+        "--context",
+        type=_positive_int,
+        default=DEFAULT_CONTEXT_LEN,
+        help=f"tokens of KV cache the fit plan reserves (default {DEFAULT_CONTEXT_LEN})",
+    )
+    info.add_argument(
+        "--hit-rate",
+        type=_fraction,
+        help="expert cache hit rate under offload (default: the cached share of the experts)",
+    )
+    info.add_argument(
+        "--disk-gbps",
+        type=_positive_float,
+        default=DEFAULT_DISK_GBPS,
+        help=f"disk read bandwidth for offloaded experts, GB/s (default {DEFAULT_DISK_GBPS})",
+    )
     info.set_defaults(run=_info)
 
     hw = commands.add_parser(
@@ -653,10 +678,46 @@ class _CtrlCStopsReply:
         signal.signal(signal.SIGINT, self._previous)
 
 
-def _info(args: argparse.Namespace) -> None:
-    from zcode.info import format_info, model_info
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return int(text)
 
-    info = model_info(args.model)
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, not {text!r}")
+    return value
+
+
+def _info(args: argparse.Namespace) -> None:
+    from zcode.hardware import probe
+    from zcode.hardware.cost_model import CostModel
+    from zcode.info import FitOptions, format_info, model_info
+
+    hardware = probe()
+    fit = FitOptions(
+        context_len=args.context,
+        hit_rate=args.hit_rate,
+        disk_gbps=args.disk_gbps,
+        cost=CostModel.cached(hardware),
+        read_bandwidth_gbps=hardware.read_bandwidth_gbps,
+    )
+    info = model_info(args.model, fit)
     print(json.dumps(info.to_dict(), indent=2) if args.json else format_info(info))
 
 

@@ -1,7 +1,10 @@
-"""What a model needs before any weight is read: size, KV cache per token, memory per precision.
+"""What a model needs before any weight is read: size, KV cache per token, memory per precision,
+and (zcode/info_fit.py) how it fits this machine in each llama.cpp file type.
 
 The model is built on the meta device from its config alone, so a GLM-5-sized config (~744B
 parameters) is counted in seconds with no memory, and a directory holding only config.json works.
+The published configs of GLM-4.5-Air and GLM-5 ship in zcode/configs/ and are named by their
+directory: `zcode info glm-4.5-air`.
 """
 
 import dataclasses
@@ -12,9 +15,18 @@ from pathlib import Path
 
 import torch
 
+from zcode.configs import CONFIGS_DIR, DEFAULT_CONTEXT_LEN, DEFAULT_DISK_GBPS, shipped_configs
 from zcode.engine.kv_cache import kv_bytes_per_token
+from zcode.hardware.cost_model import CostModel
+from zcode.info_fit import (
+    FitPlan,
+    bytes_read_per_token,
+    format_fit,
+    plan_fit,
+)
 from zcode.layers.moe import MoE
 from zcode.loader.checkpoint import CheckpointError, build_model, read_config, resolve_model_path
+from zcode.loader.gguf_config import MODEL_TYPES as GGUF_MODEL_TYPES
 
 # Quantized formats store 2-D weights in groups of 32 with one fp16 scale per group (llama.cpp's
 # Q8_0 / Q4_0: 8.5 and 4.5 bits per weight); norms and biases stay bf16.
@@ -24,6 +36,17 @@ WEIGHT_BYTES = {"float32": 4.0, "bfloat16": 2.0, "int8": 1.0, "int4": 0.5}
 # The KV cache is kept in the activation dtype: fp32 models cache fp32, everything else bf16.
 KV_DTYPE_OF = {"float32": "float32", "bfloat16": "bfloat16", "int8": "bfloat16", "int4": "bfloat16"}
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """What the fit planner needs beyond the config (zcode/info_fit.py)."""
+
+    context_len: int = DEFAULT_CONTEXT_LEN
+    hit_rate: float | None = None
+    disk_gbps: float = DEFAULT_DISK_GBPS
+    cost: CostModel | None = None
+    read_bandwidth_gbps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +83,7 @@ class ModelInfo:
     # weight bytes one decoded token reads (routed experts at top_k / experts, one embedding row).
     stored_types: dict[str, dict[str, int]] | None = None
     stored_bytes_per_token: int | None = None
+    fit: FitPlan | None = None
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -69,9 +93,16 @@ class ModelInfo:
         return out
 
 
-def model_info(model: str | Path | None = None) -> ModelInfo:
-    """Facts about `model` (HF directory, its config.json, or a .gguf; None: the embedded default)
-    read from its config only."""
+def model_info(model: str | Path | None = None, fit: FitOptions | None = None) -> ModelInfo:
+    """Facts about `model` (HF directory, its config.json, a .gguf, a shipped config's name; None:
+    the embedded default) read from its config only; with `fit`, the fit planner's table too."""
+    if isinstance(model, str) and model in shipped_configs():
+        model = CONFIGS_DIR / model / "config.json"
+    elif isinstance(model, str) and not Path(model).expanduser().exists():
+        raise CheckpointError(
+            f"{model}: no such model file or directory, nor a shipped config "
+            f"({', '.join(shipped_configs())})"
+        )
     path = resolve_model_path(model)
     config = read_config(path)
     try:
@@ -126,7 +157,16 @@ def model_info(model: str | Path | None = None) -> ModelInfo:
         machine_memory_bytes=_machine_memory(),
         stored_types=stored[0],
         stored_bytes_per_token=stored[1],
+        fit=_plan_fit(net, fit) if fit is not None else None,
     )
+
+
+def _plan_fit(net: torch.nn.Module, options: FitOptions) -> FitPlan | None:
+    if net.config.model_type not in GGUF_MODEL_TYPES.values():  # no GGUF names to plan with
+        return None
+    fields = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    fields["context_len"] = min(options.context_len, net.config.max_position_embeddings)
+    return plan_fit(net, _machine_memory(), **fields)
 
 
 def _gguf_storage(path: Path, expert_fraction: float) -> tuple[dict, int]:
@@ -135,17 +175,14 @@ def _gguf_storage(path: Path, expert_fraction: float) -> tuple[dict, int]:
     from zcode.quant.gguf import type_name
 
     tensors = read_gguf(path).tensors
-    has_output = any(t.name == "output.weight" for t in tensors)
     types: dict[str, dict[str, int]] = {}
-    per_token = 0.0
     for t in tensors:
         row = types.setdefault(type_name(t.ggml_type), {"tensors": 0, "bytes": 0})
         row["tensors"] += 1
         row["bytes"] += t.nbytes
-        if t.name == "token_embd.weight" and has_output:
-            per_token += t.nbytes / t.shape[0]  # a lookup reads one row
-        else:
-            per_token += t.nbytes * (expert_fraction if "_exps." in t.name else 1)
+    per_token = bytes_read_per_token(
+        ((t.name, t.nbytes, t.shape[0]) for t in tensors), expert_fraction
+    )
     return dict(sorted(types.items(), key=lambda kv: -kv[1]["bytes"])), round(per_token)
 
 
@@ -216,6 +253,8 @@ def format_info(info: ModelInfo) -> str:
         f"KV: one sequence at the max context. int8/int4: one fp16 scale per {QUANT_GROUP_SIZE} "
         "weights, norms in bf16."
     )
+    if info.fit is not None:
+        lines.append(format_fit(info.fit, _size))
     return "\n".join(lines)
 
 

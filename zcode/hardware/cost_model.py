@@ -6,9 +6,11 @@ A step's time is predicted as a linear function of what the step reads and compu
          + sum over kernel kinds k of (a_k * weight_MB_k + o_k * calls_k + f_k * GFLOP_k)
 
 where a kernel kind is how a linear layer runs (`dense-float32`, `dense-bfloat16`, or a weight
-format family `bf16`, `int8`, `w8a8`, `int4`, `w4a8` through its fast kernel), weight_MB_k the
-bytes of weights of that kind read per step (QuantizedLinear.weight_bytes, or the parameter's
-bytes), calls_k the number of linear calls and GFLOP_k their arithmetic past the first row.
+format family `bf16`, `int8`, `w8a8`, `int4`, `w4a8` through its fast kernel; a ggml block
+format as the family doing its work, `gguf_proxy_kind`), weight_MB_k the bytes of weights of
+that kind read per step (QuantizedLinear.weight_bytes, or the parameter's bytes; a MoE layer's
+routed experts by the expected share of them the step's tokens touch, routed uniformly),
+calls_k the number of linear calls and GFLOP_k their arithmetic past the first row.
 Decode steps (a few tokens) and prefill steps (a long prompt) use separate coefficients, since
 the int kernels change algorithm with the row count. The coefficients are fitted once per machine by
 non-negative least squares on relative error against measured engine steps of several plans of
@@ -35,17 +37,20 @@ import functools
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from scipy.optimize import nnls
 from torch import nn
 
 from zcode.hardware.probe import HardwareInfo, default_cache_dir, fingerprint, probe
 from zcode.harness.plan import ExecutionPlan
+from zcode.quant.gguf import row_bytes
 from zcode.quant.linear import QuantizedLinear, quantize_weight
 
 logger = logging.getLogger(__name__)
@@ -53,6 +58,7 @@ logger = logging.getLogger(__name__)
 _SCHEMA_VERSION = 1  # bump when the features change, so old fits are not read
 DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.\d+\.")
 
 # Part of the cache key: bump when a kernel change makes fitted costs stale (2: C++ decode GEMV;
 # 3: its software prefetch; 4: sibling linears in one GEMV call, no size asserts in graphs).
@@ -67,12 +73,32 @@ def kernel_kind(module: nn.Module, fmt: str | None = None) -> str:
     fmt = fmt or (module.format if isinstance(module, QuantizedLinear) else None)
     if fmt is None or fmt == "fp32":
         return f"dense-{str(module.weight.dtype).removeprefix('torch.')}"
+    if fmt.startswith("gguf-"):
+        return gguf_proxy_kind(fmt)
     return fmt.split("-g")[0]  # int4-g64 -> int4, w4a8-g128 -> w4a8
+
+
+def gguf_proxy_kind(fmt: str) -> str:
+    """The fitted kind a ggml block format is predicted with. The fit measures ZCode's own
+    formats only; a ggml format does the work of the kind with the same operands: a float GEMV
+    (bf16 weights, fp32 activations), or int8 activations against 8-bit (Q8_0, Q6_K: >= 6 bits
+    a weight) or 4-bit blocks (Q4_0, Q4_K, Q5_*, ...). Its bytes are its own."""
+    name = fmt.removeprefix("gguf-")
+    if name == "f32":
+        return "dense-float32"
+    if name in ("f16", "bf16"):
+        return "bf16"
+    block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]]
+    return "w8a8" if 8 * block_bytes / block_size >= 6 else "w4a8"
 
 
 @functools.lru_cache(maxsize=64)
 def format_weight_bytes(out_features: int, in_features: int, fmt: str) -> int:
-    """Bytes a linear of this shape reads per call in `fmt` (exact: the format's own packing)."""
+    """Bytes a linear of this shape reads per call in `fmt` (exact: the format's own packing;
+    a ggml format 'gguf-q4_k' as its GGUF blocks)."""
+    if fmt.startswith("gguf-"):
+        ggml_type = GGMLQuantizationType[fmt.removeprefix("gguf-").upper()]
+        return out_features * row_bytes(ggml_type, in_features)
     return quantize_weight(torch.zeros(out_features, in_features), fmt).weight_bytes
 
 
@@ -91,6 +117,7 @@ def step_features(
     `context_len` tokens of context each, as named features (MB, GFLOP, call counts)."""
     formats, exec_plan = _plan_formats(plan)
     skipped = {f"model.layers.{i}." for i in exec_plan.skip_layers}
+    routed = _routed_experts(model, num_tokens)
     features: dict[str, float] = {"step": 1.0}
 
     def add(name: str, value: float) -> None:
@@ -113,16 +140,33 @@ def step_features(
         share = exec_plan.ffn_density if ".mlp." in name else 1.0
         # Only the last token of each sequence reaches lm_head in a step.
         rows = num_seqs if name == "lm_head" else num_tokens
-        add(f"{kind}:MB", share * num_bytes / 1e6)
-        add(f"{kind}:calls", 1.0)
+        touched = 1.0  # the expected share of steps' weights read: a routed expert's is less
+        if (match := _EXPERT_NAME.match(name)) and match.group(1) in routed:
+            touched, rows = routed[match.group(1)]
+        add(f"{kind}:MB", share * touched * num_bytes / 1e6)
+        add(f"{kind}:calls", touched)
         # Arithmetic past the first row: one row's cost is in the bytes term (decode at batch 1
         # streams the weight once), so the two terms are not collinear at batch 1.
-        add(f"{kind}:GFLOP", share * 2 * (rows - 1) * n * k / 1e9)
+        rows_past_first = max(0.0, rows - touched - 1e-9)  # 1 - (1 - p) rounds off p
+        add(f"{kind}:GFLOP", share * 2 * rows_past_first * n * k / 1e9)
 
     kv_bytes_per_token, attn_flops_per_pair = _attention_sizes(model, exec_plan.skip_layers)
     add("kv:MB", num_seqs * context_len * kv_bytes_per_token / 1e6)
     add("attn:GFLOP", num_tokens * context_len * attn_flops_per_pair / 1e9)
     return features
+
+
+def _routed_experts(model: nn.Module, num_tokens: int) -> dict[str, tuple[float, float]]:
+    """{MoE layer's `experts` name: (expected share of its experts a step touches, expected
+    rows per expert)} for `num_tokens` tokens routed uniformly, each to top_k experts."""
+    from zcode.layers.moe import MoE
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            p = module.gate.top_k / module.gate.num_experts
+            out[f"{name}.experts"] = (1 - (1 - p) ** num_tokens, num_tokens * p)
+    return out
 
 
 def _attention_sizes(model: nn.Module, skip_layers: tuple[int, ...]) -> tuple[float, float]:
@@ -162,7 +206,7 @@ def predict(coefficients: Mapping[str, float], features: Mapping[str, float]) ->
         raise ValueError(
             f"the cost model was not fitted for {', '.join(unknown)}; refit with plans using it"
         )
-    return sum(coefficients[name] * value for name, value in features.items())
+    return sum(coefficients[name] * value for name, value in features.items() if value)
 
 
 # --- the model -------------------------------------------------------------------------------
@@ -186,15 +230,21 @@ class CostModel:
         """This machine's fitted model from the cache, else fitted now (about a minute) and
         cached. `info` defaults to the (cached) hardware probe."""
         info = info or probe(cache_dir=cache_dir)
-        key = f"{fingerprint(info)}-kernels{KERNELS_VERSION}"
-        path = cache_path(key, cache_dir)
-        if not refresh and (cached := cls.load(path)) is not None and cached.fingerprint == key:
+        if not refresh and (cached := cls.cached(info, cache_dir)) is not None:
             return cached
         from zcode.hardware.cost_fit import fit_smollm2
 
+        key = cost_key(info)
         model, _ = fit_smollm2(key)
-        model.save(path)
+        model.save(cache_path(key, cache_dir))
         return model
+
+    @classmethod
+    def cached(cls, info: HardwareInfo, cache_dir: Path | None = None) -> "CostModel | None":
+        """This machine's fitted model if one is cached, else None; measures nothing."""
+        key = cost_key(info)
+        cached = cls.load(cache_path(key, cache_dir))
+        return cached if cached is not None and cached.fingerprint == key else None
 
     def predict_decode_ms(
         self, model: nn.Module, plan: Plan = None, *, batch_size: int = 1, context_len: int = 512
@@ -249,6 +299,11 @@ def format_cost(cost: CostModel | None) -> str:
             f"{kind} {rate(kind + ':MB')} + {1e3 * c.get(kind + ':calls', 0.0):.0f} us/call"
         )
     return f"cost       decode {'; '.join(parts)} (fit on {len(cost.fit_plans)} SmolLM2 plans)"
+
+
+def cost_key(info: HardwareInfo) -> str:
+    """The key a fitted model is cached under: the machine and the kernels it measured."""
+    return f"{fingerprint(info)}-kernels{KERNELS_VERSION}"
 
 
 def cache_path(key: str, cache_dir: Path | None = None) -> Path:

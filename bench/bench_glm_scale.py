@@ -1,0 +1,169 @@
+"""A GLM-4.5-Air-shaped MoE at scale: ZCode against llama.cpp on the same GGUF file.
+
+The model is scripts/make_glm_synthetic.py's glm45-air shape at --params (default 1.3B: ~64
+experts of which 8 routed + 1 shared, hidden 1024, SmolLM2's tokenizer), made once and cached
+under ~/.cache/zcode/bench/glm-scale/. For each file type (bf16, Q4_0 by default) and thread
+count (1 and 2), both engines load the same file and run, round-robin within each repeat:
+
+- batch-1 decode: --new-tokens greedy tokens after a short prompt, tok/s;
+- prefill: one --prompt-len-token prompt, tok/s;
+
+reported as min / median over --repeats (>= 3 for figures), beside the decode tok/s `zcode info`'s
+fit planner predicts for that file type on this machine (its fitted cost model, else the
+read-bandwidth roofline; the column says which) and the measured / predicted ratio.
+
+    .venv/bin/python bench/bench_glm_scale.py [--params 1.3B] [--types bf16 q4_0] [--threads 1 2]
+    .venv/bin/python bench/bench_glm_scale.py --params 3M --vocab 256 --repeats 1 --new-tokens 8 \\
+        --prompt-len 32 --threads 1      # smoke run on a tiny model
+"""
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import bench_core
+import torch
+from bench_core import LlamaCppRunner, ZCodeRunner
+from table_format import print_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE_DIR = Path.home() / ".cache" / "zcode" / "bench" / "glm-scale"
+RESULTS_PATH = Path(__file__).parent / "results" / "glm_scale.json"
+SHORT_PROMPT = "Write a short poem about the sea."
+
+
+def synthetic_script():
+    path = ROOT / "scripts" / "make_glm_synthetic.py"
+    spec = importlib.util.spec_from_file_location("make_glm_synthetic", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def model_files(params: int, vocab: int | None, types: list[str]) -> dict[str, Path]:
+    """The cached glm45-air checkpoint of `params` and its GGUF files, made where missing."""
+    script = synthetic_script()
+    hf_dir = CACHE_DIR / f"glm45-air-{params}-v{vocab or 'smollm2'}" / "hf"
+    if not (hf_dir / "config.json").is_file():
+        print(f"making {hf_dir} ...")
+        script.make_checkpoint("glm45-air", params, hf_dir, vocab)
+    paths = {t: hf_dir.parent / f"hf-{t}.gguf" for t in types}
+    if missing := [t for t, p in paths.items() if not p.is_file()]:
+        print(f"making {', '.join(missing)} GGUF files ...")
+        script.make_gguf_files(hf_dir, missing)
+    return {"hf": hf_dir, **paths}
+
+
+def predicted_tok_s(hf_dir: Path, context_len: int) -> tuple[dict[str, float], str]:
+    """{file type: decode tok/s} from `zcode info`'s fit planner, and what predicted it."""
+    from zcode.hardware import probe
+    from zcode.hardware.cost_model import CostModel
+    from zcode.info import FitOptions, model_info
+
+    hardware = probe()
+    options = FitOptions(
+        context_len=context_len,
+        cost=CostModel.cached(hardware),
+        read_bandwidth_gbps=hardware.read_bandwidth_gbps,
+    )
+    fit = model_info(hf_dir, options).fit
+    return {r.file_type: r.decode_tok_s for r in fit.formats}, fit.predictor
+
+
+def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], args) -> dict:
+    samples = {name: {"prefill": [], "decode": []} for name in runners}
+    for runner in runners.values():  # warm-up
+        runner.run([long_prompt[:16]], 2)
+    for repeat in range(args.repeats):
+        for name, runner in runners.items():
+            t = runner.run([long_prompt], 1)
+            samples[name]["prefill"].append(len(long_prompt) / t.ttft_s)
+            t = runner.run([short_prompt], args.new_tokens)
+            samples[name]["decode"].append((args.new_tokens - 1) / t.decode_s)
+            print(f"  repeat {repeat + 1} {name}: prefill {samples[name]['prefill'][-1]:.1f}, "
+                  f"decode {samples[name]['decode'][-1]:.1f} tok/s")  # fmt: skip
+    return {
+        name: {k: {"min": min(v), "median": statistics.median(v), "samples": v}
+               for k, v in kinds.items()}
+        for name, kinds in samples.items()
+    }  # fmt: skip
+
+
+def run(args) -> dict:
+    files = model_files(args.params, args.vocab, args.types)
+    predicted, predictor = predicted_tok_s(files["hf"], args.prompt_len)
+    results = {"params": args.params, "predictor": predictor, "runs": []}
+    for file_type in args.types:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            bench_core.NUM_THREADS = threads  # LlamaCppRunner reads it when constructed
+            runners = {
+                "zcode": ZCodeRunner("auto", model=files[file_type]),
+                "llama.cpp": LlamaCppRunner(files[file_type]),
+            }
+            tokenizer = runners["zcode"].llm.tokenizer
+            ids = tokenizer.encode(SHORT_PROMPT * 200, add_special_tokens=False)
+            long_prompt = ids[: args.prompt_len]
+            short_prompt = tokenizer.encode(SHORT_PROMPT, add_special_tokens=False)
+            print(f"\n{file_type}, {threads} thread(s)")
+            speed = measure(runners, long_prompt, short_prompt, args)
+            results["runs"].append(
+                {"file_type": file_type, "threads": threads, "speed": speed,
+                 "predicted_decode_tok_s": predicted[file_type]}
+            )  # fmt: skip
+            del runners
+    return results
+
+
+def print_table(results: dict) -> None:
+    headers = ["file", "threads", "engine", "decode tok/s min / median",
+               "prefill tok/s min / median", f"predicted decode ({results['predictor']})",
+               "measured / predicted (median)"]  # fmt: skip
+    rows = []
+    for run_ in results["runs"]:
+        ours = run_["speed"]["zcode"]["decode"]["median"]
+        for engine, speed in run_["speed"].items():
+            d, p = speed["decode"], speed["prefill"]
+            is_ours = engine == "zcode"
+            prediction = run_["predicted_decode_tok_s"]
+            rows.append(
+                (run_["file_type"], str(run_["threads"]), engine,
+                 f"{d['min']:.1f} / {d['median']:.1f}", f"{p['min']:.1f} / {p['median']:.1f}",
+                 f"{prediction:.1f}" if is_ours and prediction else "",
+                 f"{ours / prediction:.3g}" if is_ours and prediction else "")
+            )  # fmt: skip
+    print_rows(headers, rows)
+    for run_ in results["runs"]:
+        speed = run_["speed"]
+        ratio = {k: speed["zcode"][k]["median"] / speed["llama.cpp"][k]["median"]
+                 for k in ("decode", "prefill")}  # fmt: skip
+        print(f"{run_['file_type']} x{run_['threads']}: ZCode / llama.cpp decode "
+              f"{ratio['decode']:.2f}x, prefill {ratio['prefill']:.2f}x (medians)")  # fmt: skip
+
+
+def main() -> None:
+    script = synthetic_script()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--params", type=script.parse_count, default=script.parse_count("1.3B"))
+    parser.add_argument("--vocab", type=int, help="vocabulary (default: SmolLM2's + GLM's)")
+    parser.add_argument("--types", nargs="+", default=["bf16", "q4_0"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=RESULTS_PATH, help="results JSON")
+    args = parser.parse_args()
+    results = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print()
+    print_table(results)
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
