@@ -27,15 +27,20 @@ PROMPTS = [[5, 17, 42, 99, 7, 250, 31, 64, 12, 200], [9, 8, 7, 6, 5, 4, 3]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-def _fresh_copy(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    for f in dst.iterdir():
+def _on_disk(path: Path) -> Path:
+    """`path` (a file or the files of a directory) written back and out of the page cache."""
+    for f in path.iterdir() if path.is_dir() else [path]:
         fd = os.open(f, os.O_RDONLY)
         os.fsync(fd)  # dirty pages cannot leave the page cache
         # nor can the large folios of a file just written: start from the file on disk
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-    return dst
+    return path
+
+
+def _fresh_copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return _on_disk(dst)
 
 
 def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
@@ -149,6 +154,7 @@ def test_accounting_matches_the_routed_ids(budget, tiny_checkpoint, tmp_path):
     _assert_residency_is_real(llm)
 
 
+@pytest.mark.slow  # a decode graph compile: minutes on a shared 2-core machine
 def test_compiled_decode_counts_the_same_experts(tiny_checkpoint, tmp_path):
     path = _fresh_copy(tiny_checkpoint("glm4_moe").path, tmp_path / "glm4_moe")
     budget = {"kv_cache_bytes": 1 << 20, "expert_cache_fraction": 0.25, "max_num_seqs": 1}
@@ -162,8 +168,8 @@ def test_compiled_decode_counts_the_same_experts(tiny_checkpoint, tmp_path):
 
 
 def test_gguf_experts_offload(tmp_path):
-    files = _make_gguf().make_gguf_files("glm4_moe", tmp_path, ("f16",))
-    path = files["f16"]
+    files = _make_gguf().make_gguf_files("glm4_moe", tmp_path, ("f32",))
+    path = _on_disk(files["f32"])
     llm = LLM(path, kv_cache_bytes=1 << 20, expert_cache_fraction=0.25)
     got = _tokens(llm)
     cache = llm.engine.expert_cache
