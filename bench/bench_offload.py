@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=16, help="without a tokenizer")
-    parser.add_argument("--policy", default="lfu", choices=["lfu", "lru"])
+    parser.add_argument("--policy", default="lru", choices=["lru", "lfu"])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--compile", action="store_true", help="compiled decode steps")
     args = parser.parse_args()
@@ -105,7 +105,7 @@ def main() -> None:
         measured = [r.measured_read_bytes_per_token for r in rs]
         rows.append((
             "none" if budget is None else f"{budget:g}%",
-            "-" if last.budget_bytes is None else f"{last.budget_bytes / 1e9:.3f}",
+            "-" if last.budget_bytes is None else f"{last.budget_bytes / MB:.2f}",
             f"{min(speeds):.1f}",
             f"{statistics.median(speeds):.1f}",
             _fmt(statistics.mean(r.hit_rate for r in rs) if last.hit_rate is not None else None,
@@ -119,7 +119,7 @@ def main() -> None:
         f"\n{args.model}: routed experts {expert_gb / 1e9:.3f} GB, policy {args.policy}, "
         f"{args.threads} threads, {args.max_tokens} new tokens, {args.repeats} repeats"
     )
-    headers = ["budget", "GB", "tok/s min", "tok/s median", "hit rate", "disk MB/tok (model)",
+    headers = ["budget", "MB", "tok/s min", "tok/s median", "hit rate", "disk MB/tok (model)",
                "disk MB/tok (measured)", "same tokens"]  # fmt: skip
     print_rows(headers, rows)
     if not all(row[-1] == "yes" for row in rows):

@@ -55,10 +55,10 @@ def _assert_residency_is_real(llm: LLM) -> None:
     assert not measured[~cache.resident].any()
 
 
-@pytest.mark.parametrize("name", MOE_NAMES)
-def test_evicting_budget_gives_the_same_tokens(name, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("name, policy", [(n, "lru") for n in MOE_NAMES] + [("glm4_moe", "lfu")])
+def test_evicting_budget_gives_the_same_tokens(name, policy, tiny_checkpoint, tmp_path):
     path = _fresh_copy(tiny_checkpoint(name).path, tmp_path / name)
-    llm = LLM(path, kv_cache_bytes=1 << 20, expert_cache_fraction=0.25)
+    llm = LLM(path, kv_cache_bytes=1 << 20, expert_cache_fraction=0.25, expert_cache_policy=policy)
     got = _tokens(llm)
     stats = llm.engine.stats()
     cache = llm.engine.expert_cache
@@ -193,6 +193,27 @@ def test_bad_budget_fails_before_loading(size, capsys, monkeypatch):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("zcode: error: --expert-cache-gb takes GB") and err.count("\n") == 1
+
+
+def test_metrics_count_the_engine_totals():
+    from zcode.server.metrics import Metrics
+
+    metrics = Metrics("m")
+    stats = {"num_running": 0, "num_waiting": 0, "kv_usage": 0.0}
+    for hits in (3, 5):
+        metrics.engine_stats(
+            stats
+            | {
+                "expert_cache_lookups": 8,
+                "expert_cache_hits": hits,
+                "expert_cache_read_bytes": 1000,
+                "expert_cache_resident_bytes": 4096,
+            }
+        )
+    text = metrics.render().decode()
+    assert 'zcode:expert_cache_hits_total{model_name="m"} 5.0' in text
+    assert 'zcode:expert_cache_disk_read_bytes_total{model_name="m"} 1000.0' in text
+    assert 'zcode:expert_cache_resident_bytes{model_name="m"} 4096.0' in text
 
 
 class _Loaded(Exception):

@@ -34,7 +34,9 @@ class EngineConfig:
     # stay memory-mapped (dtype auto), in GB (10^9 bytes) or as a fraction of their bytes.
     expert_cache_gb: float | None = None
     expert_cache_fraction: float | None = None
-    expert_cache_policy: str = "lfu"  # "lfu": decayed routing frequency; "lru": recency
+    # "lru": the most recently routed stay; "lfu": the most routed (decayed). bench_offload.py
+    # measures both: LRU's hit rate was higher on the tiny random glm4_moe (0.81 vs 0.74 at 50%).
+    expert_cache_policy: str = "lru"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

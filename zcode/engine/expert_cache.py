@@ -116,7 +116,7 @@ class ExpertCache:
         model: nn.Module,
         budget_bytes: int | None = None,
         budget_fraction: float | None = None,
-        policy: str = "lfu",
+        policy: str = "lru",
     ) -> None:
         """budget: bytes, or a fraction of the routed experts' bytes (one of the two)."""
         if (budget_bytes is None) == (budget_fraction is None):
