@@ -170,7 +170,8 @@ class ExpertCache:
                 raise ValidationError(
                     f"expert offload keeps experts memory-mapped from the checkpoint, but expert "
                     f"{expert}'s {name} is a copy in memory ({t.dtype}): the weights were "
-                    "converted at load; load them as stored (dtype auto) to offload experts"
+                    "converted at load (--dtype, --sparsity); load them as stored (dtype auto) "
+                    "to offload experts"
                 )
             path, file_offset = where
             if path not in self._fds:
