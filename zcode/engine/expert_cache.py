@@ -31,7 +31,9 @@ cache attached) stays in RAM. Pages the cache reads itself (faults under MADV_RA
 are single pages, so from then on residency follows the cache's choice page for page.
 """
 
+import bisect
 import ctypes
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -321,20 +323,22 @@ def process_read_bytes() -> int | None:
 
 
 def _file_maps() -> list[tuple[int, int, int, str]]:
-    """(start, end, file offset, path) of this process's memory maps of files."""
+    """(start, end, file offset, path) of this process's memory maps of files, by address."""
     maps = []
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].startswith("/") and fields[4] != "0":
             start, end = (int(x, 16) for x in fields[0].split("-"))
             maps.append((start, end, int(fields[2], 16), fields[5]))
-    return maps
+    return sorted(maps)
 
 
 def _locate(maps: list, address: int, num_bytes: int) -> tuple[str, int] | None:
     """(path, file offset) of a byte range inside one file map, or None (anonymous memory)."""
-    for start, end, offset, path in maps:
-        if start <= address and address + num_bytes <= end:
+    i = bisect.bisect_right(maps, (address, math.inf)) - 1
+    if i >= 0:
+        start, end, offset, path = maps[i]
+        if address + num_bytes <= end:
             return path, offset + address - start
     return None
 
