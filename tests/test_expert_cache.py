@@ -119,11 +119,12 @@ def _lru_misses(steps: list[set], capacity: int) -> list[set]:
     return misses
 
 
+@pytest.mark.parametrize("name", MOE_NAMES)
 @pytest.mark.parametrize(
     "budget", [{"expert_cache_fraction": 1.0}, {"expert_cache_gb": 0}, "lru 3 experts"]
 )
-def test_accounting_matches_the_routed_ids(budget, tiny_checkpoint, tmp_path):
-    path = _fresh_copy(tiny_checkpoint("glm4_moe").path, tmp_path / "glm4_moe")
+def test_accounting_matches_the_routed_ids(budget, name, tiny_checkpoint, tmp_path):
+    path = _fresh_copy(tiny_checkpoint(name).path, tmp_path / name)
     if budget == "lru 3 experts":
         bytes_per_expert = set(_expert_bytes(LLM(path, kv_cache_bytes=1 << 20)).values())
         assert len(bytes_per_expert) == 1
