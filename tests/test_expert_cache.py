@@ -155,7 +155,6 @@ def test_accounting_matches_the_routed_ids(budget, name, tiny_checkpoint, tmp_pa
     _assert_residency_is_real(llm)
 
 
-@pytest.mark.slow  # a decode graph compile: minutes on a shared 2-core machine
 def test_compiled_decode_counts_the_same_experts(tiny_checkpoint, tmp_path):
     path = _fresh_copy(tiny_checkpoint("glm4_moe").path, tmp_path / "glm4_moe")
     budget = {"kv_cache_bytes": 1 << 20, "expert_cache_fraction": 0.25, "max_num_seqs": 1}
