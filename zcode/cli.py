@@ -7,6 +7,7 @@ User mistakes (a bad flag value, a missing file, a checkpoint we cannot read) en
 import argparse
 import dataclasses
 import json
+import math
 import os
 import signal
 import sys
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_thinking_option(generate)
     _add_dtype_option(generate)
+    _add_expert_cache_option(generate)
     _add_sparsity_option(generate)
     generate.add_argument(
         "--stream", action="store_true", help="print the text token by token as it is generated"
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat, max_tokens=1024)
     _add_thinking_option(chat)
     _add_dtype_option(chat)
+    _add_expert_cache_option(chat)
     chat.set_defaults(run=_chat)
 
     info = commands.add_parser(
@@ -353,6 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     _add_dtype_option(serve)
+    _add_expert_cache_option(serve)
     _add_sparsity_option(serve)
     serve.set_defaults(run=_serve)
 
@@ -473,6 +477,34 @@ def _add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") ->
     )
 
 
+def _add_expert_cache_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--expert-cache-gb",
+        metavar="SIZE",
+        help="MoE models loaded with --dtype auto: keep at most SIZE of routed experts in RAM, "
+        "in GB (e.g. 12) or as a percentage of the experts' bytes (e.g. 25%%); the rest stay "
+        "memory-mapped and are read from disk when routed to (default: no limit)",
+    )
+
+
+def _expert_cache_args(args: argparse.Namespace) -> dict:
+    size = args.expert_cache_gb
+    if size is None:
+        return {}
+    try:
+        if size.endswith("%"):
+            fraction = float(size[:-1]) / 100
+            if 0 <= fraction <= 1:
+                return {"expert_cache_fraction": fraction}
+        elif 0 <= float(size) < math.inf:
+            return {"expert_cache_gb": float(size)}
+    except ValueError:
+        pass
+    raise ValidationError(
+        f"--expert-cache-gb takes GB >= 0 (e.g. 12) or a percentage up to 100%, got {size!r}"
+    )
+
+
 def _add_sparsity_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sparsity",
@@ -575,6 +607,7 @@ def _generate(args: argparse.Namespace) -> None:
         float_weights=profile is not None,
         **({"compile": True} if args.compile else {}),
         **({"per_request_depth": True} if skips else {}),
+        **_expert_cache_args(args),
         **_sparsity_args(args),
     )
     prompt = [{"role": "user", "content": text}] if args.chat else text
@@ -612,7 +645,7 @@ def _skips(args: argparse.Namespace) -> dict:
 
 def _chat(args: argparse.Namespace) -> None:
     params = _sampling_params(args)
-    llm = load_llm(args.model, args.dtype)
+    llm = load_llm(args.model, args.dtype, **_expert_cache_args(args))
     if not getattr(llm.tokenizer, "chat_template", None):
         raise ValidationError("this model has no chat template: use 'zcode generate'")
     interactive = sys.stdin.isatty()
@@ -901,6 +934,7 @@ def _serve(args: argparse.Namespace) -> None:
         engine_args["enable_prefix_caching"] = False
     if args.per_request_depth:
         engine_args["per_request_depth"] = True
+    engine_args.update(_expert_cache_args(args))
     engine_args.update(_sparsity_args(args))
     chat_template = None
     if args.chat_template is not None:

@@ -24,6 +24,9 @@ class LLM:
     (SmolLM2-135M-Instruct, Q4_1 GGUF). `dtype="auto"` (the default) runs the weights as stored:
     a GGUF file's quantized blocks memory-mapped, safetensors in their stored dtype; "float32" or
     "bfloat16" converts them at load (what the adaptive features that rewrite weights need).
+    `expert_cache_gb` or `expert_cache_fraction` (MoE models loaded as stored) keeps only the most
+    used routed experts in RAM; each output's `expert_cache` reports its hit rate and disk bytes
+    per token (zcode.engine.expert_cache).
     """
 
     def __init__(

@@ -10,6 +10,7 @@ from torch import nn
 from zcode.config import EngineConfig
 from zcode.engine.block_manager import BlockManager, join_salts
 from zcode.engine.detokenizer import IncrementalDetokenizer
+from zcode.engine.expert_cache import build_expert_cache
 from zcode.engine.kv_cache import KVCache
 from zcode.engine.model_runner import ModelRunner
 from zcode.engine.request_output import RequestOutput
@@ -32,6 +33,8 @@ class LLMEngine:
         layers = model.attention_layers()
         # The KV cache holds activations: the dtype the model computes in, whatever its weights.
         dtype = model.model.norm.weight.dtype
+        # Before the runner: MoE layers count routed experts in the graphs it compiles.
+        self.expert_cache = build_expert_cache(model, config)
         num_blocks = KVCache.num_blocks_for(config.kv_cache_bytes, layers, config.block_size, dtype)
         self.runner = ModelRunner(
             model,
@@ -162,13 +165,13 @@ class LLMEngine:
     def stats(self) -> dict:
         """A snapshot for metrics; the prefix-cache and preemption counts are running totals."""
         bm = self.block_manager
-        pages = {}
+        optional = self.expert_cache.stats() if self.expert_cache is not None else {}
         if bm.pages is not None:
-            pages = {
+            optional |= {
                 "num_kv_pages": bm.pages.num_pages - 1,
                 "num_free_kv_pages": bm.pages.num_free_pages,
             }
-        return pages | {
+        return optional | {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_usage": bm.usage,
@@ -197,6 +200,8 @@ class LLMEngine:
         if not scheduled:
             return []
         ran, failed = _isolating_failures(self.runner.execute, scheduled, lambda s: s.seq)
+        if self.expert_cache is not None:
+            self.expert_cache.after_step([(s.seq, s.num_new_tokens) for s in scheduled])
         return [self._fail(s.seq) for s in failed] + self._update(ran)
 
     def _update(self, ran: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[RequestOutput]:
@@ -313,6 +318,9 @@ class LLMEngine:
                 list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None
             ),
             ttft_s=seq.first_token_time - seq.arrival_time if seq.first_token_time else None,
+            expert_cache=(
+                self.expert_cache.request_report(seq) if self.expert_cache is not None else None
+            ),
         )
 
 

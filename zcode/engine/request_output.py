@@ -18,3 +18,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token
     ttft_s: float | None = None
     plan: dict | None = None  # max_latency_ms: the sparsity plan run, predicted/measured ms/step
+    # expert offload: this request's share of expert hit rate and disk bytes per token
+    expert_cache: dict | None = None

@@ -11,6 +11,10 @@ two ways, neither a Python loop over the step's experts on the float path:
   experts' own forwards; at decode all selected experts' gate/up projections are one group GEMV
   (`linear_group`: the activation read and quantized once). Compiled graphs call it as the
   opaque op `zcode::moe_modules`, so neither path breaks a decode graph.
+
+With expert offload (zcode/engine/expert_cache.py) a layer hands its routed expert ids to the
+op `zcode::expert_lookup` (defined there), which counts them into the layer's `expert_counts`
+[E] (compiled graphs too) and reads in the experts not resident; without, `expert_counts` is None.
 """
 
 import itertools
@@ -94,6 +98,7 @@ class MoE(nn.Module):
         self._projections: tuple = ()
         self._fused_weights: tuple[list, list, list] | None = None
         self._hook_dicts: list[dict] = []
+        self.register_buffer("expert_counts", None, persistent=False)
         self._register()
 
     def _register(self) -> None:
@@ -107,6 +112,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
         weights, expert_ids = self.gate(x)  # [T, top_k]
+        if self.expert_counts is not None:
+            torch.ops.zcode.expert_lookup(self.expert_counts, expert_ids, self.layer_key)
         if (lists := self.fused_weights(x)) is not None:
             return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 1)
         if torch.compiler.is_compiling():

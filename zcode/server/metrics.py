@@ -37,6 +37,10 @@ _TOTALS = {
     "prefix_cache_queries": "zcode:prefix_cache_queries",
     "prefix_cache_hits": "zcode:prefix_cache_hits",
     "num_preemptions": "zcode:num_preemptions",
+    # expert offload (engine stats carry these only with an expert cache)
+    "expert_cache_lookups": "zcode:expert_cache_lookups",
+    "expert_cache_hits": "zcode:expert_cache_hits",
+    "expert_cache_read_bytes": "zcode:expert_cache_disk_read_bytes",
 }
 
 
@@ -60,6 +64,9 @@ class Metrics:
         self.num_running = gauge("zcode:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("zcode:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("zcode:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.expert_resident = gauge(
+            "zcode:expert_cache_resident_bytes", "Routed experts' bytes the expert cache keeps."
+        )
         self.totals = {
             key: counter(name, f"Running total of the engine's {key}.")
             for key, name in _TOTALS.items()
@@ -94,6 +101,8 @@ class Metrics:
         self.num_running.set(stats["num_running"])
         self.num_waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_usage"])
+        if "expert_cache_resident_bytes" in stats:
+            self.expert_resident.set(stats["expert_cache_resident_bytes"])
         for key, counter in self.totals.items():
             total = stats.get(key, 0)
             if total > self._last_totals[key]:
