@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from zcode.distributed.group import RankFailure
 from zcode.errors import ValidationError
 from zcode.info import format_info, model_info
 from zcode.llm import LLM
@@ -82,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_quality_options(generate)
     _add_skip_options(generate)
+    generate.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes started by torchrun: "
+        "torchrun --nproc-per-node N -m zcode generate ... (default: %(default)s)",
+    )
     generate.set_defaults(run=_generate)
 
     chat = commands.add_parser(
@@ -515,6 +524,11 @@ def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engin
     return LLM(model, dtype=dtype, **engine_args)
 
 
+def _parallel_args(args: argparse.Namespace) -> dict:
+    size = args.tensor_parallel_size
+    return {} if size == 1 else {"tensor_parallel_size": size}
+
+
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens,
@@ -545,6 +559,7 @@ def _generate(args: argparse.Namespace) -> None:
         **({"compile": True} if args.compile else {}),
         **({"per_request_depth": True} if skips else {}),
         **_sparsity_args(args),
+        **_parallel_args(args),
     )
     prompt = [{"role": "user", "content": text}] if args.chat else text
     if profile is not None:
@@ -865,6 +880,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (CheckpointError, ValidationError) as e:
         print(f"zcode: error: {e}", file=sys.stderr)
         sys.exit(2)  # argparse's status for a usage error: one status for every user mistake
+    except RankFailure as e:  # another torchrun rank died or hung
+        print(f"zcode: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:

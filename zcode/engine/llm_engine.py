@@ -16,6 +16,7 @@ from zcode.engine.request_output import RequestOutput
 from zcode.engine.sampler import Sampler, top_logprobs
 from zcode.engine.scheduler import ScheduledSeq, Scheduler
 from zcode.engine.sequence import Sequence
+from zcode.distributed.group import RankFailure
 from zcode.engine.structured_output import GrammarCompiler
 from zcode.errors import ValidationError
 from zcode.sampling_params import SamplingParams
@@ -325,6 +326,8 @@ def _isolating_failures(fn: Callable[[list], list], items: list, seq_of: Callabl
         return [], []
     try:
         return list(zip(items, fn(items))), []
+    except RankFailure:  # the ranks no longer agree: no request can run
+        raise
     except Exception:
         if len(items) == 1:
             logger.exception("request %s failed", seq_of(items[0]).request_id)
