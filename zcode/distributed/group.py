@@ -93,13 +93,13 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-def _checked(group: TPGroup, collective, *args, **kwargs) -> None:
+def _checked(tp: TPGroup, collective, *args, **kwargs) -> None:
     try:
         collective(*args, **kwargs)
     except (RuntimeError, ValueError) as e:  # gloo errors, c10d's DistError, a left group
         # The ranks no longer agree on what ran: leave, so no later collective waits on them.
         leave()
         raise RankFailure(
-            f"rank {group.rank} of {group.world_size}: a collective failed: another rank died, "
+            f"rank {tp.rank} of {tp.world_size}: a collective failed: another rank died, "
             f"hung past the timeout or lost its link ({e}); stop every rank and relaunch torchrun"
         ) from e

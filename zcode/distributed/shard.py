@@ -76,6 +76,17 @@ def shard_model(model: nn.Module, group: TPGroup) -> None:
         _shard_attention(layer.self_attn, group, model.config.model_type)
         _shard_mlp(layer, group, model.config.model_type)
     _shard_vocab(model, group)
+    _own_memory(model)
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Copies the replicated tensors (norms, biases) that are still views of the checkpoint
+    file, so that nothing keeps the whole file mapped."""
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for tensor in tensors.values():
+                if tensor is not None and tensor.untyped_storage().nbytes() > tensor.nbytes:
+                    tensor.data = tensor.data.clone()
 
 
 def _shard_attention(attn: nn.Module, group: TPGroup, model_type: str) -> None:
@@ -150,8 +161,12 @@ def slice_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(linear, QuantizedLinear) and isinstance(linear.packed, GgufWeight):
         packed = linear.packed
         data = packed.data.index_select(0, rows)
-        return QuantizedLinear(GgufWeight(data, packed.ggml_type, packed.in_features), bias,
-                               linear.format, linear.kernel)
+        return QuantizedLinear(
+            GgufWeight(data, packed.ggml_type, packed.in_features),
+            bias,
+            linear.format,
+            linear.kernel,
+        )
     _check_float(linear)
     out = Linear(linear.in_features, len(rows), bias=False, device="meta")
     out.weight = _param(linear.weight.index_select(0, rows), linear.weight)
@@ -172,8 +187,9 @@ def row_parallel(linear: nn.Module, start: int, stop: int, group: TPGroup) -> Ro
             )
         cols = slice(start // block_size * block_bytes, stop // block_size * block_bytes)
         data = packed.data[:, cols].clone()
-        local = QuantizedLinear(GgufWeight(data, packed.ggml_type, stop - start), None,
-                                linear.format, linear.kernel)
+        local = QuantizedLinear(
+            GgufWeight(data, packed.ggml_type, stop - start), None, linear.format, linear.kernel
+        )
         return RowParallel(local, bias, group)
     _check_float(linear)
     local = Linear(stop - start, linear.out_features, bias=False, device="meta")

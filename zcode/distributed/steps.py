@@ -15,7 +15,14 @@ import torch
 from torch import nn
 
 from zcode.config import EngineConfig
-from zcode.distributed.group import RankFailure, TPGroup, broadcast_object, init_distributed, joined, leave
+from zcode.distributed.group import (
+    RankFailure,
+    TPGroup,
+    broadcast_object,
+    init_distributed,
+    joined,
+    leave,
+)
 
 logger = logging.getLogger(__name__)
 

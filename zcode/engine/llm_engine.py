@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from zcode.config import EngineConfig
+from zcode.distributed.group import RankFailure
 from zcode.engine.block_manager import BlockManager, join_salts
 from zcode.engine.detokenizer import IncrementalDetokenizer
 from zcode.engine.kv_cache import KVCache
@@ -16,7 +17,6 @@ from zcode.engine.request_output import RequestOutput
 from zcode.engine.sampler import Sampler, top_logprobs
 from zcode.engine.scheduler import ScheduledSeq, Scheduler
 from zcode.engine.sequence import Sequence
-from zcode.distributed.group import RankFailure
 from zcode.engine.structured_output import GrammarCompiler
 from zcode.errors import ValidationError
 from zcode.sampling_params import SamplingParams
