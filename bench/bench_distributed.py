@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_distributed.py [--model PATH] [--tokens 32] [--repeats 3]
 
-Runs the same greedy generation (one prompt, batch 1) in one process with 1 and 2 threads and as
+Runs the same greedy generation (one 32-token prompt, batch 1) in one process with 1 and 2 threads and as
 two ranks of 1 thread each (spawned as torchrun would, gloo over loopback): decode tok/s (the
 N-token generation less the 1-token one, min and median over repeats), rank 0's resident
 weights, and the bytes each decode token sends through the collectives, counted at the calls
@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from table_format import print_rows  # noqa: E402
 
-PROMPT = "The history of the Roman Empire begins"
+PROMPT_IDS = list(range(3, 35))  # token ids: tiny checkpoints have no tokenizer
 # (name, layers, hidden, vocab) from /work/shared/reference/glm-architecture.md
 GLM_SIZES = [
     ("GLM-4.5-Air", 46, 4096, 151552),
@@ -65,14 +65,14 @@ def _worker(rank: int, world_size: int, port: int, args, threads: int, out: str)
     llm = LLM(args.model, **parallel)  # ranks > 0 follow here and exit with rank 0
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
-    llm.generate(PROMPT, many)  # warm-up: kernels built and autotuned
+    llm.generate(PROMPT_IDS, many)  # warm-up: kernels built and autotuned
     times, bytes_per_token = [], {}
     for _ in range(args.repeats):
         start = time.perf_counter()
-        llm.generate(PROMPT, one)
+        llm.generate(PROMPT_IDS, one)
         middle = time.perf_counter()
         before = dict(moved)
-        llm.generate(PROMPT, many)
+        llm.generate(PROMPT_IDS, many)
         end = time.perf_counter()
         times.append((end - middle) - (middle - start))
         bytes_per_token = {k: (moved[k] - before[k]) / args.tokens for k in moved}

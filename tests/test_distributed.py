@@ -40,7 +40,9 @@ LOGIT_TOL = 1e-4  # test_parity.py's
 # all-reduced input can move a value across a rounding boundary (test_server_lm_eval's noise).
 INT8_LOGIT_TOL = 0.05
 RANK_TIMEOUT_S = 240  # a launch that outlives this hangs: the test fails instead of waiting
-PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+# SmolLM2 as stored where ggml.cpp does not build: the gguf package's dequantize, autotuned at
+# the first step of each process, takes minutes.
+SLOW_RANK_TIMEOUT_S = 900
 FAKE_GROUP = TPGroup(rank=0, world_size=2, compute=None, control=None)
 
 
@@ -111,7 +113,7 @@ def _prompts(seed: int) -> list[list[int]]:
     return [first, second]
 
 
-def _run(llm: LLM, rounds: list) -> dict:
+def _run(llm: LLM, rounds: list, max_tokens: int = 6) -> dict:
     """Greedy tokens, the logits of every step and the prefix-cache hits of `rounds`."""
     logits = []
     execute = llm.engine.runner.execute
@@ -122,7 +124,8 @@ def _run(llm: LLM, rounds: list) -> dict:
         return out
 
     llm.engine.runner.execute = recording
-    tokens = [[out.token_ids for out in llm.generate(prompts, PARAMS)] for prompts in rounds]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = [[out.token_ids for out in llm.generate(prompts, params)] for prompts in rounds]
     return {
         "tokens": tokens,
         "logits": logits,
@@ -131,7 +134,7 @@ def _run(llm: LLM, rounds: list) -> dict:
     }
 
 
-def _rank_main(rank: int, port: int, model: str | None, dtype: str, rounds, out: str, die: bool):
+def _rank_main(rank: int, port: int, model, dtype: str, rounds, max_tokens: int, out: str, die):
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -154,37 +157,45 @@ def _rank_main(rank: int, port: int, model: str | None, dtype: str, rounds, out:
     parallel = ParallelConfig(tensor_parallel_size=2, collective_timeout_s=30)
     llm = LLM(model, dtype=dtype, parallel=parallel, kv_cache_bytes=8 << 20)
     try:  # only rank 0 gets here: the follower exits in LLM() when rank 0 ends
-        result = _run(llm, rounds)
+        result = _run(llm, rounds, max_tokens)
     except RankFailure as e:
         result = {"error": str(e)}
     torch.save(result, out)
 
 
-def _launch(tmp_path: Path, model, dtype: str, rounds, die: bool = False) -> dict:
+def _launch(
+    tmp_path: Path,
+    model,
+    dtype: str,
+    rounds,
+    max_tokens: int = 6,
+    die: bool = False,
+    timeout_s: float = RANK_TIMEOUT_S,
+) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "rank0.pt")
     context = multiprocessing.get_context("spawn")
-    args = (port, None if model is None else str(model), dtype, rounds, out, die)
+    args = (port, None if model is None else str(model), dtype, rounds, max_tokens, out, die)
     ranks = [context.Process(target=_rank_main, args=(r, *args)) for r in range(2)]
     for p in ranks:
         p.start()
-    deadline = time.monotonic() + RANK_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     for p in ranks:
         p.join(max(0.0, deadline - time.monotonic()))
     hung = [r for r, p in enumerate(ranks) if p.is_alive()]
     for p in ranks:
         if p.is_alive():
             p.kill()
-    assert not hung, f"ranks {hung} still running after {RANK_TIMEOUT_S} s"
+    assert not hung, f"ranks {hung} still running after {timeout_s} s"
     result = torch.load(out)
     result["exitcodes"] = [p.exitcode for p in ranks]
     return result
 
 
-def _one_process(model, dtype: str, rounds) -> dict:
-    return _run(LLM(model, dtype=dtype, kv_cache_bytes=8 << 20), rounds)
+def _one_process(model, dtype: str, rounds, max_tokens: int = 6) -> dict:
+    return _run(LLM(model, dtype=dtype, kv_cache_bytes=8 << 20), rounds, max_tokens)
 
 
 def _assert_same(tp: dict, single: dict, tol: float) -> None:
@@ -193,7 +204,7 @@ def _assert_same(tp: dict, single: dict, tol: float) -> None:
     assert tp["prefix_cache_hits"] == single["prefix_cache_hits"] > 0
     assert len(tp["logits"]) == len(single["logits"])
     diff = max((a - b).abs().max().item() for a, b in zip(tp["logits"], single["logits"]))
-    assert diff <= tol
+    assert diff <= tol, f"logits {diff:.2e} apart"
     # rank 0 keeps about half: its heads, half the FFN and half the vocabulary
     assert tp["weight_bytes"] < 0.75 * single["weight_bytes"]
 
@@ -206,14 +217,32 @@ def test_tp2_matches_one_process_on_tiny_models(tiny_checkpoint, tmp_path, name)
                  LOGIT_TOL)  # fmt: skip
 
 
+@pytest.mark.slow
+def test_tp2_matches_one_process_on_smollm2(tmp_path):
+    """The real model dequantized to fp32: 9 query heads in 3 KV groups split 6 + 3, a tied
+    vocab-parallel embedding and head; the second round reuses the first one's full blocks."""
+    opening = "The history of the Roman Empire begins with the founding of the city of Rome and its"
+    opening += (
+        " early kings, who ruled it for more than two centuries until they were driven out by"
+    )
+    rounds = [[opening + " Romulus", opening + " the"], [opening + " Remus", opening + " a"]]
+    tp = _launch(tmp_path, None, "float32", rounds, timeout_s=SLOW_RANK_TIMEOUT_S)
+    _assert_same(tp, _one_process(None, "float32", rounds), LOGIT_TOL)
+
+
+@pytest.mark.slow
 def test_tp2_matches_one_process_on_smollm2_gguf_as_stored(tmp_path):
-    """The Q4_1 blocks split by rows and, at whole blocks, by columns; 9 query heads in 3 KV
-    groups split 6 + 3."""
+    """Q4_1 blocks split by rows and, at whole blocks, by columns. Activations are quantized to
+    int8 per block, so rounding differences of the all-reduce move logits by int8 noise, and a
+    greedy token may flip at a near-tie: one step (the prompts' next tokens), whose top-2 gaps
+    the test checks are wider than that noise."""
     rounds = [["The capital of France is", "def fibonacci(n):"]]
-    rounds.append([p + " and" for p in rounds[0]])
-    tp = _launch(tmp_path, None, "auto", rounds)
-    single = _one_process(None, "auto", rounds)
+    tp = _launch(tmp_path, None, "auto", rounds, max_tokens=1, timeout_s=SLOW_RANK_TIMEOUT_S)
+    single = _one_process(None, "auto", rounds, max_tokens=1)
     assert tp["exitcodes"] == [0, 0]
+    for logits in single["logits"]:
+        top2 = logits[-1].topk(2).values
+        assert top2[0] - top2[1] > 2 * INT8_LOGIT_TOL
     assert tp["tokens"] == single["tokens"]
     diff = max((a - b).abs().max().item() for a, b in zip(tp["logits"], single["logits"]))
     assert diff <= INT8_LOGIT_TOL
@@ -227,19 +256,20 @@ def test_a_dead_rank_fails_rank_0_with_a_clear_error(tiny_checkpoint, tmp_path):
     assert "relaunch torchrun" in result["error"]
 
 
+@pytest.mark.slow
 def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
     torchrun = Path(sys.executable).parent / "torchrun"
     command = ["-m", "zcode", "generate", "--max-tokens", "8", "--temperature", "0", "Paris is"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     single = subprocess.run(
-        [sys.executable, *command], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, *command], capture_output=True, text=True, env=env, timeout=600
     )
     tp = subprocess.run(
         [str(torchrun), "--nproc-per-node", "2", *command, "--tensor-parallel-size", "2"],
         capture_output=True,
         text=True,
         env=env,
-        timeout=RANK_TIMEOUT_S,
+        timeout=SLOW_RANK_TIMEOUT_S,
     )
     assert single.returncode == 0, single.stderr
     assert tp.returncode == 0, tp.stderr
