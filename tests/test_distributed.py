@@ -269,7 +269,8 @@ def test_a_dead_rank_fails_rank_0_with_a_clear_error(tiny_checkpoint, tmp_path):
 @pytest.mark.slow
 def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
     torchrun = Path(sys.executable).parent / "torchrun"
-    command = ["-m", "zcode", "generate", "--max-tokens", "8", "--temperature", "0", "Paris is"]
+    command = ["-m", "zcode", "generate", "--dtype", "float32", "--max-tokens", "8"]
+    command += ["--temperature", "0", "Paris is"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     single = subprocess.run(
         [sys.executable, *command], capture_output=True, text=True, env=env, timeout=600
