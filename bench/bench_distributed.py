@@ -2,12 +2,13 @@
 
     .venv/bin/python bench/bench_distributed.py [--model PATH] [--tokens 32] [--repeats 3]
 
-Runs the same greedy generation (one 32-token prompt, batch 1) in one process with 1 and 2 threads and as
-two ranks of 1 thread each (spawned as torchrun would, gloo over loopback): decode tok/s (the
-N-token generation less the 1-token one, min and median over repeats), rank 0's resident
-weights, and the bytes each decode token sends through the collectives, counted at the calls
-(payload: a ring all-reduce sends 2 (N-1)/N of it per rank). On a 2-core machine expect no gain:
-the all-reduces replace nothing but half the arithmetic, which is small at decode.
+Runs the same greedy generation (one 32-token prompt, batch 1) in one process with 1 and 2
+threads and as two ranks of 1 thread each (spawned as torchrun would, gloo over loopback):
+decode tok/s (the N-token generation less the 1-token one, max and median over repeats), rank
+0's resident weights, and the bytes each decode token sends through the collectives, counted
+at the calls (payload: a ring all-reduce sends 2 (N-1)/N of it per rank). On a 2-core machine
+expect no gain: the collectives add a round trip per layer and save only half the arithmetic,
+which is small at decode.
 
 Then the cost model of the same scheme at real GLM sizes: payload per token (bf16) of the two
 all-reduces per layer and the logits all-gather, and its time over a link of the given GB/s with
@@ -68,14 +69,17 @@ def _worker(rank: int, world_size: int, port: int, args, threads: int, out: str)
     llm.generate(PROMPT_IDS, many)  # warm-up: kernels built and autotuned
     times, bytes_per_token = [], {}
     for _ in range(args.repeats):
-        start = time.perf_counter()
+        start, before = time.perf_counter(), dict(moved)
         llm.generate(PROMPT_IDS, one)
-        middle = time.perf_counter()
-        before = dict(moved)
+        middle, after_one = time.perf_counter(), dict(moved)
         llm.generate(PROMPT_IDS, many)
         end = time.perf_counter()
         times.append((end - middle) - (middle - start))
-        bytes_per_token = {k: (moved[k] - before[k]) / args.tokens for k in moved}
+        # the N-token run less the 1-token run: the N - 1 decode steps
+        bytes_per_token = {
+            k: ((moved[k] - after_one[k]) - (after_one[k] - before[k])) / (args.tokens - 1)
+            for k in moved
+        }
     result = {"decode_s": times, "weight_bytes": weight_bytes(llm.model), **bytes_per_token}
     torch.save(result, out)
 
@@ -115,7 +119,9 @@ def main() -> None:
         "TP=2, 1 thread per rank": _measure(args, 2, 1),
     }
     rows = []
-    base = statistics.median(runs["1 process, 2 threads"]["decode_s"])
+    base = statistics.median(
+        (args.tokens - 1) / t for t in runs["1 process, 2 threads"]["decode_s"]
+    )
     for name, r in runs.items():
         tok_s = [(args.tokens - 1) / t for t in r["decode_s"]]
         rows.append(
@@ -123,7 +129,7 @@ def main() -> None:
                 name,
                 f"{max(tok_s):.1f}",
                 f"{statistics.median(tok_s):.1f}",
-                f"{base / statistics.median(r['decode_s']):.2f}",
+                f"{statistics.median(tok_s) / base:.2f}",
                 f"{r['weight_bytes'] / 2**20:.1f}",
                 f"{r['all_reduce'] / 1024:.1f}",
                 f"{r['all_gather'] / 1024:.1f}",
