@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from zcode.distributed.config import ParallelConfig
 from zcode.distributed.group import RankFailure
 from zcode.errors import ValidationError
 from zcode.info import format_info, model_info
@@ -526,7 +527,7 @@ def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engin
 
 def _parallel_args(args: argparse.Namespace) -> dict:
     size = args.tensor_parallel_size
-    return {} if size == 1 else {"tensor_parallel_size": size}
+    return {} if size == 1 else {"parallel": ParallelConfig(tensor_parallel_size=size)}
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
