@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, NoReturn
 # Only light modules at the top: `zcode --help` and a Ctrl-C during start-up must not wait on
 # torch; each command imports the engine when it runs.
 from zcode.configs import DEFAULT_CONTEXT_LEN, DEFAULT_DISK_GBPS, shipped_configs
-from zcode.errors import CheckpointError, ValidationError
+from zcode.distributed.config import ParallelConfig
+from zcode.errors import CheckpointError, RankFailure, ValidationError
 
 if TYPE_CHECKING:
     from zcode.llm import LLM
@@ -87,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_quality_options(generate)
     _add_skip_options(generate)
+    generate.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes started by torchrun: "
+        "torchrun --nproc-per-node N -m zcode generate ... (default: %(default)s)",
+    )
     generate.set_defaults(run=_generate)
 
     chat = commands.add_parser(
@@ -576,6 +585,11 @@ def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engin
     return LLM(model, dtype=dtype, **engine_args)
 
 
+def _parallel_args(args: argparse.Namespace) -> dict:
+    size = args.tensor_parallel_size
+    return {} if size == 1 else {"parallel": ParallelConfig(tensor_parallel_size=size)}
+
+
 def _sampling_params(args: argparse.Namespace) -> "SamplingParams":
     from zcode.sampling_params import SamplingParams
 
@@ -609,6 +623,7 @@ def _generate(args: argparse.Namespace) -> None:
         **({"per_request_depth": True} if skips else {}),
         **_expert_cache_args(args),
         **_sparsity_args(args),
+        **_parallel_args(args),
     )
     prompt = [{"role": "user", "content": text}] if args.chat else text
     if profile is not None:
@@ -1000,6 +1015,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (CheckpointError, ValidationError) as e:
         print(f"zcode: error: {e}", file=sys.stderr)
         sys.exit(2)  # argparse's status for a usage error: one status for every user mistake
+    except RankFailure as e:  # another torchrun rank died or hung
+        print(f"zcode: error: {e}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:

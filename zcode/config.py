@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zcode.distributed.config import ParallelConfig
+
 # "auto": the weights as the checkpoint stores them (a GGUF file's quantized blocks, memory-mapped;
 # safetensors in their stored dtype), activations in the model's norm dtype (fp32 for GGUF).
 DTYPES = {
@@ -37,10 +39,14 @@ class EngineConfig:
     # "lru": the most recently routed stay; "lfu": the most routed (decayed). bench_offload.py
     # measures both: LRU's hit rate was higher on the tiny random glm4_moe (0.81 vs 0.74 at 50%).
     expert_cache_policy: str = "lru"
+    # Processes that share the model (torchrun ranks) and how they split it.
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ValueError(f"parallel must be a ParallelConfig, got {type(self.parallel)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

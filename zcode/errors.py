@@ -5,3 +5,7 @@ class ValidationError(ValueError):
 class CheckpointError(ValueError):
     """A checkpoint is missing, malformed or does not fit the model; the message names the file
     and, where there is one, the tensor."""
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: another rank died, hung past the timeout, or the link broke."""

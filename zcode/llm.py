@@ -7,6 +7,9 @@ import torch
 
 from zcode.chat.template import render_chat
 from zcode.config import EngineConfig
+from zcode.distributed.config import ParallelConfig
+from zcode.distributed.shard import shard_model
+from zcode.distributed.steps import join, start_rank
 from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.request_output import RequestOutput
 from zcode.errors import ValidationError
@@ -30,21 +33,35 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | Path | None = None, sparsity: str | Path | None = None, **engine_args
+        self,
+        model: str | Path | None = None,
+        sparsity: str | Path | None = None,
+        tensor_parallel_size: int | None = None,
+        **engine_args,
     ) -> None:
         """`sparsity`: a calibration artifact (`zcode calibrate`) whose default plan is applied
-        before the KV cache is sized, and which `max_latency_ms` plans from."""
+        before the KV cache is sized, and which `max_latency_ms` plans from.
+        `tensor_parallel_size`: the number of torchrun processes that split the model; on
+        ranks other than 0 this constructor follows rank 0's steps and exits the process when
+        rank 0 ends (zcode.distributed)."""
+        if tensor_parallel_size is not None:
+            engine_args["parallel"] = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
         self.config = EngineConfig(**engine_args)
+        group = join(self.config, sparsity)
         dtype = self.config.torch_dtype
         if dtype is None and sparsity is not None:
             dtype = torch.float32  # sparse FFN kernels read rows of float weights
         net, self.tokenizer = load_model(model, dtype)
+        if group is not None:
+            shard_model(net, group)
         self.sparsity = None
         if sparsity is not None:
             from zcode.sparsity.apply import apply_default_plan
 
             self.sparsity = apply_default_plan(net, sparsity)
         self.engine = LLMEngine(net, self.tokenizer, self.config)
+        if group is not None:
+            start_rank(self.engine, group)
         # zcode.quant.variants.attach_variants sets this; generate(quality=) selects among them.
         self.precision_variants = None
 

@@ -18,7 +18,7 @@ from zcode.engine.sampler import Sampler, top_logprobs
 from zcode.engine.scheduler import ScheduledSeq, Scheduler
 from zcode.engine.sequence import Sequence
 from zcode.engine.structured_output import GrammarCompiler
-from zcode.errors import ValidationError
+from zcode.errors import RankFailure, ValidationError
 from zcode.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -333,6 +333,8 @@ def _isolating_failures(fn: Callable[[list], list], items: list, seq_of: Callabl
         return [], []
     try:
         return list(zip(items, fn(items))), []
+    except RankFailure:  # the ranks no longer agree: no request can run
+        raise
     except Exception:
         if len(items) == 1:
             logger.exception("request %s failed", seq_of(items[0]).request_id)

@@ -1,0 +1,288 @@
+"""Tensor parallelism over torch.distributed (gloo, 2 processes) against one process.
+
+The oracle is the same engine in one process (itself held to transformers by test_parity.py):
+under TP=2 the greedy tokens must be the same and every step's logits within the parity
+tolerance, with the paged KV cache and prefix caching on (the second round of prompts reuses the
+first round's full blocks). Ranks are spawned processes that join through torchrun's environment
+variables, one thread each.
+"""
+
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from tiny_models import VOCAB
+
+from zcode.distributed.group import TPGroup
+from zcode.distributed.shard import (
+    head_shards,
+    row_parallel,
+    shard_model,
+    slice_rows,
+    split_sizes,
+    weight_bytes,
+)
+from zcode.errors import RankFailure
+from zcode.llm import LLM
+from zcode.loader import load_model
+from zcode.quant.gguf import GgufWeight
+from zcode.quant.linear import QuantizedLinear
+from zcode.sampling_params import SamplingParams
+
+LOGIT_TOL = 1e-4  # test_parity.py's
+# GGUF as stored quantizes activations to int8 per block: an fp32 rounding difference in the
+# all-reduced input can move a value across a rounding boundary, and 30 layers amplify it.
+# of max |logit|: test_gguf_loader's bound for the same noise (ZCode against llama.cpp)
+INT8_LOGIT_REL_TOL = 0.05
+RANK_TIMEOUT_S = 240  # a launch that outlives this hangs: the test fails instead of waiting
+# SmolLM2 as stored where ggml.cpp does not build: the gguf package's dequantize, autotuned at
+# the first step of each process, takes minutes.
+SLOW_RANK_TIMEOUT_S = 900
+FAKE_GROUP = TPGroup(rank=0, world_size=2, compute=None, control=None)
+
+
+# -- the split, without processes
+
+
+def test_split_sizes_give_larger_pieces_first_in_whole_multiples():
+    assert split_sizes(9, 2) == [5, 4]
+    assert split_sizes(1536, 2, multiple=32) == [768, 768]
+    assert split_sizes(96, 2, multiple=32) == [64, 32]
+    with pytest.raises(NotImplementedError, match="multiples of 256"):
+        split_sizes(384, 2, multiple=256)
+
+
+def test_head_shards_split_whole_groups_or_replicate_kv_heads():
+    # SmolLM2: 9 query heads in 3 groups -> two groups on rank 0, one on rank 1
+    shards = head_shards(9, 3, 2)
+    assert [(s.q_heads, s.kv_heads) for s in shards] == [
+        (range(0, 6), range(0, 2)),
+        (range(6, 9), range(2, 3)),
+    ]
+    # fewer KV heads than ranks: each KV head on world_size / num_kv_heads ranks
+    shards = head_shards(8, 2, 4)
+    assert [s.kv_heads for s in shards] == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+    assert [s.q_heads for s in shards] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    for shard in shards:  # every query head reads the KV head of its own group
+        assert all(h // 4 == shard.kv_heads.start for h in shard.q_heads)
+    with pytest.raises(NotImplementedError, match="replicating KV heads"):
+        head_shards(6, 2, 4)
+
+
+def test_gguf_slices_are_the_dequantized_weights_slices():
+    g = torch.Generator().manual_seed(0)
+    packed = GgufWeight.random(GGMLQuantizationType.Q4_1, 64, 128, g)
+    linear = QuantizedLinear(packed, None, "gguf-q4_1")
+    full = packed.dequantize()  # the gguf package's dequantize: [64, 128]
+    rows = torch.tensor([3, 4, 5, 40])
+    assert torch.equal(slice_rows(linear, rows).packed.dequantize(), full[rows])
+    cols = row_parallel(linear, 32, 96, FAKE_GROUP).linear.packed
+    assert torch.equal(cols.dequantize(), full[:, 32:96])
+    with pytest.raises(NotImplementedError, match="whole blocks of 32"):
+        row_parallel(linear, 16, 64, FAKE_GROUP)
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "glm_moe_dsa"])
+def test_moe_and_mla_models_say_what_is_missing(tiny_checkpoint, name):
+    net, _ = load_model(tiny_checkpoint(name).path)
+    with pytest.raises(NotImplementedError, match="MLA|expert parallelism"):
+        shard_model(net, FAKE_GROUP)
+
+
+def test_more_processes_than_the_launch_has_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from zcode.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="torchrun --nproc-per-node 2"):
+        LLM(None, tensor_parallel_size=2)
+
+
+# -- two processes against one
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    """Two prompts, then two sharing their first 35 tokens (two full KV blocks) with them."""
+    g = torch.Generator().manual_seed(seed)
+    first = [torch.randint(3, VOCAB, (40,), generator=g).tolist() for _ in range(2)]
+    second = [p[:35] + torch.randint(3, VOCAB, (5,), generator=g).tolist() for p in first]
+    return [first, second]
+
+
+def _run(llm: LLM, rounds: list, max_tokens: int = 6) -> dict:
+    """Greedy tokens, the logits of every step and the prefix-cache hits of `rounds`."""
+    logits = []
+    execute = llm.engine.runner.execute
+
+    def recording(scheduled):
+        out = execute(scheduled)
+        logits.extend(x.clone() for x in out if x.numel())
+        return out
+
+    llm.engine.runner.execute = recording
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = [[out.token_ids for out in llm.generate(prompts, params)] for prompts in rounds]
+    return {
+        "tokens": tokens,
+        "logits": logits,
+        "prefix_cache_hits": llm.engine.stats()["prefix_cache_hits"],
+        "weight_bytes": weight_bytes(llm.model),
+    }
+
+
+def _reference_kernels() -> None:
+    """GGUF linears on their reference kernel: the fast kernels autotune every new shape (minutes
+    per process where ggml.cpp does not build), and the reference computes what they compute."""
+    QuantizedLinear.fast_kernel = lambda self, rows: type(self.packed).linear_reference
+
+
+def _rank_main(rank: int, port: int, model, dtype: str, rounds, max_tokens: int, out: str, die):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    _reference_kernels()
+    if die and rank == 1:  # dies at its third broadcast: the KV block count, a step, then gone
+        import torch.distributed as dist
+
+        broadcast, calls = dist.broadcast_object_list, []
+
+        def dying(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                os._exit(3)
+            return broadcast(*args, **kwargs)
+
+        dist.broadcast_object_list = dying
+    from zcode.distributed.config import ParallelConfig
+
+    parallel = ParallelConfig(tensor_parallel_size=2, collective_timeout_s=30)
+    llm = LLM(model, dtype=dtype, parallel=parallel, kv_cache_bytes=8 << 20)
+    try:  # only rank 0 gets here: the follower exits in LLM() when rank 0 ends
+        result = _run(llm, rounds, max_tokens)
+    except RankFailure as e:
+        result = {"error": str(e)}
+    torch.save(result, out)
+
+
+def _launch(
+    tmp_path: Path,
+    model,
+    dtype: str,
+    rounds,
+    max_tokens: int = 6,
+    die: bool = False,
+    timeout_s: float = RANK_TIMEOUT_S,
+) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "rank0.pt")
+    context = multiprocessing.get_context("spawn")
+    args = (port, None if model is None else str(model), dtype, rounds, max_tokens, out, die)
+    ranks = [context.Process(target=_rank_main, args=(r, *args)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in ranks:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(ranks) if p.is_alive()]
+    for p in ranks:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still running after {timeout_s} s"
+    result = torch.load(out)
+    result["exitcodes"] = [p.exitcode for p in ranks]
+    return result
+
+
+def _one_process(model, dtype: str, rounds, max_tokens: int = 6) -> dict:
+    fast_kernel = QuantizedLinear.fast_kernel
+    _reference_kernels()
+    try:
+        return _run(LLM(model, dtype=dtype, kv_cache_bytes=8 << 20), rounds, max_tokens)
+    finally:
+        QuantizedLinear.fast_kernel = fast_kernel
+
+
+def _assert_same(tp: dict, single: dict, tol: float) -> None:
+    assert tp["exitcodes"] == [0, 0]
+    assert tp["tokens"] == single["tokens"]
+    assert tp["prefix_cache_hits"] == single["prefix_cache_hits"] > 0
+    assert len(tp["logits"]) == len(single["logits"])
+    diff = max((a - b).abs().max().item() for a, b in zip(tp["logits"], single["logits"]))
+    assert diff <= tol, f"logits {diff:.2e} apart"
+    # rank 0 keeps about half: its heads, half the FFN and half the vocabulary
+    assert tp["weight_bytes"] < 0.75 * single["weight_bytes"]
+
+
+@pytest.mark.parametrize("name", ["llama", "glm4"])
+def test_tp2_matches_one_process_on_tiny_models(tiny_checkpoint, tmp_path, name):
+    path = tiny_checkpoint(name).path
+    rounds = _prompts(seed=1)
+    _assert_same(_launch(tmp_path, path, "float32", rounds), _one_process(path, "float32", rounds),
+                 LOGIT_TOL)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_tp2_matches_one_process_on_smollm2(tmp_path):
+    """The real model dequantized to fp32: 9 query heads in 3 KV groups split 6 + 3, a tied
+    vocab-parallel embedding and head; the second round reuses the first one's full blocks."""
+    opening = "The history of the Roman Empire begins with the founding of the city of Rome and its"
+    opening += (
+        " early kings, who ruled it for more than two centuries until they were driven out by"
+    )
+    rounds = [[opening + " Romulus", opening + " the"], [opening + " Remus", opening + " a"]]
+    tp = _launch(tmp_path, None, "float32", rounds, timeout_s=SLOW_RANK_TIMEOUT_S)
+    _assert_same(tp, _one_process(None, "float32", rounds), LOGIT_TOL)
+
+
+@pytest.mark.slow
+def test_tp2_matches_one_process_on_smollm2_gguf_as_stored(tmp_path):
+    """Q4_1 blocks split by rows and, at whole blocks, by columns. Activations are quantized to
+    int8 per block, so the all-reduce's rounding differences move logits by int8 noise (a
+    near-tie could flip a greedy token: one step, the prompts' next tokens)."""
+    rounds = [["The capital of France is", "def fibonacci(n):"]]
+    tp = _launch(tmp_path, None, "auto", rounds, max_tokens=1, timeout_s=SLOW_RANK_TIMEOUT_S)
+    single = _one_process(None, "auto", rounds, max_tokens=1)
+    assert tp["exitcodes"] == [0, 0]
+    assert tp["tokens"] == single["tokens"]
+    for a, b in zip(tp["logits"], single["logits"]):
+        rel = ((a - b).abs().max() / b.abs().max()).item()
+        assert rel <= INT8_LOGIT_REL_TOL, f"logits {rel:.1%} of max |logit| apart"
+    assert tp["weight_bytes"] < 0.75 * single["weight_bytes"]
+
+
+def test_a_dead_rank_fails_rank_0_with_a_clear_error(tiny_checkpoint, tmp_path):
+    result = _launch(tmp_path, tiny_checkpoint("llama").path, "float32", _prompts(2), die=True)
+    assert result["exitcodes"] == [0, 3]
+    assert "rank 0 of 2: a collective failed" in result["error"]
+    assert "relaunch torchrun" in result["error"]
+
+
+@pytest.mark.slow
+def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = ["-m", "zcode", "generate", "--dtype", "float32", "--max-tokens", "8"]
+    command += ["--temperature", "0", "Paris is"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    single = subprocess.run(
+        [sys.executable, *command], capture_output=True, text=True, env=env, timeout=600
+    )
+    tp = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", *command, "--tensor-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=SLOW_RANK_TIMEOUT_S,
+    )
+    assert single.returncode == 0, single.stderr
+    assert tp.returncode == 0, tp.stderr
+    assert tp.stdout == single.stdout != ""

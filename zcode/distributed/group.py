@@ -1,0 +1,101 @@
+"""The process group of a torchrun launch, and the collectives the sharded layers run on it.
+
+torchrun starts one process per rank and sets RANK, WORLD_SIZE and the rendezvous (MASTER_ADDR,
+MASTER_PORT); this module is the one place that reads them. Collectives on CPU tensors go over
+gloo, on CUDA tensors over NCCL. Two groups:
+
+- `compute`: the all-reduces and all-gathers of a forward pass, with the config's timeout, so a
+  rank that died or hangs fails the step within it instead of hanging the others;
+- `control`: rank 0's per-step broadcast of what to run; followers wait on it between steps
+  (an idle server may wait for days), so its timeout is long. A rank that dies closes its
+  sockets, which gloo reports at once, timeout or not.
+
+A failed collective raises `RankFailure`, which the engine does not isolate to one request:
+the ranks no longer agree on what they computed, so every rank must stop and be restarted.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zcode.distributed.config import ParallelConfig
+from zcode.errors import RankFailure, ValidationError
+
+CONTROL_TIMEOUT = timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    world_size: int
+    compute: dist.ProcessGroup
+    control: dist.ProcessGroup
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(config: ParallelConfig) -> TPGroup:
+    """Joins the torchrun launch (once per process); checks it has the processes `config` asks
+    for."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size != config.world_size:
+        launch = f"torchrun --nproc-per-node {config.world_size} -m zcode ..."
+        raise ValidationError(
+            f"tensor_parallel_size {config.tensor_parallel_size} needs {config.world_size} "
+            f"processes, this launch has {world_size}: start it with `{launch}`"
+        )
+    if dist.is_initialized():
+        raise RuntimeError("this process already joined a process group: one model per process")
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    dist.init_process_group(backend, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPGroup(dist.get_rank(), world_size, dist.group.WORLD, control)
+
+
+def all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """Sums x over the ranks, in place; returns x."""
+    _checked(group, dist.all_reduce, x, group=group.compute)
+    return x
+
+
+def all_gather(x: torch.Tensor, group: TPGroup) -> list[torch.Tensor]:
+    """Every rank's x (same shape on all), in rank order."""
+    parts = [torch.empty_like(x) for _ in range(group.world_size)]
+    _checked(group, dist.all_gather, parts, x.contiguous(), group=group.compute)
+    return parts
+
+
+def broadcast_object(obj: object, group: TPGroup) -> object:
+    """Rank 0's `obj` on every rank (pickled; other ranks pass None)."""
+    box = [obj]
+    _checked(group, dist.broadcast_object_list, box, src=0, group=group.control)
+    return box[0]
+
+
+def joined() -> bool:
+    """Whether this process is (still) in the launch's process group."""
+    return dist.is_initialized()
+
+
+def leave() -> None:
+    """Leaves the process group (at exit, or after a failure made it useless)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _checked(tp: TPGroup, collective, *args, **kwargs) -> None:
+    try:
+        collective(*args, **kwargs)
+    except (RuntimeError, ValueError) as e:  # gloo errors, c10d's DistError, a left group
+        # The ranks no longer agree on what ran: leave, so no later collective waits on them.
+        leave()
+        raise RankFailure(
+            f"rank {tp.rank} of {tp.world_size}: a collective failed: another rank died, "
+            f"hung past the timeout or lost its link ({e}); stop every rank and relaunch torchrun"
+        ) from e

@@ -1,0 +1,249 @@
+"""Sharding a loaded model for tensor parallelism: each rank keeps only its slice of every weight.
+
+Attention splits by heads: q/k/v keep the rows of the rank's heads (column-parallel), o_proj the
+matching input columns (row-parallel, all-reduced). KV heads are split in whole GQA groups, so
+each rank's query heads read only its own KV heads and its paged KV cache holds only those;
+with fewer KV heads than ranks, each KV head is replicated on world_size / num_kv_heads ranks.
+The SwiGLU FFN splits its intermediate features the same way (gate/up rows, down_proj columns).
+The embedding and lm_head split the vocabulary. Uneven splits give the larger pieces to the
+lower ranks, so rank 0 (whose scheduler hands out KV blocks) holds the most KV per block.
+
+Slices are copies that own their memory, and the whole weights are dropped: a safetensors view
+or a GGUF file's bytes are then no longer mapped by this rank. A GGUF row is a run of blocks,
+so rows split anywhere and columns only at block boundaries.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from zcode.distributed.group import TPGroup
+from zcode.distributed.layers import RowParallel, VocabParallelEmbedding, VocabParallelHead
+from zcode.layers.attention import Attention
+from zcode.layers.linear import Linear
+from zcode.layers.mlp import GatedMLP, GeluGatedMLP
+from zcode.models.glm4 import Glm4MLP
+from zcode.quant.gguf import GgufEmbedding, GgufWeight, type_name
+from zcode.quant.linear import QuantizedLinear
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    q_heads: range
+    kv_heads: range
+
+
+def split_sizes(total: int, parts: int, multiple: int = 1) -> list[int]:
+    """`total` in `parts` pieces of whole `multiple`s, as even as possible, larger ones first."""
+    units, rest = divmod(total, multiple)
+    if rest or units < parts:
+        raise NotImplementedError(
+            f"tensor parallelism over {parts} ranks: {total} does not split into {parts} "
+            f"pieces of whole multiples of {multiple}"
+        )
+    base, extra = divmod(units, parts)
+    return [(base + (i < extra)) * multiple for i in range(parts)]
+
+
+def head_shards(num_heads: int, num_kv_heads: int, world_size: int) -> list[HeadShard]:
+    """Per rank, its query heads and the KV heads they read."""
+    group_size = num_heads // num_kv_heads  # query heads per KV head
+    if num_kv_heads >= world_size:
+        shards, kv_start = [], 0
+        for n in split_sizes(num_kv_heads, world_size):
+            kv = range(kv_start, kv_start + n)
+            shards.append(HeadShard(range(kv.start * group_size, kv.stop * group_size), kv))
+            kv_start += n
+        return shards
+    if world_size % num_kv_heads or num_heads % world_size:
+        raise NotImplementedError(
+            f"tensor parallelism over {world_size} ranks with {num_kv_heads} KV heads: "
+            "replicating KV heads needs world_size a multiple of num_kv_heads and num_heads "
+            "a multiple of world_size"
+        )
+    q_per_rank, copies = num_heads // world_size, world_size // num_kv_heads
+    return [
+        HeadShard(range(r * q_per_rank, (r + 1) * q_per_rank), range(r // copies, r // copies + 1))
+        for r in range(world_size)
+    ]
+
+
+def shard_model(model: nn.Module, group: TPGroup) -> None:
+    """Replaces `model`'s layers by this rank's shards, in place."""
+    for layer in model.model.layers:
+        _shard_attention(layer.self_attn, group, model.config.model_type)
+        _shard_mlp(layer, group, model.config.model_type)
+    _shard_vocab(model, group)
+    _own_memory(model)
+
+
+def _own_memory(model: nn.Module) -> None:
+    """Copies the replicated tensors (norms, biases) that are still views of the checkpoint
+    file, so that nothing keeps the whole file mapped."""
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for tensor in tensors.values():
+                if tensor is not None and tensor.untyped_storage().nbytes() > tensor.nbytes:
+                    tensor.data = tensor.data.clone()
+
+
+def _shard_attention(attn: nn.Module, group: TPGroup, model_type: str) -> None:
+    if type(attn) is not Attention:
+        raise NotImplementedError(
+            f"tensor parallelism for {type(attn).__name__} ({model_type}): MLA's latent "
+            "projections and the DSA indexer have no split yet (issue 19); run it with "
+            "tensor_parallel_size=1"
+        )
+    shard = head_shards(attn.num_heads, attn.num_kv_heads, group.world_size)[group.rank]
+    d = attn.head_dim
+    q_rows = torch.arange(shard.q_heads.start * d, shard.q_heads.stop * d)
+    kv_rows = torch.arange(shard.kv_heads.start * d, shard.kv_heads.stop * d)
+    attn.q_proj = slice_rows(attn.q_proj, q_rows)
+    attn.k_proj = slice_rows(attn.k_proj, kv_rows)
+    attn.v_proj = slice_rows(attn.v_proj, kv_rows)
+    attn.o_proj = row_parallel(attn.o_proj, shard.q_heads.start * d, shard.q_heads.stop * d, group)
+    attn.num_heads, attn.num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
+
+
+def _shard_mlp(layer: nn.Module, group: TPGroup, model_type: str) -> None:
+    mlp = layer.mlp
+    if type(mlp) in (GatedMLP, GeluGatedMLP):
+        start, stop = _feature_range(mlp.gate_proj.out_features, mlp.down_proj, group)
+        rows = torch.arange(start, stop)
+        mlp.gate_proj = slice_rows(mlp.gate_proj, rows)
+        mlp.up_proj = slice_rows(mlp.up_proj, rows)
+    elif type(mlp) is Glm4MLP:  # gate and up stacked in one weight: [2 * I, D]
+        size = mlp.down_proj.in_features
+        start, stop = _feature_range(size, mlp.down_proj, group)
+        rows = torch.arange(start, stop)
+        mlp.gate_up_proj = slice_rows(mlp.gate_up_proj, torch.cat([rows, size + rows]))
+    else:
+        raise NotImplementedError(
+            f"tensor parallelism for {type(mlp).__name__} ({model_type}): MoE layers need "
+            "expert parallelism, not built yet (issue 19); run it with tensor_parallel_size=1"
+        )
+    mlp.down_proj = row_parallel(mlp.down_proj, start, stop, group)
+
+
+def _feature_range(size: int, row_linear: nn.Module, group: TPGroup) -> tuple[int, int]:
+    """This rank's [start, stop) of `size` features, cut where `row_linear`'s columns split."""
+    sizes = split_sizes(size, group.world_size, _column_multiple(row_linear))
+    start = sum(sizes[: group.rank])
+    return start, start + sizes[group.rank]
+
+
+def _shard_vocab(model: nn.Module, group: TPGroup) -> None:
+    embed, head = model.model.embed_tokens, model.lm_head
+    sizes = split_sizes(embed.num_embeddings, group.world_size)
+    start = sum(sizes[: group.rank])
+    rows = torch.arange(start, start + sizes[group.rank])
+    tied = _weight_of(head) is _weight_of(embed)
+    local_embed = _slice_embedding(embed, rows)
+    if tied and isinstance(local_embed, GgufEmbedding):
+        local_head = QuantizedLinear(local_embed.packed, None, head.format)
+    elif tied:
+        local_head = Linear(embed.embedding_dim, len(rows), bias=False, device="meta")
+        local_head.weight = local_embed.weight
+    else:
+        local_head = slice_rows(head, rows)
+    model.model.embed_tokens = VocabParallelEmbedding(local_embed, start, group)
+    model.lm_head = VocabParallelHead(local_head, sizes, group)
+
+
+# -- slicing one module
+
+
+def slice_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """The linear restricted to output features `rows` (column-parallel), owning its memory."""
+    bias = None if linear.bias is None else _param(linear.bias.index_select(0, rows), linear.bias)
+    if isinstance(linear, QuantizedLinear) and isinstance(linear.packed, GgufWeight):
+        packed = linear.packed
+        data = packed.data.index_select(0, rows)
+        return QuantizedLinear(
+            GgufWeight(data, packed.ggml_type, packed.in_features),
+            bias,
+            linear.format,
+            linear.kernel,
+        )
+    _check_float(linear)
+    out = Linear(linear.in_features, len(rows), bias=False, device="meta")
+    out.weight = _param(linear.weight.index_select(0, rows), linear.weight)
+    out.bias = bias
+    return out
+
+
+def row_parallel(linear: nn.Module, start: int, stop: int, group: TPGroup) -> RowParallel:
+    """The linear restricted to input features [start, stop), its outputs summed over ranks."""
+    bias = None if linear.bias is None else linear.bias.detach().clone()
+    if isinstance(linear, QuantizedLinear) and isinstance(linear.packed, GgufWeight):
+        packed = linear.packed
+        block_size, block_bytes = _block(packed)
+        if start % block_size or stop % block_size:
+            raise NotImplementedError(
+                f"row-parallel {type_name(packed.ggml_type)} weight: its rows split only at "
+                f"whole blocks of {block_size} columns, this rank's columns are [{start}, {stop})"
+            )
+        cols = slice(start // block_size * block_bytes, stop // block_size * block_bytes)
+        data = packed.data[:, cols].clone()
+        local = QuantizedLinear(
+            GgufWeight(data, packed.ggml_type, stop - start), None, linear.format, linear.kernel
+        )
+        return RowParallel(local, bias, group)
+    _check_float(linear)
+    local = Linear(stop - start, linear.out_features, bias=False, device="meta")
+    local.weight = _param(linear.weight[:, start:stop].clone(), linear.weight)
+    return RowParallel(local, bias, group)
+
+
+def _slice_embedding(embed: nn.Module, rows: torch.Tensor) -> nn.Module:
+    if isinstance(embed, GgufEmbedding):
+        packed = embed.packed
+        data = packed.data.index_select(0, rows)
+        return GgufEmbedding(GgufWeight(data, packed.ggml_type, packed.in_features))
+    if type(embed) is not nn.Embedding:
+        raise NotImplementedError(f"a vocab-parallel {type(embed).__name__}")
+    out = nn.Embedding(len(rows), embed.embedding_dim, device="meta")
+    out.weight = _param(embed.weight.index_select(0, rows), embed.weight)
+    return out
+
+
+def _column_multiple(linear: nn.Module) -> int:
+    """The granularity the linear's input features can be split at."""
+    if isinstance(linear, QuantizedLinear) and isinstance(linear.packed, GgufWeight):
+        return _block(linear.packed)[0]
+    return 1
+
+
+def _block(packed: GgufWeight) -> tuple[int, int]:
+    """(columns, bytes) of one block of the weight's ggml type."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType(packed.ggml_type)]
+
+
+def _weight_of(module: nn.Module) -> torch.Tensor | None:
+    if isinstance(module, (QuantizedLinear, GgufEmbedding)):
+        return getattr(module.packed, "data", None)
+    return getattr(module, "weight", None)
+
+
+def _check_float(linear: nn.Module) -> None:
+    if not isinstance(linear, nn.Linear):
+        raise NotImplementedError(
+            f"tensor parallelism for a {type(linear).__name__} "
+            f"({getattr(linear, 'format', 'unknown format')}): only float and GGUF weights split"
+        )
+
+
+def _param(value: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(value.contiguous(), requires_grad=like.requires_grad)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the tensors `model` holds (parameters and buffers, each storage once): what one
+    rank keeps resident, the KV cache aside."""
+    storages = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

@@ -1,0 +1,96 @@
+"""Rank 0 leads, the other ranks follow: one scheduler, the same forward pass on every rank.
+
+Rank 0 runs the engine (scheduler, block manager, sampler, API or server) as in one process.
+Before each forward pass of its model it broadcasts the pass's inputs (the token ids and the
+`ForwardBatch`: positions, slot mapping, context slots, masks; a few KB pickled), and every
+follower runs the same pass on its shard, taking part in the same collectives. A follower keeps
+a KV cache laid out as rank 0's (same blocks, its own heads), so rank 0's block tables index it.
+At exit rank 0 broadcasts None and the followers return.
+"""
+
+import atexit
+import logging
+
+import torch
+from torch import nn
+
+from zcode.config import EngineConfig
+from zcode.distributed.group import (
+    RankFailure,
+    TPGroup,
+    broadcast_object,
+    init_distributed,
+    joined,
+    leave,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def join(config: EngineConfig, sparsity: object = None) -> TPGroup | None:
+    """This process's place in the launch, or None when the config runs in one process."""
+    if not config.parallel.is_distributed:
+        return None
+    unsupported = [
+        name
+        for name, used in (
+            ("compile", config.compile),
+            ("per_request_depth", config.per_request_depth),
+            ("a sparsity artifact", sparsity is not None),
+        )
+        if used
+    ]
+    if unsupported:
+        raise NotImplementedError(
+            f"tensor parallelism with {', '.join(unsupported)}: not built yet (issue 19)"
+        )
+    return init_distributed(config.parallel)
+
+
+def start_rank(engine, group: TPGroup) -> None:
+    """Rank 0 returns, leading; the other ranks follow its steps and exit when it stops (so
+    the rest of a script runs on rank 0 only)."""
+    if group.is_leader:
+        lead(engine.model, engine.runner.num_blocks, group)
+        return
+    follow(engine.model, engine.runner.num_blocks, group)
+    raise SystemExit(0)
+
+
+def lead(model: nn.Module, num_blocks: int, group: TPGroup) -> None:
+    """Rank 0: from now on each forward pass of `model` runs on every rank."""
+    broadcast_object(num_blocks, group)
+
+    def broadcast_inputs(module: nn.Module, args: tuple) -> None:
+        broadcast_object(args, group)  # (input_ids [T], ForwardBatch)
+
+    model.register_forward_pre_hook(broadcast_inputs)
+    atexit.register(_stop, group)
+
+
+def follow(model: nn.Module, num_blocks: int, group: TPGroup) -> None:
+    """Other ranks: run rank 0's forward passes until it stops. `num_blocks`: this rank's KV
+    blocks, which must hold every block rank 0 hands out."""
+    leader_blocks = broadcast_object(None, group)
+    if num_blocks < leader_blocks:
+        leave()
+        raise RuntimeError(
+            f"rank {group.rank} holds {num_blocks} KV blocks, fewer than rank 0's "
+            f"{leader_blocks}: ranks must hold as many KV heads as rank 0 or fewer"
+        )
+    with torch.inference_mode():
+        while (inputs := broadcast_object(None, group)) is not None:
+            model(*inputs)
+    leave()
+    logger.info("rank %d: rank 0 finished", group.rank)
+
+
+def _stop(group: TPGroup) -> None:
+    """At rank 0's exit: tells the followers to return (unless a failure already left)."""
+    if not joined():
+        return
+    try:
+        broadcast_object(None, group)
+    except RankFailure:  # the followers are gone already
+        return
+    leave()
