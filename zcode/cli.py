@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from zcode.config import SPECULATIVE_METHODS
 from zcode.errors import ValidationError
 from zcode.info import format_info, model_info
 from zcode.llm import LLM
@@ -71,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_thinking_option(generate)
     _add_dtype_option(generate)
     _add_sparsity_option(generate)
+    _add_speculative_options(generate)
     generate.add_argument(
         "--stream", action="store_true", help="print the text token by token as it is generated"
     )
@@ -327,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_dtype_option(serve)
     _add_sparsity_option(serve)
+    _add_speculative_options(serve)
     serve.set_defaults(run=_serve)
 
     calibrate = commands.add_parser(
@@ -468,6 +471,53 @@ def _add_skip_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        help="speculative decoding: drafts verified by the model in one forward, outputs "
+        "unchanged; ngram: prompt lookup, skip_layers: the model without some layers drafts",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        metavar="K",
+        help="with --speculative: tokens drafted per step (default: 3)",
+    )
+    parser.add_argument(
+        "--draft-skip-layers",
+        metavar="LAYERS",
+        help='with --speculative skip_layers: the layers the draft skips, e.g. "3,5,7" '
+        "(default: every other inner layer)",
+    )
+
+
+def _speculative_args(args: argparse.Namespace) -> dict:
+    """The engine arguments of --speculative and its options (none if it is not given)."""
+    if args.speculative is None:
+        if args.num_draft_tokens is not None or args.draft_skip_layers is not None:
+            raise ValidationError("--num-draft-tokens and --draft-skip-layers need --speculative")
+        return {}
+    engine_args = {"speculative": args.speculative}
+    if args.num_draft_tokens is not None:
+        if args.num_draft_tokens < 1:
+            raise ValidationError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
+        engine_args["num_draft_tokens"] = args.num_draft_tokens
+    if args.draft_skip_layers is not None:
+        if args.speculative != "skip_layers":
+            raise ValidationError("--draft-skip-layers needs --speculative skip_layers")
+        try:
+            engine_args["draft_skip_layers"] = tuple(
+                int(i) for i in args.draft_skip_layers.split(",")
+            )
+        except ValueError:
+            raise ValidationError(
+                f'--draft-skip-layers takes layer numbers like "3,5,7", got '
+                f"{args.draft_skip_layers!r}"
+            ) from None
+    return engine_args
+
+
 def _sparsity_args(args: argparse.Namespace) -> dict:
     if not args.sparsity:
         return {}
@@ -545,6 +595,7 @@ def _generate(args: argparse.Namespace) -> None:
         **({"compile": True} if args.compile else {}),
         **({"per_request_depth": True} if skips else {}),
         **_sparsity_args(args),
+        **_speculative_args(args),
     )
     prompt = [{"role": "user", "content": text}] if args.chat else text
     if profile is not None:
@@ -559,7 +610,10 @@ def _generate(args: argparse.Namespace) -> None:
             _write(out.delta_text)
         _write("\n")
     else:
-        print(llm.generate(prompt, params, args.thinking, **skips)[0].text)
+        out = llm.generate(prompt, params, args.thinking, **skips)[0]
+        if out.plan is not None:  # --speculative: drafted and accepted tokens
+            print(json.dumps(out.plan), file=sys.stderr)
+        print(out.text)
 
 
 def _skips(args: argparse.Namespace) -> dict:
@@ -801,6 +855,7 @@ def _serve(args: argparse.Namespace) -> None:
     if args.per_request_depth:
         engine_args["per_request_depth"] = True
     engine_args.update(_sparsity_args(args))
+    engine_args.update(_speculative_args(args))
     chat_template = None
     if args.chat_template is not None:
         try:
@@ -865,6 +920,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (CheckpointError, ValidationError) as e:
         print(f"zcode: error: {e}", file=sys.stderr)
         sys.exit(2)  # argparse's status for a usage error: one status for every user mistake
+    except NotImplementedError as e:  # an option this model or build does not support yet
+        print(f"zcode: error: not supported yet: {e}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:
