@@ -501,7 +501,9 @@ def _speculative_args(args: argparse.Namespace) -> dict:
     engine_args = {"speculative": args.speculative}
     if args.num_draft_tokens is not None:
         if args.num_draft_tokens < 1:
-            raise ValidationError(f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}")
+            raise ValidationError(
+                f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}"
+            )
         engine_args["num_draft_tokens"] = args.num_draft_tokens
     if args.draft_skip_layers is not None:
         if args.speculative != "skip_layers":

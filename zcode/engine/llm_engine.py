@@ -196,18 +196,22 @@ class LLMEngine:
             }
         spec = {f"spec_decode_{key}": total for key, total in self.spec_totals.items()}
         spec["spec_decode_num_accepted_tokens_per_pos"] = list(self.spec_accepted_per_pos)
-        return pages | spec | {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_usage": bm.usage,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_free_blocks": bm.num_free_blocks,
-            "num_cached_free_blocks": bm.num_evictable_blocks,
-            "num_blocks": bm.num_blocks,
-            "num_graph_compiles": self.runner.num_graph_compiles,
-        }
+        return (
+            pages
+            | spec
+            | {
+                "num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting),
+                "kv_usage": bm.usage,
+                "prefix_cache_queries": bm.prefix_cache_queries,
+                "prefix_cache_hits": bm.prefix_cache_hits,
+                "num_preemptions": self.scheduler.num_preemptions,
+                "num_free_blocks": bm.num_free_blocks,
+                "num_cached_free_blocks": bm.num_evictable_blocks,
+                "num_blocks": bm.num_blocks,
+                "num_graph_compiles": self.runner.num_graph_compiles,
+            }
+        )
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
@@ -258,7 +262,7 @@ class LLMEngine:
             drafts, seq.spec_token_ids = seq.spec_token_ids, []
             new = new_token_ids[seq.seq_id]
             if drafts:  # tokens stop at the first one that is not its draft
-                self._record_acceptance(seq, len(drafts), sum(map(int.__eq__, new, drafts)))
+                self._record_acceptance(seq, len(drafts), sum(t == d for t, d in zip(new, drafts)))
             if seq.finish_reason == "error":  # its output is among the failures
                 continue
             if not seq.is_finished:
