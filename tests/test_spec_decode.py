@@ -240,6 +240,40 @@ def test_num_draft_tokens_is_validated(tiny_checkpoint):
         LLM(path, kv_cache_bytes=1 << 20, speculative="skip_layers", draft_skip_layers=(0, 1))
 
 
+def test_metrics_follow_the_engine_under_vllm_spec_decode_names(tiny_checkpoint):
+    from zcode.server.metrics import Metrics
+
+    llm = LLM(tiny_checkpoint("llama").path, kv_cache_bytes=1 << 20, speculative="ngram")
+    llm.generate(prompts()[-1:], GREEDY)
+    totals, per_pos = llm.engine.spec_totals, llm.engine.spec_accepted_per_pos
+    metrics = Metrics("m")
+    metrics.engine_stats(llm.engine.stats())
+    text = metrics.render().decode()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert f'zcode:spec_decode_{key}_total{{model_name="m"}} {float(totals[key])}' in text
+    for position, count in enumerate(per_pos):
+        if count:
+            line = f'per_pos_total{{model_name="m",position="{position}"}} {float(count)}'
+            assert line in text
+    assert sum(per_pos) == totals["num_accepted_tokens"] > 0
+
+
+def test_cli_speculative_options(tiny_checkpoint, capsys):
+    from zcode import cli
+
+    path = str(tiny_checkpoint("llama").path)
+    for argv, message in [
+        (["generate", "hi", "--num-draft-tokens", "2"], "need --speculative"),
+        (["generate", "hi", "--speculative", "ngram", "--num-draft-tokens", "0"], "at least 1"),
+        (["generate", "hi", "--speculative", "ngram", "--draft-skip-layers", "1"], "skip_layers"),
+        (["generate", "hi", "--model", path, "--speculative", "mtp"], "not supported yet: "),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith("zcode: error: ") and message in err
+
+
 # ---- sampled: the target distribution ------------------------------------------------------------
 
 
