@@ -194,24 +194,22 @@ class LLMEngine:
                 "num_kv_pages": bm.pages.num_pages - 1,
                 "num_free_kv_pages": bm.pages.num_free_pages,
             }
-        spec = {f"spec_decode_{key}": total for key, total in self.spec_totals.items()}
-        spec["spec_decode_num_accepted_tokens_per_pos"] = list(self.spec_accepted_per_pos)
-        return (
-            pages
-            | spec
-            | {
-                "num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting),
-                "kv_usage": bm.usage,
-                "prefix_cache_queries": bm.prefix_cache_queries,
-                "prefix_cache_hits": bm.prefix_cache_hits,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "num_free_blocks": bm.num_free_blocks,
-                "num_cached_free_blocks": bm.num_evictable_blocks,
-                "num_blocks": bm.num_blocks,
-                "num_graph_compiles": self.runner.num_graph_compiles,
-            }
-        )
+        stats = pages | {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_usage": bm.usage,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_free_blocks": bm.num_evictable_blocks,
+            "num_blocks": bm.num_blocks,
+            "num_graph_compiles": self.runner.num_graph_compiles,
+        }
+        for key, total in self.spec_totals.items():
+            stats[f"spec_decode_{key}"] = total
+        stats["spec_decode_num_accepted_tokens_per_pos"] = list(self.spec_accepted_per_pos)
+        return stats
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
@@ -408,11 +406,7 @@ class LLMEngine:
 
     def _spec_report(self, seq: Sequence) -> dict:
         """Speculation so far; mean accepted length as vLLM's: 1 + accepted per verify step."""
-        drafted, accepted, steps = (
-            seq.num_draft_tokens,
-            seq.num_accepted_tokens,
-            seq.num_spec_steps,
-        )
+        drafted, accepted, steps = seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_spec_steps
         return {
             "speculative": {
                 "method": self.config.speculative,
