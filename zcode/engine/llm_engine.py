@@ -318,7 +318,11 @@ class LLMEngine:
         for row, seq in zip(logits, seqs):
             if seq.grammar is not None:
                 seq.grammar.mask_(row)
-        tokens, logprobs = self.sampler(logits, seqs, [draft for _, _, draft in rows])
+        drafts = [draft for _, _, draft in rows]
+        if any(draft is not None for draft in drafts):
+            tokens, logprobs = self.sampler(logits, seqs, drafts)
+        else:
+            tokens, logprobs = self.sampler(logits, seqs)
         return list(zip(tokens, logprobs))
 
     def _fail(self, seq: Sequence) -> RequestOutput:
