@@ -10,8 +10,9 @@ followed by an instruction to repeat it with one name changed, and the new heade
 answer mostly copies the prompt (where prompt lookup pays). Methods: plain decoding, `ngram`
 (prompt lookup) and `skip_layers` (the model without every other inner layer drafts). Each
 cell is min / median of --repeats runs of decode tok/s (first token to last, greedy, batch B);
-outputs are checked equal to plain decoding's. llama.cpp's prompt lookup decoding
-(llama-cpp-python's LlamaPromptLookupDecoding) runs at batch 1 when llama_cpp is installed.
+ZCode's outputs are checked equal to plain decoding's (column "same"). llama.cpp (its GGUF
+file, Q4_1) with and without prompt lookup decoding (llama-cpp-python's
+LlamaPromptLookupDecoding) runs at batch 1 when llama_cpp is installed.
 Writes bench/results/spec.json.
 """
 
@@ -156,7 +157,7 @@ def main() -> None:
     rows = []
     for c in cells:
         base = plain[(c["workload"], c["batch"])]
-        same = "outputs" not in c or c["outputs"] == base["outputs"]
+        same = "-" if "outputs" not in c else "yes" if c["outputs"] == base["outputs"] else "NO"
         ratio = statistics.median(c["tok_s"]) / statistics.median(base["tok_s"])
         acceptance = c.get("acceptance")
         rows.append(
@@ -167,7 +168,7 @@ def main() -> None:
                 f"{min(c['tok_s']):.1f} / {statistics.median(c['tok_s']):.1f}",
                 f"{ratio:.2f}x",
                 "-" if acceptance is None else f"{acceptance:.2f}",
-                "yes" if same else "NO",
+                same,
             )
         )
     headers = ["method", "workload", "batch", "tok/s min / median", "vs plain", "accept", "same"]
