@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 # Only light modules at the top: `zcode --help` and a Ctrl-C during start-up must not wait on
 # torch; each command imports the engine when it runs.
+from zcode.config import SPECULATIVE_METHODS
 from zcode.configs import DEFAULT_CONTEXT_LEN, DEFAULT_DISK_GBPS, shipped_configs
 from zcode.distributed.config import ParallelConfig
 from zcode.errors import CheckpointError, RankFailure, ValidationError
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_option(generate)
     _add_expert_cache_option(generate)
     _add_sparsity_option(generate)
+    _add_speculative_options(generate)
     generate.add_argument(
         "--stream", action="store_true", help="print the text token by token as it is generated"
     )
@@ -367,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dtype_option(serve)
     _add_expert_cache_option(serve)
     _add_sparsity_option(serve)
+    _add_speculative_options(serve)
     serve.set_defaults(run=_serve)
 
     calibrate = commands.add_parser(
@@ -536,6 +539,55 @@ def _add_skip_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        help="speculative decoding: drafts verified by the model in one forward, outputs "
+        "unchanged; ngram: prompt lookup, skip_layers: the model without some layers drafts",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        metavar="K",
+        help="with --speculative: tokens drafted per step (default: 3)",
+    )
+    parser.add_argument(
+        "--draft-skip-layers",
+        metavar="LAYERS",
+        help='with --speculative skip_layers: the layers the draft skips, e.g. "3,5,7" '
+        "(default: every other inner layer)",
+    )
+
+
+def _speculative_args(args: argparse.Namespace) -> dict:
+    """The engine arguments of --speculative and its options (none if it is not given)."""
+    if args.speculative is None:
+        if args.num_draft_tokens is not None or args.draft_skip_layers is not None:
+            raise ValidationError("--num-draft-tokens and --draft-skip-layers need --speculative")
+        return {}
+    engine_args = {"speculative": args.speculative}
+    if args.num_draft_tokens is not None:
+        if args.num_draft_tokens < 1:
+            raise ValidationError(
+                f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}"
+            )
+        engine_args["num_draft_tokens"] = args.num_draft_tokens
+    if args.draft_skip_layers is not None:
+        if args.speculative != "skip_layers":
+            raise ValidationError("--draft-skip-layers needs --speculative skip_layers")
+        try:
+            engine_args["draft_skip_layers"] = tuple(
+                int(i) for i in args.draft_skip_layers.split(",")
+            )
+        except ValueError:
+            raise ValidationError(
+                f'--draft-skip-layers takes layer numbers like "3,5,7", got '
+                f"{args.draft_skip_layers!r}"
+            ) from None
+    return engine_args
+
+
 def _sparsity_args(args: argparse.Namespace) -> dict:
     if not args.sparsity:
         return {}
@@ -624,6 +676,7 @@ def _generate(args: argparse.Namespace) -> None:
         **_expert_cache_args(args),
         **_sparsity_args(args),
         **_parallel_args(args),
+        **_speculative_args(args),
     )
     prompt = [{"role": "user", "content": text}] if args.chat else text
     if profile is not None:
@@ -638,7 +691,10 @@ def _generate(args: argparse.Namespace) -> None:
             _write(out.delta_text)
         _write("\n")
     else:
-        print(llm.generate(prompt, params, args.thinking, **skips)[0].text)
+        out = llm.generate(prompt, params, args.thinking, **skips)[0]
+        if out.plan is not None:  # --speculative: drafted and accepted tokens
+            print(json.dumps(out.plan), file=sys.stderr)
+        print(out.text)
 
 
 def _skips(args: argparse.Namespace) -> dict:
@@ -951,6 +1007,7 @@ def _serve(args: argparse.Namespace) -> None:
         engine_args["per_request_depth"] = True
     engine_args.update(_expert_cache_args(args))
     engine_args.update(_sparsity_args(args))
+    engine_args.update(_speculative_args(args))
     chat_template = None
     if args.chat_template is not None:
         try:
@@ -1018,6 +1075,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     except RankFailure as e:  # another torchrun rank died or hung
         print(f"zcode: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except NotImplementedError as e:  # an option this model or build does not support yet
+        print(f"zcode: error: not supported yet: {e}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
     except BrokenPipeError:

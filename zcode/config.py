@@ -1,19 +1,19 @@
 """Engine configuration: one frozen object, built once and passed down."""
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from zcode.distributed.config import ParallelConfig
 
+if TYPE_CHECKING:  # torch stays out of the CLI's start-up, which reads this module
+    import torch
+
 # "auto": the weights as the checkpoint stores them (a GGUF file's quantized blocks, memory-mapped;
 # safetensors in their stored dtype), activations in the model's norm dtype (fp32 for GGUF).
-DTYPES = {
-    "auto": None,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+SPECULATIVE_METHODS = ("ngram", "skip_layers", "mtp")
 
 
 @dataclass(frozen=True)
@@ -41,13 +41,21 @@ class EngineConfig:
     expert_cache_policy: str = "lru"
     # Processes that share the model (torchrun ranks) and how they split it.
     parallel: ParallelConfig = ParallelConfig()
+    # Speculative decoding (vLLM's method names where they exist): "ngram" (prompt lookup),
+    # "skip_layers" (the model without `draft_skip_layers` drafts; default: every other inner
+    # layer) or "mtp" (not built yet); each step verifies up to `num_draft_tokens` drafted tokens
+    # per request. Outputs are those of plain decoding; SamplingParams.num_draft_tokens
+    # overrides the count per request (0: this request does not speculate).
+    speculative: str | None = None
+    num_draft_tokens: int = 3
+    draft_skip_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.parallel, ParallelConfig):
             raise ValueError(f"parallel must be a ParallelConfig, got {type(self.parallel)}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.expert_cache_gb is not None and self.expert_cache_fraction is not None:
@@ -58,8 +66,16 @@ class EngineConfig:
             raise ValueError(
                 f"expert_cache_fraction must be in [0, 1], got {self.expert_cache_fraction}"
             )
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"
+            )
+        if self.draft_skip_layers is not None:
+            object.__setattr__(self, "draft_skip_layers", tuple(self.draft_skip_layers))
 
     @property
-    def torch_dtype(self) -> torch.dtype | None:
+    def torch_dtype(self) -> "torch.dtype | None":
         """The dtype weights are converted to at load; None keeps them as stored."""
-        return DTYPES[self.dtype]
+        import torch
+
+        return None if self.dtype == "auto" else getattr(torch, self.dtype)

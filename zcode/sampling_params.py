@@ -64,6 +64,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # Speculative decoding: drafted tokens verified per step for this request (None: the
+    # engine's num_draft_tokens; 0: none). Needs an engine built with `speculative`.
+    num_draft_tokens: int | None = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +100,12 @@ class SamplingParams:
                 f"{MAX_LOGIT_BIAS:g}]",
             ),
         ]
+        checks.append(
+            (
+                self.num_draft_tokens is None or self.num_draft_tokens >= 0,
+                f"num_draft_tokens must be >= 0, got {self.num_draft_tokens}",
+            )
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             checks.append(

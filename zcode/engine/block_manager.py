@@ -13,6 +13,8 @@ got a hash goes straight back to the free list.
 
 Blocks are published to the cache only once their KV has been computed (`cache_full_blocks`),
 never at allocation, so a failed or preempted step cannot leave a findable block of garbage.
+Drafted tokens of speculative decoding are not in a sequence's tokens, nor counted as computed,
+until accepted; blocks that held only rejected ones are given back by `trim`.
 
 A sequence's cache salt (vLLM's `cache_salt`) roots its chain of hashes: requests share blocks
 only under equal salts. The engine salts what computes KV differently from the model it was
@@ -193,6 +195,19 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Gives back the blocks past `seq`'s computed tokens (those that held rejected drafts).
+
+        They were taken for this sequence alone and never published: a block is hashed only
+        once every token in it is computed.
+        """
+        num_kept = -(-seq.num_computed_tokens // self.block_size)
+        for block_id in seq.block_table[num_kept:]:
+            assert self.ref_counts[block_id] == 1 and self.block_hashes[block_id] is None
+            self.ref_counts[block_id] = 0
+            self._release(block_id)
+        del seq.block_table[num_kept:]
 
     def _take_free_block(self, seq: Sequence) -> int:
         if not self.free_block_ids:

@@ -20,6 +20,7 @@ from zcode.engine.sequence import Sequence
 from zcode.engine.structured_output import GrammarCompiler
 from zcode.errors import RankFailure, ValidationError
 from zcode.sampling_params import SamplingParams
+from zcode.spec.drafter import make_drafter
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,13 @@ class LLMEngine:
         # of generate_within, a precision variant): salts the prefix cache of requests added while
         # it is set, so they neither reuse other KV nor publish theirs to other requests.
         self.kv_salt = ""
+        self.drafter = None
+        if config.speculative is not None:
+            self.drafter = make_drafter(config.speculative, self.runner, config.draft_skip_layers)
+        # vLLM's spec-decode counters, running totals: steps that verified drafts, drafted
+        # tokens, accepted tokens, and accepted tokens by draft position.
+        self.spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        self.spec_accepted_per_pos = [0] * config.num_draft_tokens
 
     def add_request(
         self,
@@ -95,6 +103,7 @@ class LLMEngine:
         salt = join_salts(self.kv_salt, cache_salt, skips_salt)
         seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt, layers, heads)
         seq.grammar = grammar
+        seq.num_lookahead_tokens = self._num_lookahead_tokens(params)
         if seq.request_id in self.sequences:
             raise ValidationError(f"request id {seq.request_id!r} is already in use")
         self.sequences[seq.request_id] = seq
@@ -121,6 +130,23 @@ class LLMEngine:
                 f"{total} were requested ({len(prompt_token_ids)} in the prompt, "
                 f"{params.max_tokens} to generate)"
             )
+
+    def _num_lookahead_tokens(self, params: SamplingParams) -> int:
+        if self.drafter is None:
+            if params.num_draft_tokens:
+                raise ValidationError(
+                    "num_draft_tokens needs an engine built with speculative decoding "
+                    "(speculative='ngram' or 'skip_layers')"
+                )
+            return 0
+        if params.num_draft_tokens is None:
+            return self.config.num_draft_tokens
+        if params.num_draft_tokens > self.config.num_draft_tokens:
+            raise ValidationError(
+                f"num_draft_tokens {params.num_draft_tokens} is more than the engine's "
+                f"{self.config.num_draft_tokens}"
+            )
+        return params.num_draft_tokens
 
     def _validate_skips(
         self, skip_layers: Iterable[int], skip_kv_heads: Iterable[tuple[int, int]]
@@ -171,7 +197,7 @@ class LLMEngine:
                 "num_kv_pages": bm.pages.num_pages - 1,
                 "num_free_kv_pages": bm.pages.num_free_pages,
             }
-        return optional | {
+        stats = optional | {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_usage": bm.usage,
@@ -183,6 +209,10 @@ class LLMEngine:
             "num_blocks": bm.num_blocks,
             "num_graph_compiles": self.runner.num_graph_compiles,
         }
+        for key, total in self.spec_totals.items():
+            stats[f"spec_decode_{key}"] = total
+        stats["spec_decode_num_accepted_tokens_per_pos"] = list(self.spec_accepted_per_pos)
+        return stats
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
@@ -199,40 +229,105 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        self._propose_drafts(scheduled)
         ran, failed = _isolating_failures(self.runner.execute, scheduled, lambda s: s.seq)
         if self.expert_cache is not None:
             self.expert_cache.after_step([(s.seq, s.num_new_tokens) for s in scheduled])
         return [self._fail(s.seq) for s in failed] + self._update(ran)
 
+    def _propose_drafts(self, scheduled: list[ScheduledSeq]) -> None:
+        """Fills `spec_token_ids` of the sequences scheduled with room for drafts. Drafting is
+        an optimisation: if the drafter fails, this step runs without drafts."""
+        wanting = [s for s in scheduled if s.num_lookahead_tokens]
+        if not wanting:
+            return
+        seqs = [s.seq for s in wanting]
+        try:
+            drafts = self.drafter.propose(seqs, [s.num_lookahead_tokens for s in wanting])
+        except Exception:
+            logger.exception("the drafter failed; this step runs without drafts")
+            return
+        for s, tokens in zip(wanting, drafts):
+            s.seq.spec_token_ids = tokens[: s.num_lookahead_tokens]
+
     def _update(self, ran: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[RequestOutput]:
-        sampling = []
+        verifying = []
         for s, seq_logits in ran:
             seq = s.seq
             if seq.wants_prompt_logprobs:
                 self._record_prompt_logprobs(seq, seq_logits)
             completes = s.completes_prompt
-            seq.num_computed_tokens += s.num_new_tokens
+            seq.num_computed_tokens += s.num_new_tokens  # drafts count once accepted
             if completes:
-                sampling.append((seq, seq_logits[-1]))
-        sampled, failed = _isolating_failures(self._sample, sampling, lambda item: item[0])
-        outputs = [self._fail(seq) for seq, _ in failed]
-        for (seq, _), (token, logprobs) in sampled:
-            try:
-                outputs.append(self._append(seq, token, logprobs))
-            except Exception:
-                logger.exception("request %s failed", seq.request_id)
-                outputs.append(self._fail(seq))
+                verifying.append((seq, seq_logits[-1 - len(seq.spec_token_ids) :]))
+        new_token_ids, outputs = self._accept(verifying)
+        for seq, _ in verifying:
+            drafts, seq.spec_token_ids = seq.spec_token_ids, []
+            new = new_token_ids[seq.seq_id]
+            if drafts:  # tokens stop at the first one that is not its draft
+                self._record_acceptance(seq, len(drafts), sum(t == d for t, d in zip(new, drafts)))
+            if seq.finish_reason == "error":  # its output is among the failures
+                continue
+            if not seq.is_finished:
+                self.block_manager.trim(seq)  # blocks that held only rejected drafts
+            outputs.append(self._output(seq, new))
         return outputs
 
+    def _accept(
+        self, verifying: list[tuple[Sequence, torch.Tensor]]
+    ) -> tuple[dict[int, list[int]], list[RequestOutput]]:
+        """Samples each sequence's next tokens from its logits [1 + num_drafts, V] position by
+        position, as plain decoding would (penalties, grammar and stop checks see the tokens
+        kept before), keeping drafts while the sampled token is the draft, then the token
+        sampled where that ended. Returns the tokens appended per sequence (seq_id) and the
+        outputs of the sequences that failed."""
+        new_token_ids: dict[int, list[int]] = {seq.seq_id: [] for seq, _ in verifying}
+        failures = []
+        active, position = verifying, 0
+        while active:
+            rows = [(seq, logits[position], _draft_at(seq, position)) for seq, logits in active]
+            sampled, failed = _isolating_failures(self._sample, rows, lambda row: row[0])
+            failures += [self._fail(seq) for seq, _, _ in failed]
+            kept = set()
+            for (seq, _, draft), (token, logprobs) in sampled:
+                try:
+                    self._append(seq, token, logprobs)
+                except Exception:
+                    logger.exception("request %s failed", seq.request_id)
+                    failures.append(self._fail(seq))
+                    continue
+                new_token_ids[seq.seq_id].append(token)
+                if token == draft and not seq.is_finished:
+                    seq.num_computed_tokens += 1  # the draft's KV, computed this step, holds
+                    kept.add(seq.seq_id)
+            active = [(seq, logits) for seq, logits in active if seq.seq_id in kept]
+            position += 1
+        return new_token_ids, failures
+
+    def _record_acceptance(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        seq.num_spec_steps += 1
+        seq.num_draft_tokens += num_drafts
+        seq.num_accepted_tokens += num_accepted
+        self.spec_totals["num_drafts"] += 1
+        self.spec_totals["num_draft_tokens"] += num_drafts
+        self.spec_totals["num_accepted_tokens"] += num_accepted
+        for position in range(num_accepted):
+            self.spec_accepted_per_pos[position] += 1
+
     def _sample(
-        self, items: list[tuple[Sequence, torch.Tensor]]
+        self, rows: list[tuple[Sequence, torch.Tensor, int | None]]
     ) -> list[tuple[int, dict[int, float] | None]]:
-        seqs = [seq for seq, _ in items]
-        logits = torch.stack([logits for _, logits in items])  # [B, V]
+        """rows: (sequence, its logits [V], the draft at this position or None)."""
+        seqs = [seq for seq, _, _ in rows]
+        logits = torch.stack([logits for _, logits, _ in rows])  # [B, V]
         for row, seq in zip(logits, seqs):
             if seq.grammar is not None:
                 seq.grammar.mask_(row)
-        tokens, logprobs = self.sampler(logits, seqs)
+        drafts = [draft for _, _, draft in rows]
+        if any(draft is not None for draft in drafts):
+            tokens, logprobs = self.sampler(logits, seqs, drafts)
+        else:
+            tokens, logprobs = self.sampler(logits, seqs)
         return list(zip(tokens, logprobs))
 
     def _fail(self, seq: Sequence) -> RequestOutput:
@@ -254,9 +349,7 @@ class LLMEngine:
                     top_logprobs(logprobs[i], token, seq.params.prompt_logprobs)
                 )
 
-    def _append(
-        self, seq: Sequence, token: int, logprobs: dict[int, float] | None
-    ) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
@@ -274,7 +367,6 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             self.sampler.release(seq)
             self.sequences.pop(seq.request_id, None)
-        return self._output(seq, [token])
 
     def _stop_check(self, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
         p = seq.params
@@ -321,7 +413,22 @@ class LLMEngine:
             expert_cache=(
                 self.expert_cache.request_report(seq) if self.expert_cache is not None else None
             ),
+            plan=self._spec_report(seq) if seq.num_lookahead_tokens else None,
         )
+
+    def _spec_report(self, seq: Sequence) -> dict:
+        """Speculation so far; mean accepted length as vLLM's: 1 + accepted per verify step."""
+        drafted, accepted, steps = seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_spec_steps
+        return {
+            "speculative": {
+                "method": self.config.speculative,
+                "num_drafts": steps,
+                "num_draft_tokens": drafted,
+                "num_accepted_tokens": accepted,
+                "acceptance_rate": accepted / drafted if drafted else None,
+                "mean_accepted_length": 1 + accepted / steps if steps else None,
+            }
+        }
 
 
 def _isolating_failures(fn: Callable[[list], list], items: list, seq_of: Callable) -> tuple:
@@ -345,6 +452,11 @@ def _isolating_failures(fn: Callable[[list], list], items: list, seq_of: Callabl
         done += item_done
         failed += item_failed
     return done, failed
+
+
+def _draft_at(seq: Sequence, position: int) -> int | None:
+    drafts = seq.spec_token_ids
+    return drafts[position] if position < len(drafts) else None
 
 
 def _eos_ids(hf_config, tokenizer) -> set[int]:

@@ -90,7 +90,9 @@ class ModelRunner:
         """Runs one step; returns per scheduled sequence the logits it asked for, [n_i, V] fp32.
 
         A sequence asks for its last token's logits when this step completes its known tokens,
-        and for every new token's logits while its prompt log-probabilities are wanted.
+        and for every new token's logits while its prompt log-probabilities are wanted. Drafted
+        tokens (`seq.spec_token_ids`) follow its known ones in the same query, each asking for its
+        logits: [1 + num_drafts, V] to verify them.
         """
         if (
             self.graphs is not None
@@ -100,20 +102,32 @@ class ModelRunner:
             return list(self._execute_compiled(scheduled)[:, None])
         input_ids, query_lens, context_lens, tables, num_logits = [], [], [], [], []
         for s in scheduled:
-            start = s.seq.num_computed_tokens
-            input_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens])
-            query_lens.append(s.num_new_tokens)
-            context_lens.append(start + s.num_new_tokens)
+            start, drafts = s.seq.num_computed_tokens, s.seq.spec_token_ids
+            input_ids.extend(s.seq.token_ids[start : start + s.num_new_tokens] + drafts)
+            query_lens.append(s.num_new_tokens + len(drafts))
+            context_lens.append(start + query_lens[-1])
             tables.append(s.seq.block_table)
             if s.seq.wants_prompt_logprobs:
                 num_logits.append(s.num_new_tokens)
             else:
-                num_logits.append(1 if s.completes_prompt else 0)
+                num_logits.append(1 + len(drafts) if s.completes_prompt else 0)
         batch = ForwardBatch.build(query_lens, context_lens, tables, self.block_size, num_logits)
         if self.pages is not None:
             batch = self._with_paging(batch, [s.seq for s in scheduled], query_lens)
         logits = self.model(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
         return list(logits.split(num_logits))
+
+    @torch.inference_mode()
+    def decode_eager(
+        self, seqs: list[Sequence], input_ids: list[int], context_lens: list[int]
+    ) -> torch.Tensor:
+        """One token per sequence at position context_lens[i] - 1 of seqs[i]'s block table,
+        through the model as it is now (a drafter's cheaper plan): logits [B, V]."""
+        tables = [seq.block_table for seq in seqs]
+        batch = ForwardBatch.build([1] * len(seqs), context_lens, tables, self.block_size)
+        if self.pages is not None:
+            batch = self._with_paging(batch, seqs, [1] * len(seqs))
+        return self.model(torch.tensor(input_ids, dtype=torch.int64), batch)
 
     def _execute_compiled(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Every sequence computes its last known token: one compiled decode step; [B, V]."""
@@ -158,4 +172,4 @@ def _skips(seq: Sequence) -> tuple[frozenset, frozenset]:
 
 
 def _is_last_token(s: ScheduledSeq) -> bool:
-    return s.num_new_tokens == 1 and s.completes_prompt
+    return s.num_new_tokens == 1 and s.completes_prompt and not s.seq.spec_token_ids

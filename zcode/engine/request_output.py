@@ -17,6 +17,8 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per output token
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token
     ttft_s: float | None = None
-    plan: dict | None = None  # max_latency_ms: the sparsity plan run, predicted/measured ms/step
+    # max_latency_ms: the sparsity plan run, predicted/measured ms/step; speculative decoding:
+    # {"speculative": drafted and accepted tokens, acceptance rate, mean accepted length}
+    plan: dict | None = None
     # expert offload: this request's share of expert hit rate and disk bytes per token
     expert_cache: dict | None = None

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from zcode.engine.sequence import Sequence
+from zcode.spec.rejection import rejection_sample
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,18 @@ class Sampler:
         return self._anomalies.pop(seq.seq_id, None)
 
     def __call__(
-        self, logits: torch.Tensor, seqs: list[Sequence]
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        draft_token_ids: list[int | None] | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits: [B, V] fp32 -> (token ids [B], per-sequence {token: logprob} or None)."""
+        """logits: [B, V] fp32 -> (token ids [B], per-sequence {token: logprob} or None).
+
+        draft_token_ids: per row, a token a deterministic drafter proposed at this position (or
+        None); a sampled row then keeps or replaces it by the rejection rule, so the returned
+        token equals the draft exactly when it is accepted, for greedy rows as for sampled ones.
+        """
+        drafts = draft_token_ids or [None] * len(seqs)
         wants_logprobs = any(seq.params.logprobs is not None for seq in seqs)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = self._penalise(logits, seqs)
@@ -73,7 +83,10 @@ class Sampler:
             else:
                 probs = self._filtered_probs(logits[i], seq)
                 generator = self._generator(seq)
-                tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+                if drafts[i] is None:
+                    tokens.append(int(torch.multinomial(probs, 1, generator=generator)))
+                else:
+                    tokens.append(rejection_sample(probs, drafts[i], generator=generator))
                 prob = float(probs[tokens[-1]])
             self._watch(seq, tokens[-1], prob, bool(broken[i]))
         if raw_logprobs is None:

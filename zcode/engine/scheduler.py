@@ -4,7 +4,9 @@ Requests are counted by computed vs total tokens, not by phase: a prompt is pref
 that fit the step's token budget, a decoding sequence asks for one token, and both share a step.
 Running sequences go first; when KV blocks run out the newest running sequence is preempted
 (its blocks freed, to be recomputed later). A sequence admitted from the queue starts after the
-longest prefix of its tokens already in the prefix cache.
+longest prefix of its tokens already in the prefix cache. A decoding sequence that speculates
+also gets room for up to `num_lookahead_tokens` drafted tokens, if the budget and the free
+blocks allow without preempting anyone.
 """
 
 from collections import deque
@@ -18,7 +20,8 @@ from zcode.errors import ValidationError
 @dataclass(frozen=True)
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens to compute
+    num_lookahead_tokens: int = 0  # KV slots reserved after them for drafted tokens
 
     @property
     def completes_prompt(self) -> bool:
@@ -66,9 +69,10 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, num_new):
                 continue
-            self.block_manager.allocate(seq, num_new)
-            scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+            lookahead = self._lookahead(seq, budget - num_new)
+            self.block_manager.allocate(seq, num_new + lookahead)
+            scheduled.append(ScheduledSeq(seq, num_new, lookahead))
+            budget -= num_new + lookahead
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.block_manager.cached_prefix(seq)
@@ -82,6 +86,17 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return scheduled
+
+    def _lookahead(self, seq: Sequence, budget: int) -> int:
+        """Draft slots for `seq` this step: none past its max_tokens (the token sampled after
+        the last draft comes free), none that would need a preemption."""
+        if not seq.num_lookahead_tokens or not seq.is_decoding:
+            return 0
+        num_left = seq.params.max_tokens - seq.num_output_tokens - 1
+        lookahead = max(0, min(seq.num_lookahead_tokens, budget, num_left))
+        if not self.block_manager.can_allocate(seq, 1 + lookahead):
+            return 0
+        return lookahead
 
     def _make_room(self, seq: Sequence, num_new: int) -> bool:
         """Preempts the newest running sequences until `seq` fits; False if `seq` itself went."""

@@ -50,6 +50,14 @@ class Sequence:
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.grammar = None  # a GrammarMatcher when the request constrains its output
+        # Speculative decoding: the most tokens a drafter may propose per step (0: off), the
+        # tokens proposed for the running step (scored with it, never in token_ids or the prefix
+        # cache until accepted), and running totals for acceptance reports.
+        self.num_lookahead_tokens = 0
+        self.spec_token_ids: list[int] = []
+        self.num_spec_steps = 0  # steps that verified at least one drafted token
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +82,11 @@ class Sequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
+    def is_decoding(self) -> bool:
+        """Every token but the last sampled one is cached: the next step computes one token."""
+        return self.num_output_tokens > 0 and self.num_tokens - self.num_computed_tokens == 1
 
     @property
     def output_text(self) -> str:

@@ -41,6 +41,10 @@ _TOTALS = {
     "expert_cache_lookups": "zcode:expert_cache_lookups",
     "expert_cache_hits": "zcode:expert_cache_hits",
     "expert_cache_read_bytes": "zcode:expert_cache_disk_read_bytes",
+    # speculative decoding: verify steps with drafts, drafted tokens, accepted tokens
+    "spec_decode_num_drafts": "zcode:spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "zcode:spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "zcode:spec_decode_num_accepted_tokens",
 }
 
 
@@ -72,6 +76,13 @@ class Metrics:
             for key, name in _TOTALS.items()
         }
         self._last_totals = {key: 0 for key in _TOTALS}
+        self.accepted_per_pos = Counter(
+            "zcode:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafted tokens by their position in the draft.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+        self._last_accepted_per_pos: list[int] = []
         self.prompt_tokens = counter("zcode:prompt_tokens", "Prefilled prompt tokens.")
         self.generation_tokens = counter("zcode:generation_tokens", "Generated tokens.")
         self.request_success = Counter(
@@ -108,6 +119,12 @@ class Metrics:
             if total > self._last_totals[key]:
                 counter.inc(total - self._last_totals[key])
             self._last_totals[key] = total
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", [])
+        last = self._last_accepted_per_pos + [0] * (len(per_pos) - len(self._last_accepted_per_pos))
+        for position, (total, before) in enumerate(zip(per_pos, last)):
+            if total > before:
+                self.accepted_per_pos.labels(self.model_name, str(position)).inc(total - before)
+        self._last_accepted_per_pos = list(per_pos)
 
     def tokens_generated(self, stream, out, now: float) -> None:
         num_new = len(out.delta_token_ids or ())

@@ -1,0 +1,184 @@
+"""Speculative decoding on SmolLM2-135M: decode tok/s with drafts against plain decoding in the
+same run, and the acceptance behind it.
+
+    .venv/bin/python bench/bench_spec.py [--quick] [--dtype bfloat16] [--batches 1,4,16]
+        [--num-new 64] [--repeats 3] [--num-draft-tokens 3]
+
+Workloads, from the held-out split of zcode.calibration (stdlib sources no calibration saw):
+(a) continuation: windows of held-out source, continued; (b) code editing: a held-out function
+followed by an instruction to repeat it with one name changed, and the new header, so the
+answer mostly copies the prompt (where prompt lookup pays). Methods: plain decoding, `ngram`
+(prompt lookup) and `skip_layers` (the model without every other inner layer drafts). Each
+cell is min / median of --repeats runs of decode tok/s (first token to last, greedy, batch B);
+ZCode's outputs are checked equal to plain decoding's (column "same"). llama.cpp (its GGUF
+file, Q4_1) with and without prompt lookup decoding (llama-cpp-python's
+LlamaPromptLookupDecoding) runs at batch 1 when llama_cpp is installed.
+Writes bench/results/spec.json.
+"""
+
+import argparse
+import ast
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from table_format import print_rows  # noqa: E402
+
+from zcode import LLM, SamplingParams  # noqa: E402
+from zcode.calibration import corpus_text  # noqa: E402
+from zcode.engine.llm_engine import LLMEngine  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "spec.json"
+METHODS = (None, "ngram", "skip_layers")
+PROMPT_TOKENS = 192
+
+
+def continuation_prompts(tokenizer, count: int) -> list[list[int]]:
+    ids = tokenizer.encode(corpus_text("heldout"))
+    return [ids[i * 997 : i * 997 + PROMPT_TOKENS] for i in range(count)]
+
+
+def editing_prompts(tokenizer, count: int) -> list[list[int]]:
+    """A held-out function, then its header with the function renamed: reproduce the body."""
+    source = corpus_text("heldout")
+    functions = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.FunctionDef) and 8 <= node.end_lineno - node.lineno <= 30
+    ]
+    lines = source.splitlines()
+    prompts = []
+    for node in functions[:count]:
+        body = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+        body = body[body.index("def ") :]
+        new_name = node.name + "_v2"
+        header = body.splitlines()[0].replace(node.name, new_name, 1)
+        text = f"{body}\n\n\n# The same function, renamed to {new_name}:\n{header}\n"
+        prompts.append(tokenizer.encode(text))
+    return prompts
+
+
+def decode_run(engine: LLMEngine, prompts: list[list[int]], num_new: int) -> tuple[float, list]:
+    params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    tokens_per_s = len(prompts) * (num_new - 1) / (time.perf_counter() - start)
+    return tokens_per_s, [s.output_token_ids for s in seqs]
+
+
+def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dict]:
+    cells = []
+    for method in METHODS:
+        config = dataclasses.replace(
+            llm.config,
+            speculative=method,
+            num_draft_tokens=args.num_draft_tokens,
+            enable_prefix_caching=False,  # repeats reuse their prompts
+        )
+        engine = LLMEngine(llm.model, llm.tokenizer, config)
+        for workload, prompts in workloads.items():
+            for batch in batches:
+                runs = [
+                    decode_run(engine, prompts[:batch], args.num_new) for _ in range(args.repeats)
+                ]
+                totals = engine.spec_totals
+                cells.append(
+                    {
+                        "method": method or "plain",
+                        "workload": workload,
+                        "batch": batch,
+                        "tok_s": [r[0] for r in runs],
+                        "outputs": runs[0][1],
+                        "acceptance": totals["num_accepted_tokens"] / totals["num_draft_tokens"]
+                        if totals["num_draft_tokens"]
+                        else None,
+                    }
+                )
+                engine.spec_totals = dict.fromkeys(totals, 0)
+    return cells
+
+
+def llama_cpp_cells(workloads: dict, args) -> list[dict]:
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        print("llama.cpp: llama_cpp not installed (pip install llama-cpp-python); skipped")
+        return []
+    from zcode.loader.checkpoint import resolve_model_path
+
+    cells = []
+    for draft in (None, LlamaPromptLookupDecoding(num_pred_tokens=args.num_draft_tokens)):
+        llm = Llama(str(resolve_model_path(None)), n_ctx=2048, draft_model=draft, verbose=False)
+        for workload, prompts in workloads.items():
+            speeds = []
+            for _ in range(args.repeats):
+                llm.reset()
+                start, count = None, 0
+                for _token in llm.generate(prompts[0], top_k=1, temp=0.0, repeat_penalty=1.0):
+                    count += 1
+                    start = start or time.perf_counter()
+                    if count == args.num_new:
+                        break
+                speeds.append((count - 1) / (time.perf_counter() - start))
+            method = "llama.cpp " + ("lookup" if draft else "plain")
+            cells.append({"method": method, "workload": workload, "batch": 1, "tok_s": speeds})
+    return cells
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="batch 1, 16 tokens, 3 repeats")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--num-new", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    args = parser.parse_args()
+    batches = [1] if args.quick else [int(b) for b in args.batches.split(",")]
+    if args.quick:
+        args.num_new = 16
+    llm = LLM(None, dtype=args.dtype)
+    count = max(batches)
+    workloads = {
+        "continuation": continuation_prompts(llm.tokenizer, count),
+        "code editing": editing_prompts(llm.tokenizer, count),
+    }
+    cells = zcode_cells(llm, workloads, batches, args) + llama_cpp_cells(workloads, args)
+    plain = {(c["workload"], c["batch"]): c for c in cells if c["method"] == "plain"}
+    rows = []
+    for c in cells:
+        base = plain[(c["workload"], c["batch"])]
+        same = "-" if "outputs" not in c else "yes" if c["outputs"] == base["outputs"] else "NO"
+        ratio = statistics.median(c["tok_s"]) / statistics.median(base["tok_s"])
+        acceptance = c.get("acceptance")
+        rows.append(
+            (
+                c["method"],
+                c["workload"],
+                str(c["batch"]),
+                f"{min(c['tok_s']):.1f} / {statistics.median(c['tok_s']):.1f}",
+                f"{ratio:.2f}x",
+                "-" if acceptance is None else f"{acceptance:.2f}",
+                same,
+            )
+        )
+    headers = ["method", "workload", "batch", "tok/s min / median", "vs plain", "accept", "same"]
+    print(f"SmolLM2-135M {args.dtype}, {args.num_new} new tokens, {args.repeats} repeats")
+    print_rows(headers, rows)
+    RESULTS.parent.mkdir(exist_ok=True)
+    for c in cells:
+        c.pop("outputs", None)
+    RESULTS.write_text(json.dumps({"args": vars(args), "cells": cells}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,363 @@
+"""Speculative decoding: drafts verified in the step's forward leave outputs exactly those of
+plain decoding.
+
+Greedy outputs with each drafter are compared token for token with transformers' greedy
+generation (tiny checkpoints) and with plain decoding (the same engine without drafts, itself
+tested against transformers in test_real_model.py), alone, in mixed batches with requests that
+do not speculate, and with the prefix cache reusing KV written around rejected drafts. Sampled
+outputs are checked for the target distribution by a chi-square test against probabilities
+computed by transformers, a test a wrong acceptance rule is shown to fail.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from scipy.stats import chi2
+from tiny_models import VOCAB
+
+from zcode.engine.llm_engine import LLMEngine
+from zcode.engine.request_output import RequestOutput
+from zcode.errors import ValidationError
+from zcode.llm import LLM
+from zcode.sampling_params import SamplingParams
+from zcode.spec.drafter import Drafter
+from zcode.spec.ngram import NgramDrafter
+from zcode.spec.rejection import rejection_sample
+
+BLOCK = 4  # small blocks: drafts and rollbacks cross block boundaries often
+DRAFTERS = {"ngram": {}, "skip_layers": {"draft_skip_layers": (1,)}}
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+CHI2_ALPHA = 1e-3  # deterministic seeds: the statistic is fixed, so this is no flake rate
+
+
+def random_ids(length: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (length,), generator=g).tolist()
+
+
+def prompts() -> list[list[int]]:
+    """Random prompts, and one that repeats itself, where n-gram lookup drafts at once."""
+    loop = random_ids(6, seed=99)
+    return [random_ids(n, seed=n) for n in (5, 13, 21)] + [loop * 3]
+
+
+def run(engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]) -> list:
+    """All requests added at once and stepped to the end; finished outputs in request order."""
+    seqs = [engine.add_request(ids, params) for ids, params in requests]
+    finished: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return [finished[seq.request_id] for seq in seqs]
+
+
+def oracle_greedy(oracle, prompt: list[int], num_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = oracle.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def assert_drafts_were_tested(engine: LLMEngine) -> None:
+    """Drafts were both accepted and rejected, so both paths ran."""
+    totals = engine.spec_totals
+    assert 0 < totals["num_accepted_tokens"] < totals["num_draft_tokens"], totals
+
+
+def assert_no_blocks_held(engine: LLMEngine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and sum(bm.ref_counts) == 0
+
+
+# ---- the pieces alone ---------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_match_of_the_longest_suffix():
+    drafter = NgramDrafter(min_n=2, max_n=3)
+    assert drafter.lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 2) == [7, 5]  # [2, 3]: latest match
+    assert drafter.lookup([5, 1, 2, 3, 8, 6, 2, 3, 9, 1, 2, 3], 3) == [8, 6, 2]  # [1, 2, 3]
+    assert drafter.lookup([1, 2, 3, 4, 1, 2], 5) == [3, 4, 1, 2]  # runs into the suffix itself
+    assert drafter.lookup([1, 2, 3, 4, 5], 3) == []  # no bigram repeats
+    assert drafter.lookup([7], 3) == []
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's statistic; cells expected below 5 are pooled into one."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    return float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def critical(num_cells: int) -> float:
+    return float(chi2.ppf(1 - CHI2_ALPHA, num_cells - 1))
+
+
+def wrong_rule(target_probs, draft_token_id, draft_probs=None, generator=None) -> int:
+    """Keeps the draft by min(1, p/q) but resamples from p instead of norm(max(p - q, 0))."""
+    q = 1.0 if draft_probs is None else float(draft_probs[draft_token_id])
+    if float(torch.rand((), generator=generator, dtype=torch.float64)) < target_probs[
+        draft_token_id
+    ] / max(q, 1e-12):
+        return draft_token_id
+    return int(torch.multinomial(target_probs, 1, generator=generator))
+
+
+@pytest.mark.parametrize("one_hot", [True, False])
+def test_rejection_rule_keeps_the_target_distribution(one_hot):
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(6, generator=g, dtype=torch.float64) * 1.5, -1)
+    q = torch.softmax(torch.randn(6, generator=g, dtype=torch.float64) * 1.5, -1)
+    num_samples = 20000
+
+    def counts(rule) -> torch.Tensor:
+        out = torch.zeros(6, dtype=torch.float64)
+        for _ in range(num_samples):
+            if one_hot:
+                draft, draft_probs = 1, None
+            else:
+                draft, draft_probs = int(torch.multinomial(q, 1, generator=g)), q
+            out[rule(p, draft, draft_probs, generator=g)] += 1
+        return out
+
+    assert chi_square(counts(rejection_sample), p) < critical(6)
+    assert chi_square(counts(wrong_rule), p) > critical(6)  # the test can fail
+
+
+# ---- greedy: token for token ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "method"),
+    [
+        ("llama", "ngram"),
+        ("llama", "skip_layers"),
+        ("glm4_moe", "ngram"),
+        ("glm4_moe", "skip_layers"),
+        ("glm_moe_dsa", "ngram"),
+    ],
+)
+def test_greedy_outputs_are_those_of_transformers(name, method, tiny_checkpoint):
+    checkpoint = tiny_checkpoint(name)
+    llm = LLM(
+        checkpoint.path,
+        kv_cache_bytes=1 << 20,
+        block_size=BLOCK,
+        speculative=method,
+        num_draft_tokens=3,
+        **DRAFTERS[method],
+    )
+    outputs = llm.generate(prompts(), GREEDY)
+    for prompt, out in zip(prompts(), outputs, strict=True):
+        assert out.token_ids == oracle_greedy(checkpoint.oracle, prompt, GREEDY.max_tokens)
+        assert out.plan["speculative"]["method"] == method
+    assert outputs[-1].plan["speculative"]["num_drafts"] > 0  # the prompt that repeats itself
+    assert_drafts_were_tested(llm.engine)
+    assert_no_blocks_held(llm.engine)
+
+
+def test_skip_layers_draft_of_an_identity_layer_is_always_accepted(tiny_checkpoint):
+    """With layer 1 made an identity (zero output projections), the draft that skips it is the
+    model itself: every draft is accepted unless the draft ran at the wrong positions or read
+    the wrong KV. (Different query shapes round differently: a near-tie may flip one.)"""
+    llm = LLM(
+        tiny_checkpoint("llama").path,
+        kv_cache_bytes=1 << 20,
+        block_size=BLOCK,
+        speculative="skip_layers",
+        draft_skip_layers=(1,),
+    )
+    layer = llm.model.model.layers[1]
+    with torch.no_grad():
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+    llm.generate(prompts(), GREEDY)
+    totals = llm.engine.spec_totals
+    assert totals["num_accepted_tokens"] >= 0.95 * totals["num_draft_tokens"] > 0, totals
+
+
+def test_skip_layers_draft_refuses_dsa(tiny_checkpoint):
+    with pytest.raises(NotImplementedError, match="DSA"):
+        LLM(tiny_checkpoint("glm_moe_dsa").path, kv_cache_bytes=1 << 20, speculative="skip_layers")
+
+
+def test_mtp_draft_is_not_built_yet(tiny_checkpoint):
+    with pytest.raises(NotImplementedError, match="MTP"):
+        LLM(tiny_checkpoint("glm4_moe").path, kv_cache_bytes=1 << 20, speculative="mtp")
+
+
+@pytest.mark.parametrize("name", ["llama", "glm_moe_dsa"])
+def test_mixed_batch_and_prefix_cache_match_plain_decoding(name, tiny_checkpoint):
+    """Speculating requests beside ones that do not, a token budget that splits prefills,
+    stop conditions, then a second wave whose prompts extend the first wave's outputs, so it
+    reuses cached blocks written during speculation: any KV of a rejected draft left in a
+    published block would change its tokens."""
+    path = tiny_checkpoint(name).path
+    engine_args = dict(kv_cache_bytes=1 << 20, block_size=BLOCK, max_num_batched_tokens=16)
+    spec = LLM(path, speculative="ngram", num_draft_tokens=4, **engine_args).engine
+    plain = LLM(path, enable_prefix_caching=False, **engine_args).engine
+    first = [
+        (ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, num_draft_tokens=k))
+        for ids, n, k in zip(prompts(), (20, 9, 24, 17), (None, 0, 2, None))
+    ]
+    stop = run(plain, first[:1])[0].token_ids[5]
+    stopping = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop])
+    first.append((prompts()[0], stopping))
+    want = run(plain, [(ids, dataclasses.replace(p, num_draft_tokens=None)) for ids, p in first])
+    got = run(spec, first)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[-1].finish_reason == "stop" and got[-1].token_ids[-1] == stop
+    assert got[1].plan is None  # num_draft_tokens=0: it never speculated
+    second = [(o.prompt_token_ids + o.token_ids + [7], GREEDY) for o in got]
+    hits_before = spec.block_manager.prefix_cache_hits
+    assert [o.token_ids for o in run(spec, second)] == [o.token_ids for o in run(plain, second)]
+    assert spec.block_manager.prefix_cache_hits > hits_before
+    assert_drafts_were_tested(spec)
+    assert_no_blocks_held(spec)
+
+
+def test_num_draft_tokens_is_validated(tiny_checkpoint):
+    path = tiny_checkpoint("llama").path
+    plain = LLM(path, kv_cache_bytes=1 << 20)
+    with pytest.raises(ValidationError, match="needs an engine built with speculative"):
+        plain.generate([[5, 6, 7]], SamplingParams(num_draft_tokens=2))
+    spec = LLM(path, kv_cache_bytes=1 << 20, speculative="ngram", num_draft_tokens=2)
+    with pytest.raises(ValidationError, match="more than the engine's 2"):
+        spec.generate([[5, 6, 7]], SamplingParams(num_draft_tokens=3))
+    with pytest.raises(ValidationError, match="num_draft_tokens must be >= 0"):
+        SamplingParams(num_draft_tokens=-1)
+    with pytest.raises(ValidationError, match="draft_skip_layers"):
+        LLM(path, kv_cache_bytes=1 << 20, speculative="skip_layers", draft_skip_layers=(0, 1))
+
+
+def test_metrics_follow_the_engine_under_vllm_spec_decode_names(tiny_checkpoint):
+    from zcode.server.metrics import Metrics
+
+    llm = LLM(tiny_checkpoint("llama").path, kv_cache_bytes=1 << 20, speculative="ngram")
+    llm.generate(prompts()[-1:], GREEDY)
+    totals, per_pos = llm.engine.spec_totals, llm.engine.spec_accepted_per_pos
+    metrics = Metrics("m")
+    metrics.engine_stats(llm.engine.stats())
+    text = metrics.render().decode()
+    for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert f'zcode:spec_decode_{key}_total{{model_name="m"}} {float(totals[key])}' in text
+    for position, count in enumerate(per_pos):
+        if count:
+            line = f'per_pos_total{{model_name="m",position="{position}"}} {float(count)}'
+            assert line in text
+    assert sum(per_pos) == totals["num_accepted_tokens"] > 0
+
+
+def test_cli_speculative_options(tiny_checkpoint, capsys):
+    from zcode import cli
+
+    path = str(tiny_checkpoint("llama").path)
+    for argv, message in [
+        (["generate", "hi", "--num-draft-tokens", "2"], "need --speculative"),
+        (["generate", "hi", "--speculative", "ngram", "--num-draft-tokens", "0"], "at least 1"),
+        (["generate", "hi", "--speculative", "ngram", "--draft-skip-layers", "1"], "skip_layers"),
+        (["generate", "hi", "--model", path, "--speculative", "mtp"], "not supported yet: "),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith("zcode: error: ") and message in err
+
+
+# ---- sampled: the target distribution ------------------------------------------------------------
+
+
+class FixedDrafter(Drafter):
+    """Proposes the same tokens every step: some accepted, some rejected."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+    def propose(self, seqs, max_num_tokens):
+        return [self.token_ids[:n] for n in max_num_tokens]
+
+
+def oracle_joint(oracle, prompt: list[int], num_tokens: int, top_k: int) -> dict:
+    """{output tokens: probability} of sampling at temperature 1 with top_k, by transformers."""
+    joint = {(): 1.0}
+    for _ in range(num_tokens):
+        grown = {}
+        for tokens, prob in joint.items():
+            with torch.no_grad():
+                logits = oracle(torch.tensor([prompt + list(tokens)])).logits[0, -1].double()
+            top = logits.topk(top_k)
+            for token, p in zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()):
+                grown[tokens + (token,)] = prob * p
+        joint = grown
+    return joint
+
+
+def test_sampled_outputs_keep_the_target_distribution(tiny_checkpoint, monkeypatch):
+    """4 tokens at top_k 2: the first sampled at prefill, the next two verified as drafts, the
+    fourth sampled after them; the joint distribution of the 16 outcomes against transformers."""
+    checkpoint = tiny_checkpoint("llama")
+    prompt, num_tokens, top_k, num_samples = random_ids(7, seed=3), 4, 2, 3000
+    joint = oracle_joint(checkpoint.oracle, prompt, num_tokens, top_k)
+    likely = max(joint, key=joint.get)  # drafts on the likeliest path: accepted often, not always
+    outcomes = sorted(joint)
+    probs = torch.tensor([joint[o] for o in outcomes], dtype=torch.float64)
+
+    def statistic() -> float:
+        llm = LLM(checkpoint.path, kv_cache_bytes=4 << 20, max_num_seqs=256, speculative="ngram")
+        llm.engine.drafter = FixedDrafter(list(likely[1:3]))
+        requests = [
+            (prompt, SamplingParams(max_tokens=num_tokens, top_k=top_k, seed=i, ignore_eos=True))
+            for i in range(num_samples)
+        ]
+        counts = torch.zeros(len(outcomes), dtype=torch.float64)
+        for out in run(llm.engine, requests):
+            counts[outcomes.index(tuple(out.token_ids))] += 1
+        assert_drafts_were_tested(llm.engine)
+        return chi_square(counts, probs)
+
+    right = statistic()
+    monkeypatch.setattr("zcode.engine.sampler.rejection_sample", wrong_rule)
+    wrong = statistic()
+    print(f"chi-square {right:.1f} (rule), {wrong:.1f} (wrong rule), critical {critical(16):.1f}")
+    assert right < critical(len(outcomes))
+    assert wrong > critical(len(outcomes))  # the test can fail
+
+
+# ---- the default model ---------------------------------------------------------------------------
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea,",
+    "Rename the function add to plus:\n\ndef add(a, b):\n    return a + b\n\n\ndef plus(",
+    [{"role": "user", "content": "List three prime numbers and say why they are prime."}],
+]
+
+
+@pytest.mark.slow  # ~300 forwards of SmolLM2 in float32
+def test_default_model_greedy_outputs_are_those_of_plain_decoding(default_llm):
+    """SmolLM2 in float32 (int8 activations would make logits depend on how tokens are split
+    into forwards): 64 tokens of 5 prompts with each drafter, and a request that does not
+    speculate in the same batch."""
+    ids = [default_llm.encode(p) for p in DEFAULT_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    want = [o.token_ids for o in default_llm.generate(ids, params)]
+    plain = dataclasses.replace(params, num_draft_tokens=0)
+    for method in ("ngram", "skip_layers"):
+        config = dataclasses.replace(default_llm.config, speculative=method, num_draft_tokens=3)
+        engine = LLMEngine(default_llm.model, default_llm.tokenizer, config)
+        got = run(engine, [(p, params) for p in ids] + [(ids[0], plain)])
+        assert [o.token_ids for o in got] == want + want[:1], method
+        assert engine.spec_totals["num_draft_tokens"] > 0
+        rates = [o.plan["speculative"]["acceptance_rate"] for o in got[:-1]]
+        print(f"SmolLM2 {method}: acceptance per prompt {rates}")

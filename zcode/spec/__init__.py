@@ -1,0 +1,1 @@
+"""Speculative decoding: drafters propose tokens, the engine verifies them in one forward."""

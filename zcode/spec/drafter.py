@@ -1,0 +1,36 @@
+"""The interface every drafter implements, and the engine's choice of drafter by name."""
+
+from abc import ABC, abstractmethod
+
+from zcode.config import SPECULATIVE_METHODS
+from zcode.engine.sequence import Sequence
+
+
+class Drafter(ABC):
+    """Proposes tokens to follow each sequence's tokens; the engine verifies them with the full
+    model in the next forward, so a bad draft costs time, never output."""
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[list[int]]:
+        """Per sequence, at most `max_num_tokens[i]` tokens to follow `seqs[i].token_ids`.
+
+        Called after scheduling: each sequence's block table has room for its drafts, and its
+        KV is computed up to (not including) its last token."""
+
+
+def make_drafter(name: str, runner, draft_skip_layers: tuple[int, ...] | None) -> Drafter:
+    """`runner`: the engine's ModelRunner (a self-draft runs its model on its KV cache)."""
+    if name == "ngram":
+        from zcode.spec.ngram import NgramDrafter
+
+        return NgramDrafter()
+    if name == "skip_layers":
+        from zcode.spec.self_draft import SkipLayersDrafter
+
+        return SkipLayersDrafter(runner, draft_skip_layers)
+    if name == "mtp":
+        raise NotImplementedError(
+            "speculative='mtp': drafting with GLM's MTP layers (num_nextn_predict_layers, loaded "
+            "into model.mtp_weights) is not built yet; use 'ngram' or 'skip_layers'"
+        )
+    raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {name!r}")

@@ -1,0 +1,35 @@
+"""Prompt lookup (n-gram) drafting: the tokens that followed the latest earlier occurrence of a
+sequence's last n tokens (Saxena's prompt lookup decoding; vLLM's `ngram` method).
+
+Free to run and deterministic; it pays where outputs copy their context, as in code editing.
+"""
+
+import numpy as np
+
+from zcode.engine.sequence import Sequence
+from zcode.spec.drafter import Drafter
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        """Matches of the last `max_n` tokens are tried first, down to `min_n`."""
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n} and {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[list[int]]:
+        return [
+            self.lookup(seq.token_ids, n) if n > 0 else [] for seq, n in zip(seqs, max_num_tokens)
+        ]
+
+    def lookup(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """Up to `num_tokens` tokens after the latest earlier match of the longest suffix."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
+            # windows[i] = ids[i : i + n], for every start before the suffix itself
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+            starts = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            if starts.size:
+                follow = int(starts[-1]) + n
+                return ids[follow : follow + num_tokens].tolist()
+        return []

@@ -1,0 +1,73 @@
+"""Self-drafting: the same model under a cheaper plan proposes, the full plan verifies.
+
+The cheaper plan skips decoder layers (LayerSkip / Draft & Verify style). It reads the full
+model's KV of the computed context for the layers it keeps, and writes its own KV of the draft
+positions into the slots the verifying forward then overwrites, so it needs no cache of its own.
+"""
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from zcode.engine.sequence import Sequence
+from zcode.errors import ValidationError
+from zcode.models.base import Backbone
+from zcode.sparsity.layer_skip import SkippedLayer
+from zcode.spec.drafter import Drafter
+
+
+def default_skip_layers(num_layers: int) -> tuple[int, ...]:
+    """Every other layer strictly inside the stack: about half the cost; the first and last
+    layers, whose removal breaks small models outright, always run."""
+    return tuple(range(1, num_layers - 1, 2))
+
+
+class SkipLayersDrafter(Drafter):
+    def __init__(self, runner, skip_layer_ids: tuple[int, ...] | None = None) -> None:
+        """runner: the engine's ModelRunner; skip_layer_ids: the decoder layers the draft
+        skips (default: `default_skip_layers`)."""
+        model = runner.model
+        if type(model.model).forward is not Backbone.forward:
+            raise NotImplementedError(
+                f"speculative='skip_layers' for {type(model).__name__}: its layers pass state to "
+                "the next (DSA's index selections), which a skipped layer breaks; use 'ngram'"
+            )
+        num_layers = len(model.model.layers)
+        if skip_layer_ids is None:
+            skip_layer_ids = default_skip_layers(num_layers)
+        bad = [i for i in skip_layer_ids if not 0 <= i < num_layers]
+        if bad or not skip_layer_ids or len(set(skip_layer_ids)) >= num_layers:
+            raise ValidationError(
+                f"draft_skip_layers must name some but not all of the {num_layers} layers, "
+                f"got {list(skip_layer_ids)}"
+            )
+        self.runner, self.skip_layer_ids = runner, tuple(sorted(set(skip_layer_ids)))
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        with _skipping(self.runner.model, self.skip_layer_ids):
+            for step in range(max(max_num_tokens, default=0)):
+                rows = [i for i, n in enumerate(max_num_tokens) if n > step]
+                # Row i feeds its newest token (the last known one, then its latest draft).
+                input_ids = [drafts[i][-1] if drafts[i] else seqs[i].token_ids[-1] for i in rows]
+                context_lens = [seqs[i].num_tokens + len(drafts[i]) for i in rows]
+                logits = self.runner.decode_eager([seqs[i] for i in rows], input_ids, context_lens)
+                for i, token in zip(rows, logits.argmax(-1).tolist()):  # logits: [R, V]
+                    drafts[i].append(token)
+        return drafts
+
+
+@contextmanager
+def _skipping(model: nn.Module, layer_ids: tuple[int, ...]):
+    """The model with these decoder layers passed through, restored on exit."""
+    layers = model.model.layers
+    originals = {i: layers[i] for i in layer_ids}
+    try:
+        for i, layer in originals.items():
+            layers[i] = SkippedLayer(layer)
+        yield
+    finally:
+        for i, layer in originals.items():
+            layers[i] = layer
