@@ -2,9 +2,10 @@
 //
 // ISA paths: AVX-512 F + BW + VL + VNNI (and F16C) where the compiler targets them (-march=native
 // on such a CPU): 64-byte vectors and vpdpbusd. Everywhere else (AVX2, x86-64 baseline, aarch64):
-// plain loops over the same block layouts that gcc -O3 vectorizes for the target (int8 x int8 ->
-// int32 block dot products, fp32 sums in independent lanes), the same integer arithmetic, only
-// the fp32 summation order differs; dequantization is bit for bit the same on both.
+// plain loops over the same block layouts that gcc -O3 vectorizes for the target, with AVX2
+// intrinsics (vpmaddubsw) for the int8 x int8 -> int32 block dot products where the target has
+// AVX2; the same integer arithmetic, only the fp32 summation order differs; dequantization is bit
+// for bit the same on both.
 //
 // A weight is uint8 [N, row_bytes]: each row is K / block_size blocks of one ggml type
 // (ggml-common.h's layouts; the `gguf` Python package's dequantize is the reference):
@@ -583,7 +584,8 @@ void dequantize_row_float(const uint8_t* row, int64_t K, float* out) {
   }
 }
 
-#else  // ---- Portable path: plain loops that gcc -O3 vectorizes for the target (AVX2, SSE2, NEON).
+#else  // ---- Portable path: plain loops that gcc -O3 vectorizes for the target (SSE2, NEON), with
+       // AVX2 intrinsics for the block dot products where the target has them.
 //
 // The same arithmetic as the AVX-512 path: every block's weight codes (all of them fit int8:
 // unsigned 4-6 bit codes, Q8_0's signed bytes) times the int8 activation codes summed exactly in
@@ -601,15 +603,68 @@ inline int32_t dot_i8(const int8_t* w, const int8_t* x) {
   return sum;
 }
 
+#if defined(__AVX2__)
+// 32 int8 x int8 products summed by pairs of 4 into 8 int32 lanes (lanes 0-3: bytes 0-15): |w|
+// by vpmaddubsw against x with w's sign, exact (a pair is at most 2 * 128 * 127 < 2^15).
+inline __m256i dot32_lanes(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+// A 32-block's dot: w[0..15] . x0 + w[16..31] . x1 (the activation halves lie apart).
+inline int32_t dot_block32(const int8_t* w, const int8_t* x0, const int8_t* x1) {
+#if defined(__AVX2__)
+  const __m256i x = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x1)),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(x0)));
+  return hsum(dot32_lanes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), x));
+#else
+  return dot_i8<16>(w, x0) + dot_i8<16>(w + 16, x1);
+#endif
+}
+
+// A K-quant block's sum_g scale[g] (w . x over group g of 16), exact in int32.
+inline int32_t dot_block256(const int8_t* w, const int8_t* x, const int32_t* scale) {
+#if defined(__AVX2__)
+  __m256i acc = _mm256_setzero_si256();
+  for (int g = 0; g < 16; g += 2) {
+    const __m256i dot = dot32_lanes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * g)),
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * g)));
+    const __m256i sc = _mm256_set_m128i(_mm_set1_epi32(scale[g + 1]), _mm_set1_epi32(scale[g]));
+    acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(dot, sc));
+  }
+  return hsum(acc);
+#else
+  int32_t sum = 0;
+  for (int g = 0; g < 16; ++g) sum += scale[g] * dot_i8<16>(w + 16 * g, x + 16 * g);
+  return sum;
+#endif
+}
+
 // A 32-element block: codes in element order and w = d q + offset (offset = m, or -ZERO d).
 struct Block32 {
   int8_t q[QK];
   float d, offset;
 };
 
-inline void nibbles32(const uint8_t* p, int8_t* q) {
-  for (int j = 0; j < 16; ++j) q[j] = p[j] & 0x0F, q[16 + j] = p[j] >> 4;
+// n bytes of nibbles -> their low nibbles, then their high ones, 8 bytes per 64-bit word (gcc
+// turns a byte loop into byte inserts through the stack, 8x slower on Zen 3; little-endian).
+template <int n>
+inline void nibbles(const uint8_t* p, int8_t* low, int8_t* high) {
+  constexpr uint64_t low4 = 0x0F0F0F0F0F0F0F0Full;
+  uint64_t v[n / 8], lo[n / 8], hi[n / 8];
+  std::memcpy(v, p, n);
+  for (int i = 0; i < n / 8; ++i) lo[i] = v[i] & low4, hi[i] = (v[i] >> 4) & low4;
+  std::memcpy(low, lo, n);
+  std::memcpy(high, hi, n);
 }
+inline void nibbles32(const uint8_t* p, int8_t* q) { nibbles<16>(p, q, q + 16); }
 inline void add_high_bits(const uint8_t* qh, int8_t* q) {
   uint32_t bits;
   std::memcpy(&bits, qh, 4);
@@ -689,11 +744,7 @@ struct BQ4_K {
   static void decode(const uint8_t* p, BlockK& k) {
     k_header(p, k);
     // Bytes 32c..32c+31: low nibbles sub-block 2c, high nibbles 2c + 1.
-    for (int c = 0; c < 4; ++c)
-      for (int l = 0; l < 32; ++l) {
-        const uint8_t b = p[16 + 32 * c + l];
-        k.q[64 * c + l] = b & 0x0F, k.q[64 * c + 32 + l] = b >> 4;
-      }
+    for (int c = 0; c < 4; ++c) nibbles<32>(p + 16 + 32 * c, k.q + 64 * c, k.q + 64 * c + 32);
   }
   static void group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
     k_group_scales(p, dsc, dm, zero);
@@ -706,13 +757,16 @@ struct BQ5_K {
   static void decode(const uint8_t* p, BlockK& k) {
     k_header(p, k);
     // Element 32i + l's fifth bit is bit i of qh byte l.
-    const uint8_t* qh = p + 16;
-    for (int c = 0; c < 4; ++c)
+    uint8_t qh[32];
+    std::memcpy(qh, p + 16, 32);
+    for (int c = 0; c < 4; ++c) {
+      int8_t* q = k.q + 64 * c;
+      nibbles<32>(p + 48 + 32 * c, q, q + 32);
       for (int l = 0; l < 32; ++l) {
-        const uint8_t b = p[48 + 32 * c + l];
-        k.q[64 * c + l] = (b & 0x0F) | ((qh[l] >> (2 * c)) & 1) << 4;
-        k.q[64 * c + 32 + l] = (b >> 4) | ((qh[l] >> (2 * c + 1)) & 1) << 4;
+        q[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+        q[32 + l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
       }
+    }
   }
   static void group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
     k_group_scales(p, dsc, dm, zero);
@@ -802,8 +856,7 @@ void dot_row_32(const uint8_t* row, const Activations& a, float* out, int64_t N)
     B::decode(p, w);
     for (int m = 0; m < M; ++m) {
       const int8_t* xq = a.codes.data() + m * a.code_stride;
-      const int32_t dot = dot_i8<16>(w.q, xq + a.code_offset(b, 0)) +
-                          dot_i8<16>(w.q + 16, xq + a.code_offset(b, 16));
+      const int32_t dot = dot_block32(w.q, xq + a.code_offset(b, 0), xq + a.code_offset(b, 16));
       const float* sums = a.sums.data() + 2 * (m * a.scale_stride + b);  // scale, scale * sum
       acc[m] += w.d * sums[0] * static_cast<float>(dot);
       bias[m] += w.offset * sums[1];
@@ -823,8 +876,7 @@ void dot_row_k(const uint8_t* row, const Activations& a, float* out, int64_t N) 
     B::decode(p, w);
     for (int m = 0; m < M; ++m) {
       const int8_t* xq = a.block_codes(m, b);
-      int32_t sum = 0;  // exact: |codes| < 64, |sc| < 128, 256 products
-      for (int g = 0; g < 16; ++g) sum += w.scale[g] * dot_i8<16>(w.q + 16 * g, xq + 16 * g);
+      const int32_t sum = dot_block256(w.q, xq, w.scale);  // |codes| < 64, |sc| <= 128: exact
       acc[m] += w.d * a.block_scale(m, b) * static_cast<float>(sum);
       const float* sums = a.sums.data() + (m * a.scale_stride + b) * 32 + (B::SUMS16 ? 0 : 24);
       for (int j = 0; j < NUM_OFFSETS; ++j) acc[m] += w.offset[j] * sums[j];
