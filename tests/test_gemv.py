@@ -1,7 +1,7 @@
 """The C++ decode GEMV (zcode/kernels/gemv.cpp) against float64 references, eager and compiled.
 
-On this machine kind (AVX-512 BF16 + VNNI, gcc) the kernels must build: a failed build fails
-these tests rather than skipping them.
+Every CPU with a C++ compiler builds the kernels (AVX-512 BF16 + VNNI paths, or the portable
+ones): a failed build fails these tests rather than skipping them.
 """
 
 import pytest

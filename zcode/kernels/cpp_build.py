@@ -4,6 +4,14 @@ torch.utils.cpp_extension caches the build under $TORCH_EXTENSIONS_DIR and rebui
 source or the flags change. -march=native for the machine's vector ISA, -fopenmp
 because at::parallel_for is OpenMP pragmas in ATen's headers (without it every call runs on one
 thread).
+
+Each source picks its code path per op from the compiler's target macros, so every file builds on
+any CPU (and on aarch64), fast where the ISA exists:
+- ggml.cpp: AVX-512 F/BW/VL + VNNI (+ F16C); otherwise portable loops gcc vectorizes.
+- gemv.cpp: fp32 on AVX-512 F/BW/VL, bf16 with AVX512_BF16, W4A8 / W8A8 with AVX512_VNNI; each
+  op without its features takes its portable loops.
+- moe.cpp: AVX-512 F/BW/VL + BF16; otherwise portable loops (fp32 and bf16).
+The portable loops do the same integer dot products exactly and sum fp32 in another order.
 """
 
 import logging
@@ -25,7 +33,7 @@ def build_ops(name: str, source: Path, what: str, extra_cflags: tuple[str, ...] 
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
         )
-    except Exception as e:  # no compiler or no AVX-512: an expected state
+    except Exception as e:  # no working C++ compiler: an expected state on some machines
         logger.warning("C++ kernels %s unavailable, %s: %s", source.name, what, e)
         return False
     return True

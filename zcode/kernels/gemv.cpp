@@ -1,4 +1,4 @@
-// Decode GEMV kernels for AVX-512 CPUs (BF16 + VNNI): out[m, n] = sum_k x[m, k] * w[n, k] for a
+// Decode GEMV kernels for any CPU: out[m, n] = sum_k x[m, k] * w[n, k] for a
 // few rows of x (M <= MAX_ROWS). Decode is memory-bound, so each thread streams a contiguous slice
 // of weight rows exactly once and keeps all M activation rows in L1.
 //
@@ -13,6 +13,12 @@
 // w8a8:  zcode.quant.int8's W8A8 format, int8 weights per row scale; vpdpbusd of the int8
 //        codes shifted to unsigned, the shift taken back with each row's code sum: exact.
 //
+// ISA paths: AVX-512 F + BW + VL for fp32 and the activation quantization, plus AVX512_BF16 for
+// bf16 (vdpbf16ps) and AVX512_VNNI for W4A8 / W8A8 (vpdpbusd), where the compiler targets them
+// (-march=native). Each op without its features (AVX2, x86-64 baseline, aarch64, or AVX-512
+// without BF16 / VNNI) takes the portable path: plain loops gcc -O3 vectorizes for the target,
+// the same integer dot products exactly, fp32 sums in independent lanes (a different order).
+//
 // Each op takes a list of weights that share the input (q/k/v, gate/up) and returns their
 // outputs side by side, [M, N_0 + N_1 + ...]: one call, one activation quantization and one
 // parallel region for the group. Per call each op pays ~3 us (dispatch, set-up, waking the
@@ -20,12 +26,25 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ZCODE_GEMV_AVX512 1
+#if defined(__AVX512BF16__)
+#define ZCODE_GEMV_AVX512_BF16 1
+#endif
+#if defined(__AVX512VNNI__)
+#define ZCODE_GEMV_AVX512_VNNI 1
+#endif
+#endif
 
 namespace {
 
@@ -79,11 +98,29 @@ inline float bf16_to_float(uint16_t h) {
 // threads: 19 GB/s without, 27 GB/s with, the rate of a plain fp32 sum here).
 constexpr int64_t PREFETCH_BYTES = 12 << 10;
 inline void prefetch_l2(const void* p) {
+#if defined(__SSE__)
   _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
+#else
+  __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, 0, 2);  // L2, as _MM_HINT_T1
+#endif
 }
 
+// Portable loops keep this many independent fp32 partial sums per output: a vectorizable
+// reduction without -ffast-math (8: one AVX2 register, two NEON ones).
+constexpr int LANES = 8;
+
+// Sum of w[i] * x[i] over n int8 x int8 (or uint8) codes: an integer sum, so gcc vectorizes it.
+template <typename W, typename X>
+inline int32_t dot_codes(const W* w, const X* x, int64_t n) {
+  int32_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<int32_t>(w[i]) * static_cast<int32_t>(x[i]);
+  return sum;
+}
+
+#if defined(ZCODE_GEMV_AVX512)
 // The two float formats as one 64-byte vector of weights: bf16 (32 per vector, vdpbf16ps
 // multiplies pairs exactly and sums them in fp32) and fp32 (16 per vector, FMA).
+#if defined(ZCODE_GEMV_AVX512_BF16)
 struct Bf16 {
   using T = uint16_t;
   using V = __m512bh;
@@ -94,6 +131,7 @@ struct Bf16 {
   }
   static __m512 madd(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
 };
+#endif
 struct F32 {
   using T = float;
   using V = __m512;
@@ -123,6 +161,70 @@ void dot_rows(const typename F::T* x, const typename F::T* wn, float* out, int64
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) out[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
+#endif
+
+// The portable float formats: each weight and activation widened exactly to fp32 (bf16 by
+// shifting its 16 bits up), so a bf16 product is exact in fp32 as with vdpbf16ps.
+struct Lanes {};
+struct Bf16Lanes : Lanes {
+  using T = uint16_t;
+  static float widen(T h) { return bf16_to_float(h); }
+};
+struct F32Lanes : Lanes {
+  using T = float;
+  static float widen(T v) { return v; }
+};
+#if defined(ZCODE_GEMV_AVX512_BF16)
+using Bf16Kernel = Bf16;
+#else
+using Bf16Kernel = Bf16Lanes;
+#endif
+#if defined(ZCODE_GEMV_AVX512)
+using F32Kernel = F32;
+#else
+using F32Kernel = F32Lanes;
+#endif
+
+// dot_rows in plain loops: LANES partial sums per (row, activation row).
+template <typename F, int M, int R>
+void lanes_dot_rows(const typename F::T* x, const typename F::T* wn, float* out, int64_t K,
+                    int64_t N) {
+  float acc[R][M][LANES] = {};
+  int64_t k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    float xv[M][LANES];
+    for (int m = 0; m < M; ++m)
+      for (int l = 0; l < LANES; ++l) xv[m][l] = F::widen(x[m * K + k + l]);
+    for (int r = 0; r < R; ++r) {
+      prefetch_l2(wn + r * K + k);
+      float wv[LANES];
+      for (int l = 0; l < LANES; ++l) wv[l] = F::widen(wn[r * K + k + l]);
+      for (int m = 0; m < M; ++m)
+        for (int l = 0; l < LANES; ++l) acc[r][m][l] += wv[l] * xv[m][l];
+    }
+  }
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m][0] += F::widen(wn[r * K + k]) * F::widen(x[m * K + k]);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float sum = 0.f;
+      for (int l = 0; l < LANES; ++l) sum += acc[r][m][l];
+      out[m * N + r] = sum;
+    }
+}
+
+template <typename F, int M, int R>
+inline void float_dot_rows(const typename F::T* x, const typename F::T* wn, float* out, int64_t K,
+                           int64_t N) {
+  if constexpr (std::is_base_of_v<Lanes, F>) {
+    lanes_dot_rows<F, M, R>(x, wn, out, K, N);
+  } else {
+#if defined(ZCODE_GEMV_AVX512)
+    dot_rows<F, M, R>(x, wn, out, K, N);
+#endif
+  }
+}
 
 template <typename F, int M>
 void gemv_float_rows(const typename F::T* x, const std::vector<const typename F::T*>& ws,
@@ -134,8 +236,8 @@ void gemv_float_rows(const typename F::T* x, const std::vector<const typename F:
     const typename F::T* w = ws[s];
     float* o = out + rows.offsets[s];
     int64_t r = r0;
-    for (; r + R <= r1; r += R) dot_rows<F, M, R>(x, w + r * K, o + r, K, N);
-    for (; r < r1; ++r) dot_rows<F, M, 1>(x, w + r * K, o + r, K, N);
+    for (; r + R <= r1; r += R) float_dot_rows<F, M, R>(x, w + r * K, o + r, K, N);
+    for (; r < r1; ++r) float_dot_rows<F, M, 1>(x, w + r * K, o + r, K, N);
   });
 }
 
@@ -150,6 +252,7 @@ struct W4A8Activations {
   int64_t scales_stride() const { return G_pad + 4; }
 };
 
+#if defined(ZCODE_GEMV_AVX512)
 // 16 activations as fp32 from fp32 or bf16 storage (masked past `count`).
 inline __m512 load_f32(const float* x, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, x); }
 inline __m512 load_f32(const at::BFloat16* x, __mmask16 mask) {
@@ -185,6 +288,26 @@ std::vector<int8_t> quantize_per_token(const T* x, int64_t M, int64_t K_in, int6
   }
   return codes;
 }
+#else
+// quantize_per_token in plain loops: the same IEEE division and rounding, the same codes.
+template <typename T>
+std::vector<int8_t> quantize_per_token(const T* x, int64_t M, int64_t K_in, int64_t K,
+                                       double min_scale, float* x_scale) {
+  std::vector<int8_t> codes(M * K, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x + m * K_in;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K_in; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xr[k])));
+    const float scale = std::max(amax / 127.f, static_cast<float>(min_scale));
+    x_scale[m] = scale;
+    for (int64_t k = 0; k < K_in; ++k) {
+      const float q = std::nearbyint(static_cast<float>(xr[k]) / scale);
+      codes[m * K + k] = static_cast<int8_t>(std::min(std::max(q, -127.f), 127.f));
+    }
+  }
+  return codes;
+}
+#endif
 
 // x [M, K_in] fp32 or bf16 -> per-token int8 codes [M, K] and their scales.
 std::vector<int8_t> quantize_rows(const torch::Tensor& x, int64_t K, double min_scale,
@@ -219,6 +342,7 @@ W4A8Activations rearrange_for_w4a8(const std::vector<int8_t>& codes, int64_t M, 
   return a;
 }
 
+#if defined(ZCODE_GEMV_AVX512_VNNI)
 // out[m * N + r] for R consecutive W4A8 rows from row n of one matrix (pairs: its scale and
 // zero words, q: its nibbles): R rows at a time share the activation loads and give the core
 // independent chains to overlap.
@@ -335,6 +459,73 @@ void gemv_w8a8_rows(const std::vector<uint8_t>& xu, const float* x_scale,
     }
   });
 }
+#else
+// Prefetches a weight row's bytes PREFETCH_BYTES ahead, one per cache line, as the AVX-512 loops
+// do per vector.
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) prefetch_l2(static_cast<const char*>(p) + i);
+}
+
+// W4A8 in plain loops: per 32 k (16 bytes of nibbles: the even k's low nibbles against the
+// deinterleaved even codes, the odd k's high nibbles against the odd) an exact int32 dot, scaled
+// by its group's scale; the offsets (zero - 8 scale) times the groups' code sums.
+template <int M>
+void gemv_w4a8_rows(const W4A8Activations& a, const float* x_scale,
+                    const std::vector<const uint8_t*>& qs, const std::vector<const uint16_t*>& szs,
+                    const Rows& rows, float* out, int64_t K, int64_t group) {
+  const int64_t G = K / group, N = rows.total();
+  const int group_shift = __builtin_ctzll(group);
+  rows.parallel(grain_rows(K / 2), [&](size_t s, int64_t r0, int64_t r1) {
+    float* o = out + rows.offsets[s];
+    for (int64_t n = r0; n < r1; ++n) {
+      const uint16_t* sz = szs[s] + n * G * 2;  // (scale, zero) bf16 per group
+      const uint8_t* qr = qs[s] + n * (K / 2);
+      prefetch_row(qr, K / 2);
+      float acc[M] = {};
+      for (int64_t g = 0; g < G; ++g) {
+        const float scale = bf16_to_float(sz[2 * g]), zero = bf16_to_float(sz[2 * g + 1]);
+        for (int m = 0; m < M; ++m)
+          acc[m] += (zero - 8.f * scale) * a.group_sums[m * a.G_pad + g];
+      }
+      for (int64_t c = 0; c < K; c += 128) {
+        const int64_t half = std::min<int64_t>(128, K - c) / 2;
+        for (int64_t i = 0; i < half; i += 16) {  // k in [c + 2i, c + 2i + 32): one group
+          int8_t lo[16], hi[16];
+          for (int j = 0; j < 16; ++j) lo[j] = qr[c / 2 + i + j] & 0x0F, hi[j] = qr[c / 2 + i + j] >> 4;
+          const float scale = bf16_to_float(sz[2 * ((c + 2 * i) >> group_shift)]);
+          for (int m = 0; m < M; ++m) {
+            const int8_t* xr = a.deinterleaved.data() + m * K + c;
+            const int32_t dot = dot_codes(lo, xr + i, 16) + dot_codes(hi, xr + half + i, 16);
+            acc[m] += scale * static_cast<float>(dot);
+          }
+        }
+      }
+      for (int m = 0; m < M; ++m) o[m * N + n] = x_scale[m] * acc[m];
+    }
+  });
+}
+
+// W8A8 in plain loops: the same exact int32 sum of (xq + 128) q - 128 sum q.
+template <int M>
+void gemv_w8a8_rows(const std::vector<uint8_t>& xu, const float* x_scale,
+                    const std::vector<const int8_t*>& qs, const std::vector<const uint16_t*>& scales,
+                    const std::vector<const int32_t*>& row_sums, const Rows& rows, float* out,
+                    int64_t K) {
+  const int64_t N = rows.total();
+  rows.parallel(grain_rows(K), [&](size_t s, int64_t r0, int64_t r1) {
+    for (int64_t n = r0; n < r1; ++n) {
+      const int8_t* qr = qs[s] + n * K;
+      prefetch_row(qr, K);
+      const float scale = bf16_to_float(scales[s][n]);
+      float* o = out + rows.offsets[s] + n;
+      for (int m = 0; m < M; ++m) {
+        const int32_t dot = dot_codes(qr, xu.data() + m * K, K) - 128 * row_sums[s][n];
+        o[m * N] = x_scale[m] * scale * static_cast<float>(dot);
+      }
+    }
+  });
+}
+#endif
 
 template <template <int> class Fn, typename... Args>
 void dispatch_rows(int64_t M, Args&&... args) {
@@ -348,10 +539,10 @@ void dispatch_rows(int64_t M, Args&&... args) {
 }
 
 template <int M> struct Bf16Rows {
-  template <typename... A> static void run(const A&... a) { gemv_float_rows<Bf16, M>(a...); }
+  template <typename... A> static void run(const A&... a) { gemv_float_rows<Bf16Kernel, M>(a...); }
 };
 template <int M> struct F32Rows {
-  template <typename... A> static void run(const A&... a) { gemv_float_rows<F32, M>(a...); }
+  template <typename... A> static void run(const A&... a) { gemv_float_rows<F32Kernel, M>(a...); }
 };
 template <int M> struct W4A8Rows {
   template <typename... A> static void run(const A&... a) { gemv_w4a8_rows<M>(a...); }

@@ -1,4 +1,4 @@
-"""Decode GEMV kernels in C++ (gemv.cpp: AVX-512 BF16 + VNNI), registered as torch ops.
+"""Decode GEMV kernels in C++ (gemv.cpp: AVX-512 BF16 + VNNI, or portable loops), as torch ops.
 
 At decode a linear layer multiplies one to a few rows by the whole weight, so it is bound by
 reading the weight. torch's bf16 F.linear at one row reads ~2x slower than fp32 on this CPU, and
@@ -16,8 +16,8 @@ to MAX_ROWS rows. They are registered with the dispatcher from C++ (no Python pe
 fake kernels here, so torch.compile keeps each as one call in a compiled decode graph.
 
 Built once with torch.utils.cpp_extension.load and -march=native (cached by torch under
-$TORCH_EXTENSIONS_DIR); `available()` is False where the ISA or the compiler is missing, and the
-callers keep torch's kernels.
+$TORCH_EXTENSIONS_DIR); each op has a portable path for CPUs without its AVX-512 features, so
+`available()` is False only where no C++ compiler works, and the callers keep torch's kernels.
 """
 
 import functools

@@ -1,4 +1,11 @@
-// GGUF block formats (llama.cpp's ggml types) read as stored, on AVX-512 CPUs with VNNI.
+// GGUF block formats (llama.cpp's ggml types) read as stored, on any CPU.
+//
+// ISA paths: AVX-512 F + BW + VL + VNNI (and F16C) where the compiler targets them (-march=native
+// on such a CPU): 64-byte vectors and vpdpbusd. Everywhere else (AVX2, x86-64 baseline, aarch64):
+// plain loops over the same block layouts that gcc -O3 vectorizes for the target, with AVX2
+// intrinsics (vpmaddubsw) for the int8 x int8 -> int32 block dot products where the target has
+// AVX2; the same integer arithmetic, only the fp32 summation order differs; dequantization is bit
+// for bit the same on both.
 //
 // A weight is uint8 [N, row_bytes]: each row is K / block_size blocks of one ggml type
 // (ggml-common.h's layouts; the `gguf` Python package's dequantize is the reference):
@@ -32,13 +39,23 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <optional>
 #include <vector>
+
+// The AVX-512 path: 64-byte vectors, byte masks (BW, VL), vpdpbusd (VNNI), fp16 loads (F16C).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__F16C__)
+#define ZCODE_GGML_AVX512 1
+#endif
 
 namespace {
 
@@ -56,14 +73,80 @@ constexpr int64_t GRAIN_BYTES = 64 << 10;
 // Weight rows are prefetched this far ahead into L2 (gemv.cpp measured why).
 constexpr int64_t PREFETCH_BYTES = 12 << 10;
 inline void prefetch_l2(const uint8_t* p) {
+#if defined(__SSE__)
   _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
+#else
+  __builtin_prefetch(p + PREFETCH_BYTES, 0, 2);  // locality 2: L2, as _MM_HINT_T1
+#endif
 }
 
 inline float half(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
   return _cvtsh_ss(h);
+#else
+  // IEEE half -> float, exact (x86-64 without F16C, aarch64 builds without __fp16 assumptions).
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | mantissa << 13;  // inf, nan
+  } else if (exponent != 0) {
+    bits = sign | (exponent + 112) << 23 | mantissa << 13;
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal half: normalize
+    int shift = 0;
+    while (!(mantissa & 0x400)) mantissa <<= 1, ++shift;
+    bits = sign | static_cast<uint32_t>(113 - shift) << 23 | (mantissa & 0x3FF) << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
 }
+
+// The 12 bytes of 6-bit scales and mins of Q4_K / Q5_K -> bytes sc[0..7], m[0..7]. Bytes 0-3 hold
+// sc 0-3 (low 6 bits) and sc 4-7's top 2 bits, bytes 4-7 likewise m, bytes 8-11 the low nibbles
+// of sc 4-7 and (high nibbles) m 4-7.
+inline void scale_min_bytes(const uint8_t* p, uint8_t* sc_and_m) {
+  uint32_t a[3], out[4];
+  std::memcpy(a, p, 12);
+  const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
+  out[0] = a[0] & six;
+  out[1] = (a[2] & four) | (((a[0] >> 6) & two) << 4);
+  out[2] = a[1] & six;
+  out[3] = ((a[2] >> 4) & four) | (((a[1] >> 6) & two) << 4);
+  std::memcpy(sc_and_m, out, 16);
+}
+
+// ---- Activations quantized per block: x ~= scale * codes.
+
+// The codes of 32-blocks are stored by pairs of blocks b, b + 1 in the order their weights' codes
+// load as one 64-byte vector (pair_nibbles): b's elements 0-15, b + 1's 0-15, b's 16-31,
+// b + 1's 16-31; an odd last block is paired with zeros.
+struct Activations {
+  int64_t M = 0, K = 0, block = 0, code_stride = 0;
+  int64_t scale_stride = 0;   // blocks, rounded up to pairs for 32-blocks (the twin's are zeros)
+  std::vector<int8_t> codes;  // [M, code_stride]: 32-blocks by pairs, 256-blocks in order
+  std::vector<float> scale;   // [M, scale_stride]: amax / 127
+  std::vector<float> sums;    // per block: 32-blocks: [M, scale_stride, 2] scale, and scale *
+                              // sum of codes (the pair's four in one load);
+                              // 256-blocks: [M, K / 256, 32]: scale * sums per 16 (16 lanes),
+                              // then 8 zeros and scale * sums per 32 (8 lanes)
+  int64_t blocks() const { return K / block; }
+  // Where element k of block b (k a multiple of 16; b even for 32-blocks: the pair's start) is.
+  int64_t code_offset(int64_t b, int64_t k) const {
+    return block == QK ? b / 2 * 64 + k / 16 * 32 + b % 2 * 16 : b * block + k;
+  }
+  const int8_t* block_codes(int64_t m, int64_t b) const {
+    return codes.data() + m * code_stride + code_offset(b, 0);
+  }
+  float block_scale(int64_t m, int64_t b) const { return scale[m * scale_stride + b]; }
+};
+
+
+#if defined(ZCODE_GGML_AVX512)
 
 // 16 nibbles -> 32 codes in element order: the low nibbles, then the high.
 inline __m256i nibbles32(const uint8_t* p) {
@@ -199,19 +282,11 @@ struct BlockK {
   float d;
 };
 
-// The 12 bytes of 6-bit scales and mins of Q4_K / Q5_K -> bytes sc[0..7], m[0..7]. Bytes 0-3 hold
-// sc 0-3 (low 6 bits) and sc 4-7's top 2 bits, bytes 4-7 likewise m, bytes 8-11 the low nibbles
-// of sc 4-7 and (high nibbles) m 4-7.
+// scale_min_bytes as fp32 [sc_0..7, m_0..7].
 inline __m512 scales_and_mins(const uint8_t* p) {
-  uint32_t a[3], out[4];
-  std::memcpy(a, p, 12);
-  const uint32_t six = 0x3F3F3F3F, four = 0x0F0F0F0F, two = 0x03030303;
-  out[0] = a[0] & six;
-  out[1] = (a[2] & four) | (((a[0] >> 6) & two) << 4);
-  out[2] = a[1] & six;
-  out[3] = ((a[2] >> 4) & four) | (((a[1] >> 6) & two) << 4);
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(out));
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));  // [sc_0..7, m_0..7]
+  alignas(16) uint8_t bytes[16];
+  scale_min_bytes(p, bytes);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes))));
 }
 
 // Lane l of chunk c's dot covers elements 64c + 4l..4l+3: sub-block of 32 number 2c + l / 8.
@@ -317,31 +392,6 @@ struct BQ6_K {
     }
     *zero = 32;
   }
-};
-
-// ---- Activations quantized per block: x ~= scale * codes.
-
-// The codes of 32-blocks are stored by pairs of blocks b, b + 1 in the order their weights' codes
-// load as one 64-byte vector (pair_nibbles): b's elements 0-15, b + 1's 0-15, b's 16-31,
-// b + 1's 16-31; an odd last block is paired with zeros.
-struct Activations {
-  int64_t M = 0, K = 0, block = 0, code_stride = 0;
-  int64_t scale_stride = 0;   // blocks, rounded up to pairs for 32-blocks (the twin's are zeros)
-  std::vector<int8_t> codes;  // [M, code_stride]: 32-blocks by pairs, 256-blocks in order
-  std::vector<float> scale;   // [M, scale_stride]: amax / 127
-  std::vector<float> sums;    // per block: 32-blocks: [M, scale_stride, 2] scale, and scale *
-                              // sum of codes (the pair's four in one load);
-                              // 256-blocks: [M, K / 256, 32]: scale * sums per 16 (16 lanes),
-                              // then 8 zeros and scale * sums per 32 (8 lanes)
-  int64_t blocks() const { return K / block; }
-  // Where element k of block b (k a multiple of 16; b even for 32-blocks: the pair's start) is.
-  int64_t code_offset(int64_t b, int64_t k) const {
-    return block == QK ? b / 2 * 64 + k / 16 * 32 + b % 2 * 16 : b * block + k;
-  }
-  const int8_t* block_codes(int64_t m, int64_t b) const {
-    return codes.data() + m * code_stride + code_offset(b, 0);
-  }
-  float block_scale(int64_t m, int64_t b) const { return scale[m * scale_stride + b]; }
 };
 
 Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t block) {
@@ -488,6 +538,434 @@ void dot_row_float(const uint8_t* row, const float* x, int64_t K, float* out, in
   for (int m = 0; m < M; ++m) out[m * N] = _mm512_reduce_add_ps(acc[m]);
 }
 
+// ---- Dequantization of one row.
+
+template <typename B>
+void dequantize_row_32(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const Block32 w = B::decode(row + b * B::BYTES);
+    for (int half_ = 0; half_ < 2; ++half_) {
+      const __m128i q8 = half_ ? _mm256_extracti128_si256(w.q, 1) : _mm256_castsi256_si128(w.q);
+      const __m512i q = B::SIGNED ? _mm512_cvtepi8_epi32(q8) : _mm512_cvtepu8_epi32(q8);
+      __m512 v = _mm512_mul_ps(_mm512_set1_ps(w.d),
+                               _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(B::ZERO))));
+      if constexpr (B::HAS_MIN) v = _mm512_add_ps(v, _mm512_set1_ps(w.m));
+      _mm512_storeu_ps(out + b * QK + 16 * half_, v);
+    }
+  }
+}
+
+template <typename B>
+void dequantize_row_k(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK_K; ++b) {
+    const uint8_t* p = row + b * B::BYTES;
+    const BlockK w = B::decode(p);
+    float dsc[16], dm[16];
+    int zero;
+    B::group_scales(p, dsc, dm, &zero);
+    for (int c = 0; c < 4; ++c) {
+      for (int g = 0; g < 4; ++g) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w.q[c], g));
+        const int i = 4 * c + g;
+        __m512 v = _mm512_mul_ps(_mm512_set1_ps(dsc[i]),
+                                 _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(zero))));
+        v = _mm512_sub_ps(v, _mm512_set1_ps(dm[i]));
+        _mm512_storeu_ps(out + b * QK_K + 16 * i, v);
+      }
+    }
+  }
+}
+
+template <typename F>
+void dequantize_row_float(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mask = K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1;
+    _mm512_mask_storeu_ps(out + k, mask, F::load(row + k * F::BYTES, mask));
+  }
+}
+
+#else  // ---- Portable path: plain loops that gcc -O3 vectorizes for the target (SSE2, NEON), with
+       // AVX2 intrinsics for the block dot products where the target has them.
+//
+// The same arithmetic as the AVX-512 path: every block's weight codes (all of them fit int8:
+// unsigned 4-6 bit codes, Q8_0's signed bytes) times the int8 activation codes summed exactly in
+// int32, the offsets times the activations' code sums, the blocks scaled and added in fp32. Only
+// the order of the fp32 sums differs. Float sums keep LANES independent partial sums so the loop
+// vectorizes without reassociation (this file is built without -ffast-math).
+
+constexpr int LANES = 16;
+
+// int8 x int8 -> int32 over n codes: an integer sum, so gcc vectorizes it (pmaddwd, sdot).
+template <int n>
+inline int32_t dot_i8(const int8_t* w, const int8_t* x) {
+  int32_t sum = 0;
+  for (int i = 0; i < n; ++i) sum += static_cast<int32_t>(w[i]) * static_cast<int32_t>(x[i]);
+  return sum;
+}
+
+#if defined(__AVX2__)
+// 32 int8 x int8 products summed by pairs of 4 into 8 int32 lanes (lanes 0-3: bytes 0-15): |w|
+// by vpmaddubsw against x with w's sign, exact (a pair is at most 2 * 128 * 127 < 2^15).
+inline __m256i dot32_lanes(__m256i w, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+inline int32_t hsum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+#endif
+
+// A 32-block's dot: w[0..15] . x0 + w[16..31] . x1 (the activation halves lie apart).
+inline int32_t dot_block32(const int8_t* w, const int8_t* x0, const int8_t* x1) {
+#if defined(__AVX2__)
+  const __m256i x = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x1)),
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(x0)));
+  return hsum(dot32_lanes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), x));
+#else
+  return dot_i8<16>(w, x0) + dot_i8<16>(w + 16, x1);
+#endif
+}
+
+// A K-quant block's sum_g scale[g] (w . x over group g of 16), exact in int32.
+inline int32_t dot_block256(const int8_t* w, const int8_t* x, const int32_t* scale) {
+#if defined(__AVX2__)
+  __m256i acc = _mm256_setzero_si256();
+  for (int g = 0; g < 16; g += 2) {
+    const __m256i dot = dot32_lanes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * g)),
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * g)));
+    const __m256i sc = _mm256_set_m128i(_mm_set1_epi32(scale[g + 1]), _mm_set1_epi32(scale[g]));
+    acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(dot, sc));
+  }
+  return hsum(acc);
+#else
+  int32_t sum = 0;
+  for (int g = 0; g < 16; ++g) sum += scale[g] * dot_i8<16>(w + 16 * g, x + 16 * g);
+  return sum;
+#endif
+}
+
+// A 32-element block: codes in element order and w = d q + offset (offset = m, or -ZERO d).
+struct Block32 {
+  int8_t q[QK];
+  float d, offset;
+};
+
+// n bytes of nibbles -> their low nibbles, then their high ones, 8 bytes per 64-bit word (gcc
+// turns a byte loop into byte inserts through the stack, 8x slower on Zen 3; little-endian).
+template <int n>
+inline void nibbles(const uint8_t* p, int8_t* low, int8_t* high) {
+  constexpr uint64_t low4 = 0x0F0F0F0F0F0F0F0Full;
+  uint64_t v[n / 8], lo[n / 8], hi[n / 8];
+  std::memcpy(v, p, n);
+  for (int i = 0; i < n / 8; ++i) lo[i] = v[i] & low4, hi[i] = (v[i] >> 4) & low4;
+  std::memcpy(low, lo, n);
+  std::memcpy(high, hi, n);
+}
+inline void nibbles32(const uint8_t* p, int8_t* q) { nibbles<16>(p, q, q + 16); }
+inline void add_high_bits(const uint8_t* qh, int8_t* q) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  for (int j = 0; j < QK; ++j) q[j] |= ((bits >> j) & 1) << 4;
+}
+
+struct BQ4_0 {
+  static constexpr int64_t BYTES = 18, ZERO = 8;
+  static constexpr bool HAS_MIN = false;
+  static void decode(const uint8_t* p, Block32& b) {
+    nibbles32(p + 2, b.q), b.d = half(p), b.offset = b.d * -ZERO;
+  }
+};
+struct BQ4_1 {
+  static constexpr int64_t BYTES = 20, ZERO = 0;
+  static constexpr bool HAS_MIN = true;
+  static void decode(const uint8_t* p, Block32& b) {
+    nibbles32(p + 4, b.q), b.d = half(p), b.offset = half(p + 2);
+  }
+};
+struct BQ5_0 {
+  static constexpr int64_t BYTES = 22, ZERO = 16;
+  static constexpr bool HAS_MIN = false;
+  static void decode(const uint8_t* p, Block32& b) {
+    nibbles32(p + 6, b.q), add_high_bits(p + 2, b.q), b.d = half(p), b.offset = b.d * -ZERO;
+  }
+};
+struct BQ5_1 {
+  static constexpr int64_t BYTES = 24, ZERO = 0;
+  static constexpr bool HAS_MIN = true;
+  static void decode(const uint8_t* p, Block32& b) {
+    nibbles32(p + 8, b.q), add_high_bits(p + 4, b.q), b.d = half(p), b.offset = half(p + 2);
+  }
+};
+struct BQ8_0 {
+  static constexpr int64_t BYTES = 34, ZERO = 0;
+  static constexpr bool HAS_MIN = false;
+  static void decode(const uint8_t* p, Block32& b) {
+    std::memcpy(b.q, p + 2, QK), b.d = half(p), b.offset = 0.f;
+  }
+};
+
+// A K-quant block: codes in element order, the integer scale of each group of 16, and the
+// offsets' coefficients per activation sum (per 16 for Q6_K: -32 d sc_g; per 32 for Q4_K and
+// Q5_K: -dmin m_i).
+struct BlockK {
+  int8_t q[QK_K];
+  int32_t scale[16];
+  float offset[16];
+  float d;
+};
+
+inline void k_header(const uint8_t* p, BlockK& k) {
+  uint8_t scm[16];
+  scale_min_bytes(p + 4, scm);
+  const float dmin = half(p + 2);
+  for (int g = 0; g < 16; ++g) k.scale[g] = scm[g / 2];
+  for (int i = 0; i < 8; ++i) k.offset[i] = -dmin * static_cast<float>(scm[8 + i]);
+  k.d = half(p);
+}
+
+// Dequantization of Q4_K / Q5_K: 16-element group g has d sc and dmin m of sub-block g / 2.
+inline void k_group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
+  uint8_t scm[16];
+  scale_min_bytes(p + 4, scm);
+  const float d = half(p), dmin = half(p + 2);
+  for (int g = 0; g < 16; ++g) {
+    dsc[g] = d * static_cast<float>(scm[g / 2]);
+    dm[g] = dmin * static_cast<float>(scm[8 + g / 2]);
+  }
+  *zero = 0;
+}
+
+struct BQ4_K {
+  static constexpr int64_t BYTES = 144;
+  static constexpr bool SUMS16 = false;
+  static void decode(const uint8_t* p, BlockK& k) {
+    k_header(p, k);
+    // Bytes 32c..32c+31: low nibbles sub-block 2c, high nibbles 2c + 1.
+    for (int c = 0; c < 4; ++c) nibbles<32>(p + 16 + 32 * c, k.q + 64 * c, k.q + 64 * c + 32);
+  }
+  static void group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
+    k_group_scales(p, dsc, dm, zero);
+  }
+};
+
+struct BQ5_K {
+  static constexpr int64_t BYTES = 176;
+  static constexpr bool SUMS16 = false;
+  static void decode(const uint8_t* p, BlockK& k) {
+    k_header(p, k);
+    // Element 32i + l's fifth bit is bit i of qh byte l.
+    uint8_t qh[32];
+    std::memcpy(qh, p + 16, 32);
+    for (int c = 0; c < 4; ++c) {
+      int8_t* q = k.q + 64 * c;
+      nibbles<32>(p + 48 + 32 * c, q, q + 32);
+      for (int l = 0; l < 32; ++l) {
+        q[l] |= ((qh[l] >> (2 * c)) & 1) << 4;
+        q[32 + l] |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      }
+    }
+  }
+  static void group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
+    k_group_scales(p, dsc, dm, zero);
+  }
+};
+
+struct BQ6_K {
+  static constexpr int64_t BYTES = 210;
+  static constexpr bool SUMS16 = true;
+  static void decode(const uint8_t* p, BlockK& k) {
+    // Element 128h + 32s + l: low nibble (s < 2) or high nibble (s >= 2) of ql[64h + 32(s % 2) + l],
+    // high 2 bits (qh[32h + l] >> 2s) & 3.
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t ql = p[64 * h + 32 * (s % 2) + l];
+          const int low = s < 2 ? ql & 0x0F : ql >> 4;
+          k.q[128 * h + 32 * s + l] = low | ((p[128 + 32 * h + l] >> (2 * s)) & 3) << 4;
+        }
+    k.d = half(p + 208);
+    for (int g = 0; g < 16; ++g) {
+      k.scale[g] = static_cast<int8_t>(p[192 + g]);
+      k.offset[g] = -32.f * k.d * static_cast<float>(k.scale[g]);
+    }
+  }
+  static void group_scales(const uint8_t* p, float* dsc, float* dm, int* zero) {
+    const float d = half(p + 208);
+    for (int g = 0; g < 16; ++g) {
+      dsc[g] = d * static_cast<float>(static_cast<int8_t>(p[192 + g]));
+      dm[g] = 0.f;
+    }
+    *zero = 32;
+  }
+};
+
+// Per block: scale = amax / 127, codes = round-half-even(x / scale) (IEEE division: the AVX-512
+// path's codes exactly), and the scaled code sums Activations describes.
+Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t block) {
+  Activations a;
+  a.M = M, a.K = K, a.block = block;
+  a.code_stride = block == QK ? (K / QK + 1) / 2 * 64 : K;
+  a.codes.assign(M * a.code_stride, 0);
+  a.scale_stride = block == QK ? (K / QK + 1) / 2 * 2 : K / block;
+  a.scale.assign(M * a.scale_stride, 0.f);
+  a.sums.assign(M * a.scale_stride * (block == QK ? 2 : 32), 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / block; ++b) {
+      const float* xb = x + m * K + b * block;
+      float amax = 0.f;
+      for (int64_t k = 0; k < block; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float scale = amax / 127.f;
+      const int64_t i = m * a.scale_stride + b;
+      a.scale[i] = scale;
+      if (scale == 0.f) continue;  // codes and sums stay zero
+      int32_t sums16[16];
+      for (int64_t k = 0; k < block; k += 16) {
+        int8_t* codes = a.codes.data() + m * a.code_stride + a.code_offset(b, k);
+        int32_t sum = 0;
+        for (int j = 0; j < 16; ++j) {
+          const float q = std::min(std::max(std::nearbyint(xb[k + j] / scale), -127.f), 127.f);
+          codes[j] = static_cast<int8_t>(q);
+          sum += codes[j];
+        }
+        sums16[k / 16] = sum;
+      }
+      if (block == QK) {
+        a.sums[2 * i] = scale;
+        a.sums[2 * i + 1] = scale * static_cast<float>(sums16[0] + sums16[1]);
+      } else {
+        float* s = a.sums.data() + i * 32;
+        for (int g = 0; g < 16; ++g) s[g] = scale * static_cast<float>(sums16[g]);
+        for (int j = 0; j < 8; ++j)
+          s[24 + j] = scale * static_cast<float>(sums16[2 * j] + sums16[2 * j + 1]);
+      }
+    }
+  }
+  return a;
+}
+
+template <typename B, int M>
+void dot_row_32(const uint8_t* row, const Activations& a, float* out, int64_t N) {
+  float acc[M] = {}, bias[M] = {};
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = row + b * B::BYTES;
+    prefetch_l2(p);
+    Block32 w;
+    B::decode(p, w);
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = a.codes.data() + m * a.code_stride;
+      const int32_t dot = dot_block32(w.q, xq + a.code_offset(b, 0), xq + a.code_offset(b, 16));
+      const float* sums = a.sums.data() + 2 * (m * a.scale_stride + b);  // scale, scale * sum
+      acc[m] += w.d * sums[0] * static_cast<float>(dot);
+      bias[m] += w.offset * sums[1];
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m * N] = acc[m] + bias[m];
+}
+
+template <typename B, int M>
+void dot_row_k(const uint8_t* row, const Activations& a, float* out, int64_t N) {
+  constexpr int NUM_OFFSETS = B::SUMS16 ? 16 : 8;
+  float acc[M] = {};
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = row + b * B::BYTES;
+    for (int64_t line = 0; line < B::BYTES; line += 64) prefetch_l2(p + line);
+    BlockK w;
+    B::decode(p, w);
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = a.block_codes(m, b);
+      const int32_t sum = dot_block256(w.q, xq, w.scale);  // |codes| < 64, |sc| <= 128: exact
+      acc[m] += w.d * a.block_scale(m, b) * static_cast<float>(sum);
+      const float* sums = a.sums.data() + (m * a.scale_stride + b) * 32 + (B::SUMS16 ? 0 : 24);
+      for (int j = 0; j < NUM_OFFSETS; ++j) acc[m] += w.offset[j] * sums[j];
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m * N] = acc[m];
+}
+
+// Float rows: element k of a row widened exactly to fp32.
+struct RowF32 {
+  static constexpr int64_t BYTES = 4;
+  static float load(const uint8_t* p, int64_t k) {
+    float f;
+    std::memcpy(&f, p + 4 * k, 4);
+    return f;
+  }
+};
+struct RowF16 {
+  static constexpr int64_t BYTES = 2;
+  static float load(const uint8_t* p, int64_t k) { return half(p + 2 * k); }
+};
+struct RowBF16 {
+  static constexpr int64_t BYTES = 2;
+  static float load(const uint8_t* p, int64_t k) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * k, 2);
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+};
+
+template <typename F, int M>
+void dot_row_float(const uint8_t* row, const float* x, int64_t K, float* out, int64_t N) {
+  float acc[M][LANES] = {};
+  int64_t k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    prefetch_l2(row + k * F::BYTES);
+    float w[LANES];
+    for (int l = 0; l < LANES; ++l) w[l] = F::load(row, k + l);
+    for (int m = 0; m < M; ++m)
+      for (int l = 0; l < LANES; ++l) acc[m][l] += w[l] * x[m * K + k + l];
+  }
+  for (; k < K; ++k)
+    for (int m = 0; m < M; ++m) acc[m][0] += F::load(row, k) * x[m * K + k];
+  for (int m = 0; m < M; ++m) {
+    float sum = 0.f;
+    for (int l = 0; l < LANES; ++l) sum += acc[m][l];
+    out[m * N] = sum;
+  }
+}
+
+// Dequantization: the gguf package's products and sums, in its order.
+template <typename B>
+void dequantize_row_32(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    Block32 w;
+    B::decode(row + b * B::BYTES, w);
+    const float m = B::HAS_MIN ? w.offset : 0.f;
+    for (int j = 0; j < QK; ++j) {
+      const float v = w.d * static_cast<float>(w.q[j] - B::ZERO);
+      out[b * QK + j] = B::HAS_MIN ? v + m : v;
+    }
+  }
+}
+
+template <typename B>
+void dequantize_row_k(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / QK_K; ++b) {
+    const uint8_t* p = row + b * B::BYTES;
+    BlockK w;
+    B::decode(p, w);
+    float dsc[16], dm[16];
+    int zero;
+    B::group_scales(p, dsc, dm, &zero);
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 16; ++j)
+        out[b * QK_K + 16 * i + j] = dsc[i] * static_cast<float>(w.q[16 * i + j] - zero) - dm[i];
+  }
+}
+
+template <typename F>
+void dequantize_row_float(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t k = 0; k < K; ++k) out[k] = F::load(row, k);
+}
+
+#endif
+
 // ---- Dispatch.
 
 struct Input {
@@ -571,52 +1049,6 @@ void gemv_rows(const Input& in, const std::vector<torch::Tensor>& ws, at::IntArr
       n0 = end;
     }
   });
-}
-
-// ---- Dequantization of one row.
-
-template <typename B>
-void dequantize_row_32(const uint8_t* row, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const Block32 w = B::decode(row + b * B::BYTES);
-    for (int half_ = 0; half_ < 2; ++half_) {
-      const __m128i q8 = half_ ? _mm256_extracti128_si256(w.q, 1) : _mm256_castsi256_si128(w.q);
-      const __m512i q = B::SIGNED ? _mm512_cvtepi8_epi32(q8) : _mm512_cvtepu8_epi32(q8);
-      __m512 v = _mm512_mul_ps(_mm512_set1_ps(w.d),
-                               _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(B::ZERO))));
-      if constexpr (B::HAS_MIN) v = _mm512_add_ps(v, _mm512_set1_ps(w.m));
-      _mm512_storeu_ps(out + b * QK + 16 * half_, v);
-    }
-  }
-}
-
-template <typename B>
-void dequantize_row_k(const uint8_t* row, int64_t K, float* out) {
-  for (int64_t b = 0; b < K / QK_K; ++b) {
-    const uint8_t* p = row + b * B::BYTES;
-    const BlockK w = B::decode(p);
-    float dsc[16], dm[16];
-    int zero;
-    B::group_scales(p, dsc, dm, &zero);
-    for (int c = 0; c < 4; ++c) {
-      for (int g = 0; g < 4; ++g) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(w.q[c], g));
-        const int i = 4 * c + g;
-        __m512 v = _mm512_mul_ps(_mm512_set1_ps(dsc[i]),
-                                 _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(zero))));
-        v = _mm512_sub_ps(v, _mm512_set1_ps(dm[i]));
-        _mm512_storeu_ps(out + b * QK_K + 16 * i, v);
-      }
-    }
-  }
-}
-
-template <typename F>
-void dequantize_row_float(const uint8_t* row, int64_t K, float* out) {
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 mask = K - k >= 16 ? 0xFFFF : (1u << (K - k)) - 1;
-    _mm512_mask_storeu_ps(out + k, mask, F::load(row + k * F::BYTES, mask));
-  }
 }
 
 void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {

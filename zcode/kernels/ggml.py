@@ -1,4 +1,4 @@
-"""GGUF block formats in C++ (ggml.cpp: AVX-512 + VNNI), registered as torch ops.
+"""GGUF block formats in C++ (ggml.cpp: AVX-512 VNNI, or portable loops), as torch ops.
 
 A GGUF weight is the file's own bytes, uint8 [N, row_bytes] in one ggml type (Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it as stored:
@@ -7,15 +7,16 @@ Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it
   times a list of weights sharing x, each of its own type -> [M, N_0 + N_1 + ...] fp32. x is
   quantized to int8 inside the call as llama.cpp does (per 32 for the 32-block types, per 256
   with sums per 16 for the K-quants; fp32 scales amax / 127, round half to even), and each block
-  is an exact VNNI integer dot product; float rows multiply fp32 x.
+  is an exact integer dot product (VNNI, or int8 loops the compiler vectorizes); float rows
+  multiply fp32 x.
 - `torch.ops.zcode.ggml_dequantize(data, ggml_type, in_features, row_ids=None)`: rows
   [R, row_bytes] -> fp32 [R, K], or only rows row_ids [T] -> [T, K] (an embedding lookup, ~3 us),
   bit for bit the `gguf` package's dequantize (also the prefill path: row tiles dequantized, then
   a GEMM).
 
 Built once with torch.utils.cpp_extension.load and -march=native (cached by torch);
-`available()` is False where the ISA or the compiler is missing, and zcode.quant.gguf keeps the
-`gguf` package's numpy dequantize.
+`available()` is False only where no C++ compiler works, and zcode.quant.gguf keeps the `gguf`
+package's numpy dequantize.
 """
 
 import functools

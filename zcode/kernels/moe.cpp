@@ -1,4 +1,4 @@
-// Fused MoE experts for AVX-512 CPUs (BF16): one call computes every routed expert of a step,
+// Fused MoE experts for any CPU: one call computes every routed expert of a step,
 // plus the shared experts, for fp32 or bf16 expert weights held as lists (one tensor per expert
 // and projection, zero-copy views of the model's Linear weights):
 //
@@ -12,12 +12,20 @@
 // rows of every pass: phase 1 splits the gate/up rows, phase 2 the output columns, so a thread
 // owns out[:, n0:n1] and adds the weighted down products there without a reduction.
 // An expert hit by more tokens (prefill) is one GEMM per projection over its gathered tokens.
+//
+// ISA paths: AVX-512 F + BW + VL + BF16 where the compiler targets them (-march=native): 64-byte
+// vectors, vdpbf16ps, a polynomial exp. Everywhere else (AVX2, x86-64 baseline, aarch64, AVX-512
+// without BF16): plain loops gcc -O3 vectorizes, the same products, fp32 sums in independent
+// lanes (another order), std::exp. The passes, threading and GEMMs are shared.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -30,8 +38,17 @@ constexpr int64_t GRAIN_BYTES = 64 << 10;
 constexpr int64_t PREFETCH_BYTES = 12 << 10;
 
 inline void prefetch_l2(const void* p) {
+#if defined(__SSE__)
   _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
+#else
+  __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, 0, 2);  // L2, as _MM_HINT_T1
+#endif
 }
+
+// The AVX-512 path needs vdpbf16ps for bf16 experts; without it both dtypes take the portable
+// path (one set of names, Bf16 / F32 / dot_rows / silu_mul, for the shared code below).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__)
 
 struct Bf16 {
   using T = uint16_t;
@@ -72,6 +89,114 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// sums[r][m] = w[r] . x[m] for R adjacent weight rows w[r] = w + r * K (the tail of K masked):
+// the rows share each activation load.
+template <typename F, int M, int R>
+inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
+                     int64_t K) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += F::LANES) {
+    typename F::V xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
+    for (int r = 0; r < R; ++r) {
+      prefetch_l2(w + r * K + k);
+      const typename F::V wv = F::load(w + r * K + k, K - k);
+      for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+// act[m, i] = silu(gate[m, i]) * up[m, i], rounded to the weights' dtype once.
+template <typename F>
+void silu_mul(const float* gate_up, typename F::T* act, int64_t count, int64_t I) {
+  for (int64_t m = 0; m < count; ++m)
+    for (int64_t i = 0; i < I; i += 16) {
+      const __mmask16 mask = I - i >= 16 ? 0xFFFF : (1u << (I - i)) - 1;
+      const __m512 g = _mm512_maskz_loadu_ps(mask, gate_up + m * 2 * I + i);
+      const __m512 u = _mm512_maskz_loadu_ps(mask, gate_up + m * 2 * I + I + i);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+      F::store16(act + m * I + i, _mm512_mul_ps(silu, u), mask);
+    }
+}
+
+#else  // ---- Portable path: plain loops gcc -O3 vectorizes for the target (AVX2, SSE2, NEON).
+
+// Independent fp32 partial sums per dot product: a vectorizable reduction without -ffast-math.
+constexpr int LANES = 8;
+
+// Weights and activations widened exactly to fp32 (bf16: its 16 bits shifted up), so a bf16
+// product is exact in fp32 as with vdpbf16ps; narrow() rounds to nearest even as vcvtneps2bf16.
+struct Bf16 {
+  using T = uint16_t;
+  static constexpr at::ScalarType DTYPE = at::kBFloat16;
+  static float widen(T h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  static T narrow(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<T>((bits >> 16) | 0x40);  // quiet NaN
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return static_cast<T>(bits >> 16);
+  }
+};
+struct F32 {
+  using T = float;
+  static constexpr at::ScalarType DTYPE = at::kFloat;
+  static float widen(T v) { return v; }
+  static T narrow(float f) { return f; }
+};
+
+// sums[r][m] = w[r] . x[m] for R adjacent weight rows w[r] = w + r * K: the rows share each
+// activation load.
+template <typename F, int M, int R>
+inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
+                     int64_t K) {
+  float acc[R][M][LANES] = {};
+  int64_t k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    float xv[M][LANES];
+    for (int m = 0; m < M; ++m)
+      for (int l = 0; l < LANES; ++l) xv[m][l] = F::widen(x[m * K + k + l]);
+    for (int r = 0; r < R; ++r) {
+      prefetch_l2(w + r * K + k);
+      float wv[LANES];
+      for (int l = 0; l < LANES; ++l) wv[l] = F::widen(w[r * K + k + l]);
+      for (int m = 0; m < M; ++m)
+        for (int l = 0; l < LANES; ++l) acc[r][m][l] += wv[l] * xv[m][l];
+    }
+  }
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m][0] += F::widen(w[r * K + k]) * F::widen(x[m * K + k]);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float sum = 0.f;
+      for (int l = 0; l < LANES; ++l) sum += acc[r][m][l];
+      sums[r][m] = sum;
+    }
+}
+
+// act[m, i] = silu(gate[m, i]) * up[m, i], rounded to the weights' dtype once.
+template <typename F>
+void silu_mul(const float* gate_up, typename F::T* act, int64_t count, int64_t I) {
+  for (int64_t m = 0; m < count; ++m)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = gate_up[m * 2 * I + i], u = gate_up[m * 2 * I + I + i];
+      act[m * I + i] = F::narrow(g / (1.f + std::exp(-g)) * u);
+    }
+}
+
+#endif
+
 // One expert over up to MAX_ROWS of its tokens.
 struct Pass {
   int64_t expert;  // index into the weight lists
@@ -104,27 +229,6 @@ struct Experts {
   }
 };
 
-// sums[r][m] = w[r] . x[m] for R adjacent weight rows w[r] = w + r * K (the tail of K masked):
-// the rows share each activation load.
-template <typename F, int M, int R>
-inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
-                     int64_t K) {
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += F::LANES) {
-    typename F::V xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
-    for (int r = 0; r < R; ++r) {
-      prefetch_l2(w + r * K + k);
-      const typename F::V wv = F::load(w + r * K + k, K - k);
-      for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
 // Phase 1 for rows r0..r1 of one pass's gate (which = 0) or up (1) matrix:
 // gate_up[m * 2I + which * I + r] = x_m . w_r, fp32.
 template <typename F, int M>
@@ -146,20 +250,6 @@ void gate_up_rows(const Experts<F>& ex, const Pass& p, int which, const typename
     dot_rows<F, M, 1>(xg, w + r * D, sums, D);
     for (int m = 0; m < M; ++m) o[m * 2 * I + r] = sums[0][m];
   }
-}
-
-// act[m, i] = silu(gate[m, i]) * up[m, i], rounded to the weights' dtype once.
-template <typename F>
-void silu_mul(const float* gate_up, typename F::T* act, int64_t count, int64_t I) {
-  for (int64_t m = 0; m < count; ++m)
-    for (int64_t i = 0; i < I; i += 16) {
-      const __mmask16 mask = I - i >= 16 ? 0xFFFF : (1u << (I - i)) - 1;
-      const __m512 g = _mm512_maskz_loadu_ps(mask, gate_up + m * 2 * I + i);
-      const __m512 u = _mm512_maskz_loadu_ps(mask, gate_up + m * 2 * I + I + i);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-      F::store16(act + m * I + i, _mm512_mul_ps(silu, u), mask);
-    }
 }
 
 // Phase 2 for output columns n0..n1 of one pass: out[t_m, n] += gain_m * (act_m . down_n).

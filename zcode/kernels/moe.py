@@ -8,13 +8,14 @@ sorted by expert id per token, so variants are compared as sets. CPU variants of
 expert on one contiguous slice, instead of a torch.where scan per expert; `fused` is the C++ op
 below, one call for the whole layer.
 
-`torch.ops.zcode.moe_fused(x, weights, expert_ids, w_gate, w_up, w_down, num_shared)` (moe.cpp,
-AVX-512 BF16): fp32 or bf16 expert weights as lists, one tensor per expert (zero-copy views of
-the experts' Linear weights, so a module swap or a memory-mapped file needs no restacking), the
-last `num_shared` experts applied to every token with weight 1. Experts hit by few tokens
-(decode) are GEMV passes, all in two parallel regions (gate/up rows with SiLU-mul, then output
-columns with the weighted sum); experts hit by many (prefill) a GEMM per projection. No host
-sync, no Python per expert; its fake kernel lets a compiled decode graph call it.
+`torch.ops.zcode.moe_fused(x, weights, expert_ids, w_gate, w_up, w_down, num_shared)` (moe.cpp:
+AVX-512 BF16, or portable loops elsewhere): fp32 or bf16 expert weights as lists, one tensor per
+expert (zero-copy views of the experts' Linear weights, so a module swap or a memory-mapped file
+needs no restacking), the last `num_shared` experts applied to every token with weight 1. Experts
+hit by few tokens (decode) are GEMV passes, all in two parallel regions (gate/up rows with
+SiLU-mul, then output columns with the weighted sum); experts hit by many (prefill) a GEMM per
+projection. No host sync, no Python per expert; its fake kernel lets a compiled decode graph call
+it.
 """
 
 import functools
