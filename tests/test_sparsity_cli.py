@@ -39,7 +39,7 @@ def test_generate_passes_skips_to_a_paged_engine(stream, capsys, monkeypatch):
     class FakeLLM:
         def generate(self, prompt, params, thinking, **skips):
             seen["skips"] = skips
-            return [type("Out", (), {"text": "ok"})]
+            return [type("Out", (), {"text": "ok", "plan": None})]
 
         def stream(self, prompt, params, thinking, **skips):
             seen["skips"] = skips
