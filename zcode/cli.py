@@ -827,14 +827,11 @@ def _info(args: argparse.Namespace) -> None:
 
 def _hw(args: argparse.Namespace) -> None:
     from zcode.hardware import format_report, probe
-    from zcode.hardware.cost_model import CostModel, cache_path, format_cost
-    from zcode.hardware.probe import fingerprint
+    from zcode.hardware.cost_model import CostModel, format_cost
 
     info = probe(refresh=args.refresh)
-    if args.fit_cost:
-        cost = CostModel.load_or_fit(info)
-    else:
-        cost = CostModel.load(cache_path(fingerprint(info)))
+    # The fit is cached under the machine and kernels version (cost_key), not the bare fingerprint.
+    cost = CostModel.load_or_fit(info) if args.fit_cost else CostModel.cached(info)
     if args.json:
         report = dataclasses.asdict(info) | {"cost_model": cost and dataclasses.asdict(cost)}
         print(json.dumps(report, indent=2))
