@@ -1,6 +1,6 @@
 """A GLM-4.5-Air-shaped MoE at scale: ZCode against llama.cpp on the same GGUF file.
 
-The model is scripts/make_glm_synthetic.py's glm45-air shape at --params (default 1.3B: ~64
+The model is scripts/synthetic.py's glm45-air shape at --params (default 1.3B: ~64
 experts of which 8 routed + 1 shared, hidden 1024, SmolLM2's tokenizer), made once and cached
 under ~/.cache/zcode/bench/glm-scale/. For each file type (bf16, Q4_0 by default) and thread
 count (1 and 2), both engines load the same file and run, round-robin within each repeat:
@@ -18,7 +18,6 @@ read-bandwidth roofline; the column says which) and the measured / predicted rat
 """
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -30,30 +29,24 @@ from bench_core import LlamaCppRunner, ZCodeRunner
 from table_format import print_rows
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # scripts/, run as a script
+from scripts import make_glm_synthetic as synthetic  # noqa: E402
+
 CACHE_DIR = Path.home() / ".cache" / "zcode" / "bench" / "glm-scale"
 RESULTS_PATH = Path(__file__).parent / "results" / "glm_scale.json"
 SHORT_PROMPT = "Write a short poem about the sea."
 
 
-def synthetic_script():
-    path = ROOT / "scripts" / "make_glm_synthetic.py"
-    spec = importlib.util.spec_from_file_location("make_glm_synthetic", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def model_files(params: int, vocab: int | None, types: list[str]) -> dict[str, Path]:
     """The cached glm45-air checkpoint of `params` and its GGUF files, made where missing."""
-    script = synthetic_script()
     hf_dir = CACHE_DIR / f"glm45-air-{params}-v{vocab or 'smollm2'}" / "hf"
     if not (hf_dir / "config.json").is_file():
         print(f"making {hf_dir} ...")
-        script.make_checkpoint("glm45-air", params, hf_dir, vocab)
+        synthetic.make_checkpoint("glm45-air", params, hf_dir, vocab)
     paths = {t: hf_dir.parent / f"hf-{t}.gguf" for t in types}
     if missing := [t for t, p in paths.items() if not p.is_file()]:
         print(f"making {', '.join(missing)} GGUF files ...")
-        script.make_gguf_files(hf_dir, missing)
+        synthetic.make_gguf_files(hf_dir, missing)
     return {"hf": hf_dir, **paths}
 
 
@@ -145,9 +138,10 @@ def print_table(results: dict) -> None:
 
 
 def main() -> None:
-    script = synthetic_script()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--params", type=script.parse_count, default=script.parse_count("1.3B"))
+    parser.add_argument(
+        "--params", type=synthetic.parse_count, default=synthetic.parse_count("1.3B")
+    )
     parser.add_argument("--vocab", type=int, help="vocabulary (default: SmolLM2's + GLM's)")
     parser.add_argument("--types", nargs="+", default=["bf16", "q4_0"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -165,5 +159,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     main()

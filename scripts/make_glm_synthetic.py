@@ -28,7 +28,6 @@ reports how many distinct routed experts each MoE layer touched.
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
 import re
@@ -38,19 +37,14 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script or imported as scripts.*
+import make_gguf  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "zcode" / "configs"
 SHAPES = {"glm45-air": "glm-4.5-air", "glm5": "glm-5"}
 TINY_VOCAB_MAX = 272  # make_gguf.write_tokenizer: 256 bytes + 6 merges + 10 special tokens
 SHARD_BYTES = 1 << 30
-
-
-@functools.cache
-def make_gguf_module():
-    spec = importlib.util.spec_from_file_location("make_gguf", ROOT / "scripts" / "make_gguf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse_count(text: str) -> int:
@@ -268,9 +262,9 @@ def smollm2_tokenizer():
     path = resolve_model_path(None)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     # llama.cpp's GLM vocab writer looks up [gMASK], <|user|>, <|endoftext|>, <|observation|>
-    specials = list(make_gguf_module().SPECIAL_TOKENS)
+    specials = list(make_gguf.SPECIAL_TOKENS)
     tokenizer.add_special_tokens({"additional_special_tokens": specials})
-    tokenizer.chat_template = make_gguf_module().CHAT_TEMPLATE
+    tokenizer.chat_template = make_gguf.CHAT_TEMPLATE
     tokenizer.eos_token = "<|endoftext|>"
     tokenizer.pad_token = "<|endoftext|>"
     return tokenizer
@@ -283,7 +277,7 @@ def smollm2_vocab_size() -> int:
 
 def write_tokenizer(out_dir: Path, vocab_size: int) -> None:
     if vocab_size <= TINY_VOCAB_MAX:
-        make_gguf_module().write_tokenizer(out_dir, vocab_size)
+        make_gguf.write_tokenizer(out_dir, vocab_size)
     else:
         smollm2_tokenizer().save_pretrained(out_dir)
 
@@ -312,7 +306,6 @@ def make_checkpoint(
 def make_gguf_files(hf_dir: Path, types: list[str]) -> dict[str, Path]:
     """{type: GGUF file} beside hf_dir: bf16 / q8_0 by llama.cpp's converter, the rest
     quantized from the bf16 file by llama-quantize."""
-    make_gguf = make_gguf_module()
     stem = hf_dir.parent / hf_dir.name
     converted = [t for t in types if t in make_gguf.CONVERTER_OUTTYPES]
     quantized = [t for t in types if t not in make_gguf.CONVERTER_OUTTYPES]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gguf_loader import _make_gguf
 
+from scripts import make_gguf
 from zcode import cli
 from zcode.errors import ValidationError
 from zcode.layers.moe import MoE
@@ -168,7 +168,7 @@ def test_compiled_decode_counts_the_same_experts(tiny_checkpoint, tmp_path):
 
 
 def test_gguf_experts_offload(tmp_path):
-    files = _make_gguf().make_gguf_files("glm4_moe", tmp_path, ("f32",))
+    files = make_gguf.make_gguf_files("glm4_moe", tmp_path, ("f32",))
     path = _on_disk(files["f32"])
     llm = LLM(path, kv_cache_bytes=1 << 20, expert_cache_fraction=0.25)
     got = _tokens(llm)

