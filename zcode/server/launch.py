@@ -12,7 +12,6 @@ the server can answer requests without delay.
 """
 
 import asyncio
-import importlib.util
 import logging
 import signal
 import socket
@@ -134,17 +133,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 def build_kernels() -> None:
     """Builds (or loads the cached build of) the C++ kernels now rather than on first use."""
-    from zcode.kernels import gemv
+    from zcode.kernels.cpp_build import build_all, describe
 
-    built = {"gemv": gemv.available()}
-    if importlib.util.find_spec("zcode.kernels.ggml") is not None:
-        from zcode.kernels import ggml
-
-        built["ggml"] = ggml.available()
-    logger.info(
-        "C++ kernels: %s",
-        ", ".join(f"{name} {'ready' if ok else 'unavailable'}" for name, ok in built.items()),
-    )
+    logger.info("C++ kernels: %s", describe(build_all()))
 
 
 class _GracefulServer(uvicorn.Server):
