@@ -155,6 +155,41 @@ def test_accounting_matches_the_routed_ids(budget, name, tiny_checkpoint, tmp_pa
     _assert_residency_is_real(llm)
 
 
+@pytest.mark.parametrize("name", MOE_NAMES)
+def test_prefetch_reads_the_next_routers_choice(name, tiny_checkpoint, tmp_path):
+    """With nothing resident (budget 0) every routed expert is a miss; the cache reads ahead,
+    per step and layer, the experts the next layer's router picks for this layer's input, and
+    counts as prefetch hits the misses among them. The oracle replays that from hooks."""
+    path = _fresh_copy(tiny_checkpoint(name).path, tmp_path / name)
+    llm = LLM(path, kv_cache_bytes=1 << 20, expert_cache_gb=0)
+    layers = [m for m in llm.model.modules() if isinstance(m, MoE)]
+    inputs: dict[int, torch.Tensor] = {}
+    handles = [
+        layer.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0]))
+        for i, layer in enumerate(layers)
+    ]
+    llm.engine.add_request(PROMPTS[0], GREEDY)
+    prefetched = hits = 0
+    while llm.engine.has_unfinished():
+        (out,) = llm.engine.step()
+        routed = [
+            set(layer.gate(inputs[i])[1].flatten().tolist()) for i, layer in enumerate(layers)
+        ]
+        for i in range(len(layers) - 1):
+            ahead = set(layers[i + 1].gate(inputs[i])[1].flatten().tolist())
+            prefetched += len(ahead)
+            hits += len(ahead & routed[i + 1])
+    for h in handles:
+        h.remove()
+    stats = llm.engine.stats()
+    assert stats["expert_cache_prefetched"] == prefetched > 0
+    assert stats["expert_cache_prefetch_hits"] == hits
+    _assert_residency_is_real(llm)  # experts read ahead and not kept are dropped
+    no_prefetch = LLM(path, kv_cache_bytes=1 << 20, expert_cache_gb=0, expert_cache_prefetch=False)
+    assert _tokens(no_prefetch, PROMPTS[:1]) == [out.token_ids]
+    assert no_prefetch.engine.stats()["expert_cache_prefetched"] == 0
+
+
 def test_compiled_decode_counts_the_same_experts(tiny_checkpoint, tmp_path):
     path = _fresh_copy(tiny_checkpoint("glm4_moe").path, tmp_path / "glm4_moe")
     budget = {"kv_cache_bytes": 1 << 20, "expert_cache_fraction": 0.25, "max_num_seqs": 1}

@@ -497,19 +497,26 @@ def _add_expert_cache_option(parser: argparse.ArgumentParser) -> None:
         "in GB (e.g. 12) or as a percentage of the experts' bytes (e.g. 25%%); the rest stay "
         "memory-mapped and are read from disk when routed to (default: no limit)",
     )
+    parser.add_argument(
+        "--no-expert-prefetch",
+        dest="expert_prefetch",
+        action="store_false",
+        help="with --expert-cache-gb: do not read the next MoE layer's predicted experts ahead",
+    )
 
 
 def _expert_cache_args(args: argparse.Namespace) -> dict:
     size = args.expert_cache_gb
     if size is None:
         return {}
+    prefetch = {} if args.expert_prefetch else {"expert_cache_prefetch": False}
     try:
         if size.endswith("%"):
             fraction = float(size[:-1]) / 100
             if 0 <= fraction <= 1:
-                return {"expert_cache_fraction": fraction}
+                return {"expert_cache_fraction": fraction, **prefetch}
         elif 0 <= float(size) < math.inf:
-            return {"expert_cache_gb": float(size)}
+            return {"expert_cache_gb": float(size), **prefetch}
     except ValueError:
         pass
     raise ValidationError(

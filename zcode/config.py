@@ -39,6 +39,8 @@ class EngineConfig:
     # "lru": the most recently routed stay; "lfu": the most routed (decayed). bench_offload.py
     # measures both: LRU's hit rate was higher on the tiny random glm4_moe (0.81 vs 0.74 at 50%).
     expert_cache_policy: str = "lru"
+    # Read the next MoE layer's experts ahead, as its router scores this layer's input.
+    expert_cache_prefetch: bool = True
     # Processes that share the model (torchrun ranks) and how they split it.
     parallel: ParallelConfig = ParallelConfig()
     # Speculative decoding (vLLM's method names where they exist): "ngram" (prompt lookup),

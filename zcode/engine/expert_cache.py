@@ -9,6 +9,12 @@ which pages stay:
   torch op, so compiled graphs call it too): it counts them into the layer's `expert_counts`
   buffer and asks the kernel to read the non-resident ones in ahead of the layer's compute
   (MADV_WILLNEED: large asynchronous reads; one small copy of the ids per layer);
+- with `prefetch` on, the same call also routes the layer's input through the NEXT MoE layer's
+  router (pre-gating: the residual stream changes little from one layer to the next) and asks
+  for that layer's predicted experts too, so their reads overlap this layer's compute and the
+  next layer's attention. A wrong guess costs a read the budget does not keep: experts read
+  ahead but not routed are dropped after the step. `prefetch_hits` counts the misses that had
+  been read ahead (recall = prefetch_hits / misses, precision = prefetch_hits / prefetched);
 - after each engine step `after_step` reads every layer's counts as one [L, E] tensor, scores
   the experts (decayed frequency or recency), keeps the best-scored that fit the byte budget and
   drops the pages of the rest: madvise(MADV_DONTNEED) on the mapping, then
@@ -119,8 +125,10 @@ class ExpertCache:
         budget_bytes: int | None = None,
         budget_fraction: float | None = None,
         policy: str = "lru",
+        prefetch: bool = True,
     ) -> None:
-        """budget: bytes, or a fraction of the routed experts' bytes (one of the two)."""
+        """budget: bytes, or a fraction of the routed experts' bytes (one of the two);
+        prefetch: read the next MoE layer's predicted experts ahead (module docstring)."""
         if (budget_bytes is None) == (budget_fraction is None):
             raise ValueError("give the expert cache budget_bytes or budget_fraction, not both")
         if policy not in POLICIES:
@@ -130,7 +138,7 @@ class ExpertCache:
             raise ValidationError("expert offload needs a mixture-of-experts model: no MoE layers")
         if len({len(layer.experts) for layer in self.layers}) != 1:
             raise NotImplementedError("expert offload for MoE layers of different expert counts")
-        self.policy = policy
+        self.policy, self.prefetch = policy, prefetch
         self._fds: dict[str, int] = {}
         weakref.finalize(self, _release, self._fds, [layer.layer_key for layer in self.layers])
         maps = _file_maps()
@@ -148,7 +156,9 @@ class ExpertCache:
         self.budget_bytes = budget_bytes
         self.resident = torch.zeros(self.expert_bytes.shape, dtype=torch.bool)  # [L, E]
         self.scores = torch.zeros(self.expert_bytes.shape, dtype=torch.float64)  # [L, E]
+        self.read_ahead = torch.zeros(self.expert_bytes.shape, dtype=torch.bool)  # [L, E] this step
         self.num_steps = self.num_tokens = self.num_lookups = self.num_hits = self.read_bytes = 0
+        self.num_prefetched = self.num_prefetch_hits = 0
         self.requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> stats
         for i, layer in enumerate(self.layers):
             layer.expert_counts = torch.zeros(len(layer.experts), dtype=torch.int64)
@@ -184,14 +194,29 @@ class ExpertCache:
     def _all_ranges(self):
         return (r for layer in self.ranges for ranges in layer for r in ranges)
 
-    def fetch(self, layer: int, expert_ids: torch.Tensor) -> None:
-        """Starts reading the routed experts of `layer` that are not resident (MADV_WILLNEED)."""
-        # expert_ids: [T * top_k]
-        missing = expert_ids[~self.resident[layer][expert_ids]]
-        if missing.numel():
-            for e in missing.unique().tolist():
-                for r in self.ranges[layer][e]:
-                    r.advise(_MADV_WILLNEED)
+    def fetch(self, layer: int, expert_ids: torch.Tensor, x: torch.Tensor) -> None:
+        """Starts reading the routed experts of `layer` that are not resident (MADV_WILLNEED),
+        and with prefetch on, the next MoE layer's experts as its router scores `x`."""
+        # expert_ids: [T * top_k]; x: [T, D], the layer's input
+        missing = torch.zeros(self.resident.shape[1], dtype=torch.bool)
+        missing[expert_ids] = True
+        missing &= ~self.resident[layer]
+        self.num_prefetch_hits += int((missing & self.read_ahead[layer]).sum())
+        self._read_in(layer, missing & ~self.read_ahead[layer])
+        if self.prefetch and layer + 1 < len(self.layers):
+            # .forward, not a module call: hooks that watch routing must not see a guess
+            _, predicted = self.layers[layer + 1].gate.forward(x)  # [T, top_k]
+            ahead = torch.zeros_like(missing)
+            ahead[predicted.flatten()] = True
+            ahead &= ~self.resident[layer + 1] & ~self.read_ahead[layer + 1]
+            self.num_prefetched += int(ahead.sum())
+            self.read_ahead[layer + 1] |= ahead
+            self._read_in(layer + 1, ahead)
+
+    def _read_in(self, layer: int, experts: torch.Tensor) -> None:
+        for e in experts.nonzero().flatten().tolist():
+            for r in self.ranges[layer][e]:
+                r.advise(_MADV_WILLNEED)
 
     def after_step(self, token_counts: list[tuple[object, int]]) -> None:
         """Accounts the step that just ran ((sequence, tokens it computed) per sequence) and
@@ -204,8 +229,9 @@ class ExpertCache:
         read_bytes = int(self.expert_bytes[used & ~self.resident].sum())
         self.num_steps += 1
         keep = self._choose(counts, used)
-        self._drop((self.resident | used) & ~keep)
+        self._drop((self.resident | used | self.read_ahead) & ~keep)
         self.resident = keep
+        self.read_ahead.zero_()
         step_tokens = sum(n for _, n in token_counts)
         self.num_tokens += step_tokens
         self.num_lookups += num_lookups
@@ -257,6 +283,8 @@ class ExpertCache:
             "expert_cache_hits": self.num_hits,
             "expert_cache_hit_rate": self.num_hits / self.num_lookups if self.num_lookups else None,
             "expert_cache_read_bytes": self.read_bytes,
+            "expert_cache_prefetched": self.num_prefetched,
+            "expert_cache_prefetch_hits": self.num_prefetch_hits,
             "expert_cache_tokens": self.num_tokens,
             "expert_cache_disk_bytes_per_token": (
                 self.read_bytes / self.num_tokens if self.num_tokens else 0.0
@@ -284,18 +312,21 @@ _CACHES: dict[int, tuple[weakref.ref, int]] = {}
 
 
 @torch.library.custom_op("zcode::expert_lookup", mutates_args=("counts",))
-def _expert_lookup(counts: torch.Tensor, expert_ids: torch.Tensor, layer_key: int) -> None:
+def _expert_lookup(
+    counts: torch.Tensor, expert_ids: torch.Tensor, x: torch.Tensor, layer_key: int
+) -> None:
     """Counts a MoE layer's routed experts (counts: [E] tokens per expert; expert_ids: [T, k])
-    and has its cache read in those not resident."""
+    and has its cache read in those not resident, and the next layer's as predicted from the
+    layer's input x: [T, D]."""
     routed_ids = expert_ids.flatten()
     counts.index_add_(0, routed_ids, torch.ones_like(routed_ids))
     cache_ref, layer = _CACHES.get(layer_key, (None, 0))
     if cache_ref is not None and (cache := cache_ref()) is not None:
-        cache.fetch(layer, routed_ids)
+        cache.fetch(layer, routed_ids, x)
 
 
 @_expert_lookup.register_fake
-def _(counts, expert_ids, layer_key):
+def _(counts, expert_ids, x, layer_key):
     return None
 
 
@@ -307,7 +338,11 @@ def build_expert_cache(model: nn.Module, config: EngineConfig) -> ExpertCache | 
     if config.expert_cache_gb is not None:
         budget_bytes = int(config.expert_cache_gb * BYTES_PER_GB)
     return ExpertCache(
-        model, budget_bytes, config.expert_cache_fraction, config.expert_cache_policy
+        model,
+        budget_bytes,
+        config.expert_cache_fraction,
+        config.expert_cache_policy,
+        config.expert_cache_prefetch,
     )
 
 

@@ -113,7 +113,7 @@ class MoE(nn.Module):
         # x: [T, D]
         weights, expert_ids = self.gate(x)  # [T, top_k]
         if self.expert_counts is not None:
-            torch.ops.zcode.expert_lookup(self.expert_counts, expert_ids, self.layer_key)
+            torch.ops.zcode.expert_lookup(self.expert_counts, expert_ids, x, self.layer_key)
         if (lists := self.fused_weights(x)) is not None:
             return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 1)
         if torch.compiler.is_compiling():

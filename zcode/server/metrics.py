@@ -41,6 +41,8 @@ _TOTALS = {
     "expert_cache_lookups": "zcode:expert_cache_lookups",
     "expert_cache_hits": "zcode:expert_cache_hits",
     "expert_cache_read_bytes": "zcode:expert_cache_disk_read_bytes",
+    "expert_cache_prefetched": "zcode:expert_cache_prefetched_experts",
+    "expert_cache_prefetch_hits": "zcode:expert_cache_prefetch_hits",
     # speculative decoding: verify steps with drafts, drafted tokens, accepted tokens
     "spec_decode_num_drafts": "zcode:spec_decode_num_drafts",
     "spec_decode_num_draft_tokens": "zcode:spec_decode_num_draft_tokens",
