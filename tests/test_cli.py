@@ -93,6 +93,14 @@ def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, t
     assert err.startswith("zcode: error: ") and message in err and err.count("\n") == 1
 
 
+def test_parallel_options_make_the_parallel_config():
+    args = cli.build_parser().parse_args(
+        ["generate", "hi", "--tensor-parallel-size", "2", "--expert-parallel"]
+    )
+    parallel = cli._parallel_args(args)["parallel"]
+    assert (parallel.tensor_parallel_size, parallel.expert_parallel) == (2, True)
+
+
 def test_version(capsys):
     from importlib.metadata import version
 

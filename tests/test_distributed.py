@@ -1,4 +1,4 @@
-"""Tensor parallelism over torch.distributed (gloo, 2 processes) against one process.
+"""Tensor and expert parallelism over torch.distributed (gloo, 2 processes) against one process.
 
 The oracle is the same engine in one process (itself held to transformers by test_parity.py):
 under TP=2 the greedy tokens must be the same and every step's logits within the parity
@@ -115,6 +115,8 @@ def test_expert_parallel_needs_tensor_parallel_processes():
 
     with pytest.raises(ValidationError, match="tensor_parallel_size to 2 or more"):
         ParallelConfig(expert_parallel=True)
+    with pytest.raises(ValidationError, match="tensor_parallel_size to 2 or more"):
+        LLM(None, expert_parallel=True)
 
 
 def test_moe_traffic_matches_a_count_over_random_routings():

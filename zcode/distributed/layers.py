@@ -7,6 +7,8 @@ collective that makes its output whole again (Megatron-LM's tensor parallelism).
   and the all-reduce fills in the other ranks' rows.
 - `VocabParallelHead`: the lm_head's rows of the rank's vocabulary; the all-gather puts the
   logits of every rank side by side, so every rank returns the whole [N, vocab].
+- `ParallelMoE`: a MoE layer's routed experts sliced or a range of them whole, the shared
+  expert sliced; the all-reduce sums the ranks' parts.
 
 Column-parallel linears (q/k/v, gate/up) need no wrapper: their slice of the output features is
 what the next, row-parallel linear reads.
