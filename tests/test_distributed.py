@@ -109,6 +109,33 @@ def test_each_rank_holds_half_of_the_routed_experts(tiny_checkpoint, expert_para
     assert per_rank == [total // 2, total // 2]
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_three_ranks_moe_parts_add_up_to_the_whole_layer(monkeypatch, expert_parallel):
+    """Uneven splits without processes: 8 experts as 3 + 3 + 2 (EP) or each expert's 40
+    features as 14 + 13 + 13 (TP); each rank's output before the all-reduce, summed, is the
+    unsharded layer's."""
+    import copy
+
+    from test_moe_fused import HIDDEN, make_moe
+
+    from zcode.distributed import layers
+    from zcode.distributed.shard import shard_moe
+
+    monkeypatch.setattr(layers, "all_reduce", lambda x, group: x)  # this rank's part
+    whole = make_moe(top_k=3)
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    parts = [
+        shard_moe(copy.deepcopy(whole), TPGroup(rank, 3, None, None), expert_parallel)
+        for rank in range(3)
+    ]
+    if expert_parallel:
+        assert [(p.first_expert, len(p.moe.experts)) for p in parts] == [(0, 3), (3, 3), (6, 2)]
+    else:
+        assert [p.moe.experts[0].gate_proj.out_features for p in parts] == [14, 13, 13]
+    with torch.inference_mode():
+        torch.testing.assert_close(sum(p(x) for p in parts), whole(x), rtol=0, atol=1e-5)
+
+
 def test_expert_parallel_needs_tensor_parallel_processes():
     from zcode.distributed.config import ParallelConfig
     from zcode.errors import ValidationError
