@@ -1,6 +1,7 @@
 """Tensor parallelism: TP=2 against one process on this machine, and the bytes it moves.
 
     .venv/bin/python bench/bench_distributed.py [--model PATH] [--tokens 32] [--repeats 3]
+        [--expert-parallel]
 
 Runs the same greedy generation (one 32-token prompt, batch 1) in one process with 1 and 2
 threads and as two ranks of 1 thread each (spawned as torchrun would, gloo over loopback):
@@ -12,7 +13,8 @@ which is small at decode.
 
 Then the cost model of the same scheme at real GLM sizes: payload per token (bf16) of the two
 all-reduces per layer and the logits all-gather, and its time over a link of the given GB/s with
-the given latency per collective.
+the given latency per collective; and for the MoE layers, the bytes per token of our
+all-reduce against an all-to-all dispatch and combine (zcode.distributed.traffic).
 """
 
 import argparse
@@ -31,11 +33,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from table_format import print_rows  # noqa: E402
 
 PROMPT_IDS = list(range(3, 35))  # token ids: tiny checkpoints have no tokenizer
-# (name, layers, hidden, vocab) from /work/shared/reference/glm-architecture.md
+# (name, layers, hidden, vocab, MoE layers, routed experts, top-k) from
+# /work/shared/reference/glm-architecture.md and zcode/configs
 GLM_SIZES = [
-    ("GLM-4.5-Air", 46, 4096, 151552),
-    ("GLM-4.5", 92, 5120, 151552),
-    ("GLM-5", 78, 6144, 154880),
+    ("GLM-4.5-Air", 46, 4096, 151552, 45, 128, 8),
+    ("GLM-4.5", 92, 5120, 151552, 89, 160, 8),
+    ("GLM-5", 78, 6144, 154880, 75, 256, 8),
 ]
 
 
@@ -62,7 +65,7 @@ def _worker(rank: int, world_size: int, port: int, args, threads: int, out: str)
             RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
         )  # fmt: skip
-        parallel = {"tensor_parallel_size": world_size}
+        parallel = {"tensor_parallel_size": world_size, "expert_parallel": args.expert_parallel}
     llm = LLM(args.model, **parallel)  # ranks > 0 follow here and exit with rank 0
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
@@ -112,6 +115,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--link-gbps", type=float, default=25.0, help="GB/s of the link")
     parser.add_argument("--latency-us", type=float, default=30.0, help="us per collective")
+    parser.add_argument(
+        "--expert-parallel", action="store_true", help="MoE models: whole experts per rank"
+    )
     args = parser.parse_args()
     runs = {
         "1 process, 1 thread": _measure(args, 1, 1),
@@ -139,7 +145,7 @@ def main() -> None:
     print_rows(headers + ["all-reduce KiB/tok", "all-gather KiB/tok"], rows)
     print()
     cost = []
-    for name, num_layers, hidden, vocab in GLM_SIZES:
+    for name, num_layers, hidden, vocab, *_ in GLM_SIZES:
         for tp in (2, 8):
             reduce_bytes = 2 * num_layers * hidden * 2  # bf16, attention and FFN
             gather_bytes = vocab * 4 * (tp - 1) / tp  # fp32 logits from the other ranks
@@ -149,6 +155,22 @@ def main() -> None:
                          f"{ms:.2f}"))  # fmt: skip
     print(f"cost model at {args.link_gbps} GB/s, {args.latency_us} us per collective:")
     print_rows(["model", "TP", "all-reduce MiB/tok", "wire MiB/tok/rank", "ms/token"], cost)
+    print()
+    print("MoE layers, bf16, uniform routing: bytes sent per token by all ranks")
+    print_rows(["model", "ranks", "all-reduce MiB/tok", "all-to-all MiB/tok", "ratio"], moe_rows())
+
+
+def moe_rows() -> list[tuple]:
+    from zcode.distributed.traffic import moe_bytes_per_token
+
+    rows = []
+    for name, _, hidden, _, moe_layers, experts, top_k in GLM_SIZES:
+        for ranks in (2, 8, 32):
+            moved = moe_bytes_per_token(hidden, experts, top_k, ranks, bytes_per_value=2)
+            reduce_mib, a2a_mib = (moved[k] * moe_layers / 2**20 for k in moved)
+            rows.append((name, str(ranks), f"{reduce_mib:.2f}", f"{a2a_mib:.2f}",
+                         f"{a2a_mib / reduce_mib:.2f}"))  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

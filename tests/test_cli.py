@@ -30,7 +30,7 @@ OPTIONS = {
     "generate": [
         "PROMPT", "--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
         "--repetition-penalty", "--seed", "--stop", "--chat", "--thinking", "--no-thinking",
-        "--dtype", "--stream", "--tensor-parallel-size",
+        "--dtype", "--stream", "--tensor-parallel-size", "--expert-parallel",
     ],
     "chat": [
         "--model", "--system", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
@@ -75,6 +75,7 @@ def test_help_explains_every_option(command, capsys):
         (["generate", "hi", "--dtype", "int3"], "invalid choice: 'int3'"),
         (["generate", "hi", "--thinking"], "add --chat"),
         (["generate", "hi", "--tensor-parallel-size", "0"], "must be a positive integer"),
+        (["generate", "hi", "--expert-parallel"], "set tensor_parallel_size to 2 or more"),
         (["chat", "--temperature", "-1"], "temperature must be >= 0"),
         (["ppl", "missing.txt"], "missing.txt: No such file or directory"),
         (["ppl", "f.txt", "--window", "64", "--stride", "65"], "--stride must be between 1"),
@@ -90,6 +91,14 @@ def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, t
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("zcode: error: ") and message in err and err.count("\n") == 1
+
+
+def test_parallel_options_make_the_parallel_config():
+    args = cli.build_parser().parse_args(
+        ["generate", "hi", "--tensor-parallel-size", "2", "--expert-parallel"]
+    )
+    parallel = cli._parallel_args(args)["parallel"]
+    assert (parallel.tensor_parallel_size, parallel.expert_parallel) == (2, True)
 
 
 def test_version(capsys):

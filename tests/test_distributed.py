@@ -1,4 +1,4 @@
-"""Tensor parallelism over torch.distributed (gloo, 2 processes) against one process.
+"""Tensor and expert parallelism over torch.distributed (gloo, 2 processes) against one process.
 
 The oracle is the same engine in one process (itself held to transformers by test_parity.py):
 under TP=2 the greedy tokens must be the same and every step's logits within the parity
@@ -89,11 +89,78 @@ def test_gguf_slices_are_the_dequantized_weights_slices():
         row_parallel(linear, 16, 64, FAKE_GROUP)
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "glm_moe_dsa"])
-def test_moe_and_mla_models_say_what_is_missing(tiny_checkpoint, name):
-    net, _ = load_model(tiny_checkpoint(name).path)
-    with pytest.raises(NotImplementedError, match="MLA|expert parallelism"):
-        shard_model(net, FAKE_GROUP)
+def _expert_bytes(model: torch.nn.Module) -> int:
+    return sum(p.nbytes for name, p in model.named_parameters() if ".experts." in name)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_each_rank_holds_half_of_the_routed_experts(tiny_checkpoint, expert_parallel):
+    """Routed expert parameter bytes per rank: half of one process's, whole experts (EP) or a
+    slice of each (TP), and the two ranks' parts make up all of them."""
+    path = tiny_checkpoint("glm4_moe").path
+    total = _expert_bytes(load_model(path)[0])
+    per_rank = []
+    for rank in range(2):
+        net, _ = load_model(path)
+        shard_model(net, TPGroup(rank, 2, None, None), expert_parallel)
+        moes = [layer.mlp.moe for layer in net.model.layers if hasattr(layer.mlp, "moe")]
+        assert [len(moe.experts) for moe in moes] == [4 if expert_parallel else 8] * 2
+        per_rank.append(_expert_bytes(net))
+    assert per_rank == [total // 2, total // 2]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_three_ranks_moe_parts_add_up_to_the_whole_layer(monkeypatch, expert_parallel):
+    """Uneven splits without processes: 8 experts as 3 + 3 + 2 (EP) or each expert's 40
+    features as 14 + 13 + 13 (TP); each rank's output before the all-reduce, summed, is the
+    unsharded layer's."""
+    import copy
+
+    from test_moe_fused import HIDDEN, make_moe
+
+    from zcode.distributed import layers
+    from zcode.distributed.shard import shard_moe
+
+    monkeypatch.setattr(layers, "all_reduce", lambda x, group: x)  # this rank's part
+    whole = make_moe(top_k=3)
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
+    parts = [
+        shard_moe(copy.deepcopy(whole), TPGroup(rank, 3, None, None), expert_parallel)
+        for rank in range(3)
+    ]
+    if expert_parallel:
+        assert [(p.first_expert, len(p.moe.experts)) for p in parts] == [(0, 3), (3, 3), (6, 2)]
+    else:
+        assert [p.moe.experts[0].gate_proj.out_features for p in parts] == [14, 13, 13]
+    with torch.inference_mode():
+        torch.testing.assert_close(sum(p(x) for p in parts), whole(x), rtol=0, atol=1e-5)
+
+
+def test_expert_parallel_needs_tensor_parallel_processes():
+    from zcode.distributed.config import ParallelConfig
+    from zcode.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="tensor_parallel_size to 2 or more"):
+        ParallelConfig(expert_parallel=True)
+    with pytest.raises(ValidationError, match="tensor_parallel_size to 2 or more"):
+        LLM(None, expert_parallel=True)
+
+
+def test_moe_traffic_matches_a_count_over_random_routings():
+    """The all-to-all's expected bytes against routings drawn at random: per token, 2 D bytes
+    for each other rank (not the token's own) holding one of its experts."""
+    from zcode.distributed.traffic import moe_bytes_per_token
+
+    hidden, experts, top_k, ranks = 64, 16, 3, 4
+    expected = moe_bytes_per_token(hidden, experts, top_k, ranks, bytes_per_value=2)
+    assert expected["all_reduce"] == 2 * 3 * hidden * 2
+    g = torch.Generator().manual_seed(0)
+    num_tokens, moved = 20000, 0
+    for _ in range(num_tokens):
+        holders = set((torch.randperm(experts, generator=g)[:top_k] // (experts // ranks)).tolist())
+        owner = int(torch.randint(ranks, (1,), generator=g))
+        moved += 2 * hidden * 2 * len(holders - {owner})
+    assert moved / num_tokens == pytest.approx(expected["all_to_all"], rel=0.02)
 
 
 def test_more_processes_than_the_launch_has_is_a_clear_error(monkeypatch):
@@ -142,7 +209,9 @@ def _reference_kernels() -> None:
     QuantizedLinear.fast_kernel = lambda self, rows: type(self.packed).linear_reference
 
 
-def _rank_main(rank: int, port: int, model, dtype: str, rounds, max_tokens: int, out: str, die):
+def _rank_main(
+    rank: int, port: int, model, dtype: str, rounds, max_tokens: int, out: str, die, ep: bool
+):
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -163,7 +232,7 @@ def _rank_main(rank: int, port: int, model, dtype: str, rounds, max_tokens: int,
         dist.broadcast_object_list = dying
     from zcode.distributed.config import ParallelConfig
 
-    parallel = ParallelConfig(tensor_parallel_size=2, collective_timeout_s=30)
+    parallel = ParallelConfig(tensor_parallel_size=2, expert_parallel=ep, collective_timeout_s=30)
     llm = LLM(model, dtype=dtype, parallel=parallel, kv_cache_bytes=8 << 20)
     try:  # only rank 0 gets here: the follower exits in LLM() when rank 0 ends
         result = _run(llm, rounds, max_tokens)
@@ -180,13 +249,15 @@ def _launch(
     max_tokens: int = 6,
     die: bool = False,
     timeout_s: float = RANK_TIMEOUT_S,
+    expert_parallel: bool = False,
 ) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "rank0.pt")
     context = multiprocessing.get_context("spawn")
-    args = (port, None if model is None else str(model), dtype, rounds, max_tokens, out, die)
+    model = None if model is None else str(model)
+    args = (port, model, dtype, rounds, max_tokens, out, die, expert_parallel)
     ranks = [context.Process(target=_rank_main, args=(r, *args)) for r in range(2)]
     for p in ranks:
         p.start()
@@ -229,6 +300,30 @@ def test_tp2_matches_one_process_on_tiny_models(tiny_checkpoint, tmp_path, name)
     rounds = _prompts(seed=1)
     _assert_same(_launch(tmp_path, path, "float32", rounds), _one_process(path, "float32", rounds),
                  LOGIT_TOL)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tiny_checkpoint) -> dict:
+    """One process's run per tiny model, shared by its TP and EP tests."""
+    runs = {}
+
+    def run(name: str) -> dict:
+        if name not in runs:
+            runs[name] = _one_process(tiny_checkpoint(name).path, "float32", _prompts(seed=3))
+        return runs[name]
+
+    return run
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("name", ["glm4_moe", "glm_moe_dsa"])
+def test_moe_models_match_one_process(tiny_checkpoint, one_process_runs, tmp_path, name,
+                                      expert_parallel):  # fmt: skip
+    """MoE experts sliced (TP) or whole, 4 of 8 per rank (EP); glm_moe_dsa's MLA split by
+    heads with the latent cache and the DSA indexer replicated."""
+    tp = _launch(tmp_path, tiny_checkpoint(name).path, "float32", _prompts(seed=3),
+                 expert_parallel=expert_parallel)  # fmt: skip
+    _assert_same(tp, one_process_runs(name), LOGIT_TOL)
 
 
 @pytest.mark.slow

@@ -72,7 +72,7 @@ def assert_fused_matches(x_dtype, weights, expert_ids, lists, num_shared, x):
     for t in range(x.shape[0]):
         slots = [(int(e), float(w)) for e, w in zip(expert_ids[t], weights[t])]
         slots += [(num_routed + s, 1.0) for s in range(num_shared)]
-        for e, w in slots:
+        for e, w in (slot for slot in slots if slot[0] >= 0):  # -1: held elsewhere, skipped
             h = x[t].double()
             act = torch.nn.functional.silu(as64[0][e] @ h) * (as64[1][e] @ h)
             expected[t] += w * (as64[2][e] @ act)
@@ -122,6 +122,48 @@ def test_every_token_every_expert(num_tokens):
     weights = torch.rand(num_tokens, 4, generator=generator)
     expert_ids = torch.stack([torch.randperm(4, generator=generator) for _ in range(num_tokens)])
     assert_fused_matches(torch.float32, weights, expert_ids, lists, 0, x)
+
+
+def held_elsewhere(expert_ids: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """expert_ids with about half the assignments -1 (another rank's expert), all of token 0's."""
+    ids = expert_ids.masked_fill(torch.rand(expert_ids.shape, generator=generator) < 0.5, -1)
+    ids[0] = -1
+    return ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16])
+def test_fused_op_skips_experts_held_elsewhere(dtype, num_tokens):
+    assert moe_kernels.fused_available()
+    generator = torch.Generator().manual_seed(7)
+    lists = random_lists(NUM_EXPERTS + 1, dtype, generator)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator).to(dtype)
+    # 16 tokens over 3 experts: some take the GEMM path
+    weights, expert_ids = torch.rand(num_tokens, 3, generator=generator).topk(2, dim=-1)
+    assert_fused_matches(dtype, weights, held_elsewhere(expert_ids, generator), lists, 1, x)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 16])
+def test_expert_modules_skip_experts_held_elsewhere(num_tokens):
+    """The module path (decode group GEMV and prefill sort) against the per-slot loop."""
+    generator = torch.Generator().manual_seed(8)
+    moe = make_moe(top_k=4)
+    for expert in moe.experts:
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(expert, name, QuantizedLinear.from_linear(getattr(expert, name), "w4a8"))
+    x = torch.randn(num_tokens, HIDDEN, generator=generator)
+    weights, expert_ids = moe.gate(x)
+    expert_ids = held_elsewhere(expert_ids, generator)
+    expected = moe.shared_experts(x)
+    for expert_id in expert_ids.unique().tolist():
+        if expert_id >= 0:  # reference_moe's loop, without the -1 slots
+            token_ids, slot = torch.where(expert_ids == expert_id)
+            expert_out = moe.experts[expert_id](x[token_ids])
+            expected.index_add_(0, token_ids, expert_out * weights[token_ids, slot, None])
+    assert moe.fused_weights(x) is None
+    with torch.inference_mode():
+        out = moe.run_experts(x, weights, expert_ids)
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-5)
 
 
 def test_fused_op_refuses_bad_weights():

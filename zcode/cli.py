@@ -90,14 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_quality_options(generate)
     _add_skip_options(generate)
-    generate.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the model over N processes started by torchrun: "
-        "torchrun --nproc-per-node N -m zcode generate ... (default: %(default)s)",
-    )
+    _add_parallel_options(generate, "generate")
     generate.set_defaults(run=_generate)
 
     chat = commands.add_parser(
@@ -524,6 +517,23 @@ def _expert_cache_args(args: argparse.Namespace) -> dict:
     )
 
 
+def _add_parallel_options(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes started by torchrun: "
+        f"torchrun --nproc-per-node N -m zcode {command} ... (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="MoE models: give each of the --tensor-parallel-size processes a range of whole "
+        "experts instead of a slice of every expert (vLLM's --enable-expert-parallel)",
+    )
+
+
 def _add_sparsity_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sparsity",
@@ -645,8 +655,10 @@ def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engin
 
 
 def _parallel_args(args: argparse.Namespace) -> dict:
-    size = args.tensor_parallel_size
-    return {} if size == 1 else {"parallel": ParallelConfig(tensor_parallel_size=size)}
+    size, expert_parallel = args.tensor_parallel_size, args.expert_parallel
+    if size == 1 and not expert_parallel:
+        return {}
+    return {"parallel": ParallelConfig(tensor_parallel_size=size, expert_parallel=expert_parallel)}
 
 
 def _sampling_params(args: argparse.Namespace) -> "SamplingParams":

@@ -37,15 +37,19 @@ class LLM:
         model: str | Path | None = None,
         sparsity: str | Path | None = None,
         tensor_parallel_size: int | None = None,
+        expert_parallel: bool = False,
         **engine_args,
     ) -> None:
         """`sparsity`: a calibration artifact (`zcode calibrate`) whose default plan is applied
         before the KV cache is sized, and which `max_latency_ms` plans from.
         `tensor_parallel_size`: the number of torchrun processes that split the model; on
         ranks other than 0 this constructor follows rank 0's steps and exits the process when
-        rank 0 ends (zcode.distributed)."""
-        if tensor_parallel_size is not None:
-            engine_args["parallel"] = ParallelConfig(tensor_parallel_size=tensor_parallel_size)
+        rank 0 ends (zcode.distributed). `expert_parallel`: those processes hold whole MoE
+        experts, a range each, instead of a slice of every expert."""
+        if tensor_parallel_size is not None or expert_parallel:
+            engine_args["parallel"] = ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size or 1, expert_parallel=expert_parallel
+            )
         self.config = EngineConfig(**engine_args)
         group = join(self.config, sparsity)
         dtype = self.config.torch_dtype
@@ -53,7 +57,7 @@ class LLM:
             dtype = torch.float32  # sparse FFN kernels read rows of float weights
         net, self.tokenizer = load_model(model, dtype)
         if group is not None:
-            shard_model(net, group)
+            shard_model(net, group, self.config.parallel.expert_parallel)
         self.sparsity = None
         if sparsity is not None:
             from zcode.sparsity.apply import apply_default_plan

@@ -8,9 +8,11 @@ from zcode.errors import ValidationError
 @dataclass(frozen=True)
 class ParallelConfig:
     """tensor_parallel_size: processes that split every layer by heads and FFN columns (one
-    torchrun process each). expert_parallel and pipeline_parallel_size are the next schemes of
-    issue 19 and are refused until built. collective_timeout_s: how long a collective inside a
-    forward pass waits for the other ranks before the step fails (a dead or hung rank)."""
+    torchrun process each). expert_parallel: MoE layers give each of those processes a range of
+    whole routed experts instead of a slice of every expert (vLLM's --enable-expert-parallel).
+    pipeline_parallel_size is the next scheme of issue 19 and is refused until built.
+    collective_timeout_s: how long a collective inside a forward pass waits for the other ranks
+    before the step fails (a dead or hung rank)."""
 
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
@@ -26,8 +28,11 @@ class ParallelConfig:
             raise ValidationError(
                 f"collective_timeout_s must be positive, got {self.collective_timeout_s}"
             )
-        if self.expert_parallel:
-            raise NotImplementedError("expert parallelism (issue 19): not built yet")
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ValidationError(
+                "expert_parallel splits the experts over the tensor-parallel processes: "
+                "set tensor_parallel_size to 2 or more"
+            )
         if self.pipeline_parallel_size > 1:
             raise NotImplementedError("pipeline parallelism (issue 19): not built yet")
 

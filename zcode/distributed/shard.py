@@ -5,6 +5,12 @@ matching input columns (row-parallel, all-reduced). KV heads are split in whole 
 each rank's query heads read only its own KV heads and its paged KV cache holds only those;
 with fewer KV heads than ranks, each KV head is replicated on world_size / num_kv_heads ranks.
 The SwiGLU FFN splits its intermediate features the same way (gate/up rows, down_proj columns).
+MLA (glm_moe_dsa) splits by heads too: q_b_proj and kv_b_proj keep the rows of the rank's heads,
+o_proj their columns; the latent projections (q_a, kv_a) and the DSA indexer are replicated
+(small), so every rank computes and caches the whole latent (the MLA cache is replicated).
+A MoE layer keeps the router replicated and the shared expert sliced as a dense FFN; its routed
+experts are sliced the same way (tensor parallel) or, with expert parallelism, held whole, a
+contiguous range of them per rank (`ParallelMoE`).
 The embedding and lm_head split the vocabulary. Uneven splits give the larger pieces to the
 lower ranks, so rank 0 (whose scheduler hands out KV blocks) holds the most KV per block.
 
@@ -20,10 +26,17 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from zcode.distributed.group import TPGroup
-from zcode.distributed.layers import RowParallel, VocabParallelEmbedding, VocabParallelHead
+from zcode.distributed.layers import (
+    ParallelMoE,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 from zcode.layers.attention import Attention
 from zcode.layers.linear import Linear
+from zcode.layers.mla import MLAttention
 from zcode.layers.mlp import GatedMLP, GeluGatedMLP
+from zcode.layers.moe import MoE
 from zcode.models.glm4 import Glm4MLP
 from zcode.quant.gguf import GgufEmbedding, GgufWeight, type_name
 from zcode.quant.linear import QuantizedLinear
@@ -40,7 +53,7 @@ def split_sizes(total: int, parts: int, multiple: int = 1) -> list[int]:
     units, rest = divmod(total, multiple)
     if rest or units < parts:
         raise NotImplementedError(
-            f"tensor parallelism over {parts} ranks: {total} does not split into {parts} "
+            f"splitting over {parts} ranks: {total} does not split into {parts} "
             f"pieces of whole multiples of {multiple}"
         )
     base, extra = divmod(units, parts)
@@ -70,11 +83,15 @@ def head_shards(num_heads: int, num_kv_heads: int, world_size: int) -> list[Head
     ]
 
 
-def shard_model(model: nn.Module, group: TPGroup) -> None:
-    """Replaces `model`'s layers by this rank's shards, in place."""
+def shard_model(model: nn.Module, group: TPGroup, expert_parallel: bool = False) -> None:
+    """Replaces `model`'s layers by this rank's shards, in place. `expert_parallel`: MoE layers
+    keep whole routed experts, a range per rank, instead of every expert's slice."""
     for layer in model.model.layers:
         _shard_attention(layer.self_attn, group, model.config.model_type)
-        _shard_mlp(layer, group, model.config.model_type)
+        if type(layer.mlp) is MoE:
+            layer.mlp = shard_moe(layer.mlp, group, expert_parallel)
+        else:
+            _shard_mlp(layer.mlp, group, model.config.model_type)
     _shard_vocab(model, group)
     _own_memory(model)
 
@@ -90,11 +107,13 @@ def _own_memory(model: nn.Module) -> None:
 
 
 def _shard_attention(attn: nn.Module, group: TPGroup, model_type: str) -> None:
+    if type(attn) is MLAttention:
+        _shard_mla(attn, group)
+        return
     if type(attn) is not Attention:
         raise NotImplementedError(
-            f"tensor parallelism for {type(attn).__name__} ({model_type}): MLA's latent "
-            "projections and the DSA indexer have no split yet (issue 19); run it with "
-            "tensor_parallel_size=1"
+            f"tensor parallelism for {type(attn).__name__} ({model_type}): no split for this "
+            "attention (issue 19); run it with tensor_parallel_size=1"
         )
     shard = head_shards(attn.num_heads, attn.num_kv_heads, group.world_size)[group.rank]
     d = attn.head_dim
@@ -107,8 +126,54 @@ def _shard_attention(attn: nn.Module, group: TPGroup, model_type: str) -> None:
     attn.num_heads, attn.num_kv_heads = len(shard.q_heads), len(shard.kv_heads)
 
 
-def _shard_mlp(layer: nn.Module, group: TPGroup, model_type: str) -> None:
-    mlp = layer.mlp
+def _shard_mla(attn: MLAttention, group: TPGroup) -> None:
+    sizes = split_sizes(attn.num_heads, group.world_size)
+    first = sum(sizes[: group.rank])
+    heads = torch.arange(first, first + sizes[group.rank])
+
+    def rows_of(heads: torch.Tensor, per_head: int) -> torch.Tensor:
+        return (heads[:, None] * per_head + torch.arange(per_head)).flatten()
+
+    attn.q_b_proj = slice_rows(attn.q_b_proj, rows_of(heads, attn.nope_dim + attn.rope_dim))
+    attn.kv_b_proj = slice_rows(attn.kv_b_proj, rows_of(heads, attn.nope_dim + attn.v_dim))
+    v_start, v_stop = first * attn.v_dim, (first + len(heads)) * attn.v_dim
+    attn.o_proj = row_parallel(attn.o_proj, v_start, v_stop, group)
+    attn.num_heads = len(heads)
+
+
+def shard_moe(moe: MoE, group: TPGroup, expert_parallel: bool) -> ParallelMoE:
+    """This rank's part of a MoE layer: the router whole, the shared expert's slice, and every
+    routed expert's slice or (expert parallel) a contiguous range of whole experts, the larger
+    ranges on the lower ranks."""
+    if expert_parallel:
+        sizes = split_sizes(len(moe.experts), group.world_size)
+        first_expert = sum(sizes[: group.rank])
+        moe.experts = nn.ModuleList(moe.experts[first_expert : first_expert + sizes[group.rank]])
+    else:
+        first_expert = 0
+        for expert in moe.experts:
+            _slice_partial_ffn(expert, group)
+    _slice_partial_ffn(moe.shared_experts, group)
+    return ParallelMoE(moe, first_expert, group)
+
+
+def _slice_partial_ffn(mlp: nn.Module, group: TPGroup) -> None:
+    """The FFN's slice of its intermediate features, whose output is this rank's share of a sum
+    that `ParallelMoE` completes."""
+    start, stop = _slice_ffn_inputs(mlp, group, "MoE")
+    if mlp.down_proj.bias is not None:
+        raise NotImplementedError("tensor-parallel MoE experts with a down_proj bias")
+    mlp.down_proj = slice_columns(mlp.down_proj, start, stop)
+
+
+def _shard_mlp(mlp: nn.Module, group: TPGroup, model_type: str) -> None:
+    start, stop = _slice_ffn_inputs(mlp, group, model_type)
+    mlp.down_proj = row_parallel(mlp.down_proj, start, stop, group)
+
+
+def _slice_ffn_inputs(mlp: nn.Module, group: TPGroup, model_type: str) -> tuple[int, int]:
+    """Keeps the gate/up rows of this rank's intermediate features; returns their [start, stop),
+    the down_proj columns that go with them."""
     if type(mlp) in (GatedMLP, GeluGatedMLP):
         start, stop = _feature_range(mlp.gate_proj.out_features, mlp.down_proj, group)
         rows = torch.arange(start, stop)
@@ -121,10 +186,10 @@ def _shard_mlp(layer: nn.Module, group: TPGroup, model_type: str) -> None:
         mlp.gate_up_proj = slice_rows(mlp.gate_up_proj, torch.cat([rows, size + rows]))
     else:
         raise NotImplementedError(
-            f"tensor parallelism for {type(mlp).__name__} ({model_type}): MoE layers need "
-            "expert parallelism, not built yet (issue 19); run it with tensor_parallel_size=1"
+            f"tensor parallelism for {type(mlp).__name__} ({model_type}): no split for this "
+            "FFN (issue 19); run it with tensor_parallel_size=1"
         )
-    mlp.down_proj = row_parallel(mlp.down_proj, start, stop, group)
+    return start, stop
 
 
 def _feature_range(size: int, row_linear: nn.Module, group: TPGroup) -> tuple[int, int]:
@@ -177,6 +242,12 @@ def slice_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
 def row_parallel(linear: nn.Module, start: int, stop: int, group: TPGroup) -> RowParallel:
     """The linear restricted to input features [start, stop), its outputs summed over ranks."""
     bias = None if linear.bias is None else linear.bias.detach().clone()
+    return RowParallel(slice_columns(linear, start, stop), bias, group)
+
+
+def slice_columns(linear: nn.Module, start: int, stop: int) -> nn.Module:
+    """The linear restricted to input features [start, stop), without its bias, owning its
+    memory: a partial product that a sum over the ranks completes."""
     if isinstance(linear, QuantizedLinear) and isinstance(linear.packed, GgufWeight):
         packed = linear.packed
         block_size, block_bytes = _block(packed)
@@ -187,14 +258,13 @@ def row_parallel(linear: nn.Module, start: int, stop: int, group: TPGroup) -> Ro
             )
         cols = slice(start // block_size * block_bytes, stop // block_size * block_bytes)
         data = packed.data[:, cols].clone()
-        local = QuantizedLinear(
+        return QuantizedLinear(
             GgufWeight(data, packed.ggml_type, stop - start), None, linear.format, linear.kernel
         )
-        return RowParallel(local, bias, group)
     _check_float(linear)
     local = Linear(stop - start, linear.out_features, bias=False, device="meta")
     local.weight = _param(linear.weight[:, start:stop].clone(), linear.weight)
-    return RowParallel(local, bias, group)
+    return local
 
 
 def _slice_embedding(embed: nn.Module, rows: torch.Tensor) -> nn.Module:

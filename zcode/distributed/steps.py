@@ -36,6 +36,10 @@ def join(config: EngineConfig, sparsity: object = None) -> TPGroup | None:
         for name, used in (
             ("compile", config.compile),
             ("per_request_depth", config.per_request_depth),
+            (
+                "expert offload",
+                (config.expert_cache_gb, config.expert_cache_fraction) != (None, None),
+            ),
             ("a sparsity artifact", sparsity is not None),
         )
         if used

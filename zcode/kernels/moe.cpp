@@ -3,6 +3,7 @@
 // and projection, zero-copy views of the model's Linear weights):
 //
 //   out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = expert_ids[t, j]
+//            (j with e = -1 skipped: an expert held by another rank under expert parallelism)
 //          + sum_s down_s(silu(gate_s(x[t])) * up_s(x[t]))   for the num_shared last experts
 //
 // The tokens are grouped by expert once (a counting sort). An expert hit by at most MAX_ROWS
@@ -375,8 +376,8 @@ torch::Tensor moe_fused_impl(const torch::Tensor& x, const torch::Tensor& weight
   const float* wt = w.data_ptr<float>();
   std::vector<int64_t> starts(num_experts + 1, 0);
   for (int64_t a = 0; a < num_tokens * top_k; ++a) {
-    TORCH_CHECK(id[a] >= 0 && id[a] < num_routed, "moe_fused: expert id ", id[a], " out of range");
-    ++starts[id[a] + 1];
+    TORCH_CHECK(id[a] >= -1 && id[a] < num_routed, "moe_fused: expert id ", id[a], " out of range");
+    if (id[a] >= 0) ++starts[id[a] + 1];
   }
   for (int64_t e = num_routed; e < num_experts; ++e) starts[e + 1] = num_tokens;
   for (int64_t e = 0; e < num_experts; ++e) {
@@ -387,6 +388,7 @@ torch::Tensor moe_fused_impl(const torch::Tensor& x, const torch::Tensor& weight
   std::vector<int64_t> tokens(starts.back()), fill(starts.begin(), starts.end() - 1);
   std::vector<float> gains(starts.back());
   for (int64_t a = 0; a < num_tokens * top_k; ++a) {
+    if (id[a] < 0) continue;
     const int64_t slot = fill[id[a]]++;
     tokens[slot] = a / top_k;
     gains[slot] = wt[a];
@@ -443,7 +445,8 @@ torch::Tensor moe_fused(const torch::Tensor& x, const torch::Tensor& weights,
                         const torch::Tensor& expert_ids, const std::vector<torch::Tensor>& w_gate,
                         const std::vector<torch::Tensor>& w_up,
                         const std::vector<torch::Tensor>& w_down, int64_t num_shared) {
-  // x: [T, D] float; weights: [T, k] float; expert_ids: [T, k] integer in [0, E - num_shared);
+  // x: [T, D] float; weights: [T, k] float; expert_ids: [T, k] integer in [0, E - num_shared),
+  // or -1 for an assignment to an expert not in the lists (another rank's: expert parallelism);
   // per expert e: w_gate[e], w_up[e]: [I_e, D], w_down[e]: [D, I_e], all one dtype (fp32 or
   // bf16), contiguous -> [T, D] of x's dtype.
   TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "moe_fused: x must be 2-D float");

@@ -11,8 +11,9 @@ below, one call for the whole layer.
 `torch.ops.zcode.moe_fused(x, weights, expert_ids, w_gate, w_up, w_down, num_shared)` (moe.cpp:
 AVX-512 BF16, or portable loops elsewhere): fp32 or bf16 expert weights as lists, one tensor per
 expert (zero-copy views of the experts' Linear weights, so a module swap or a memory-mapped file
-needs no restacking), the last `num_shared` experts applied to every token with weight 1. Experts
-hit by few tokens (decode) are GEMV passes, all in two parallel regions (gate/up rows with
+needs no restacking), the last `num_shared` experts applied to every token with weight 1; an
+expert id of -1 is an assignment this call skips (expert parallelism: another rank's expert).
+Experts hit by few tokens (decode) are GEMV passes, all in two parallel regions (gate/up rows with
 SiLU-mul, then output columns with the weighted sum); experts hit by many (prefill) a GEMM per
 projection. No host sync, no Python per expert; its fake kernel lets a compiled decode graph call
 it.
@@ -191,7 +192,7 @@ def fused_available() -> bool:
 
 @functools.cache
 def _load() -> bool:
-    if not build_ops("zcode_moe_v7", SOURCE, "using the expert loop"):
+    if not build_ops("zcode_moe_v8", SOURCE, "using the expert loop"):
         return False
 
     # Output shape for tracing (torch.compile): the kernel itself never runs on fakes.

@@ -12,6 +12,9 @@ two ways, neither a Python loop over the step's experts on the float path:
   (`linear_group`: the activation read and quantized once). Compiled graphs call it as the
   opaque op `zcode::moe_modules`, so neither path breaks a decode graph.
 
+Expert id -1 in `run_experts` is an assignment to an expert this layer does not hold (expert
+parallelism, zcode/distributed/layers.py: another rank's); every path skips it.
+
 With expert offload (zcode/engine/expert_cache.py) a layer hands its routed expert ids to the
 op `zcode::expert_lookup` (defined there), which counts them into the layer's `expert_counts`
 [E] (compiled graphs too) and reads in the experts not resident; without, `expert_counts` is None.
@@ -114,6 +117,13 @@ class MoE(nn.Module):
         weights, expert_ids = self.gate(x)  # [T, top_k]
         if self.expert_counts is not None:
             torch.ops.zcode.expert_lookup(self.expert_counts, expert_ids, x, self.layer_key)
+        return self.run_experts(x, weights, expert_ids)
+
+    def run_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts (expert_ids index `self.experts`, -1: not held here) plus the
+        shared one: x [T, D], weights / expert_ids [T, top_k] -> [T, D]."""
         if (lists := self.fused_weights(x)) is not None:
             return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 1)
         if torch.compiler.is_compiling():
@@ -172,10 +182,13 @@ class MoE(nn.Module):
             and not _hooked(mlps, tuple(map(_PROJECTIONS, map(_SUBMODULES, mlps))))
         ):
             return self._routed_decode(x, weights, expert_ids)
-        # Tokens sorted by expert once; each expert runs on its contiguous slice.
+        # Tokens sorted by expert once; each expert runs on its contiguous slice. Ids shifted by
+        # one so the assignments to experts not held here (-1) sort first, and are dropped.
         top_k = expert_ids.shape[1]
-        order = expert_ids.flatten().argsort(stable=True)
-        counts = torch.bincount(expert_ids.flatten(), minlength=len(self.experts)).tolist()
+        shifted = expert_ids.flatten() + 1
+        order = shifted.argsort(stable=True)
+        num_skipped, *counts = torch.bincount(shifted, minlength=len(self.experts) + 1).tolist()
+        order = order[num_skipped:]
         token_ids = order // top_k
         rows = x[token_ids]  # [T * k, D], grouped by expert
         out_rows = torch.empty_like(rows)
@@ -193,11 +206,14 @@ class MoE(nn.Module):
         """A few tokens: every token through the union of their experts (the same weight bytes
         as each expert on its own tokens), gate/up of all of them in one group call, each
         expert's output weighted by its routing weight per token (0 where not routed)."""
-        active = expert_ids.unique().tolist()
+        active = [e for e in expert_ids.unique().tolist() if e >= 0]  # -1: not held here
+        if not active:
+            return torch.zeros_like(x)
         mlps = [self.experts[e] for e in active]
         gate_up = linear_group(x, [p for m in mlps for p in (m.gate_proj, m.up_proj)])
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=torch.float32)
-        gains = dense.scatter_(1, expert_ids, weights.float())[:, active].to(x.dtype)  # [T, A]
+        dense = torch.zeros(x.shape[0], len(self.experts) + 1, dtype=torch.float32)
+        dense.scatter_(1, expert_ids + 1, weights.float())  # column 0: the skipped ones
+        gains = dense[:, [e + 1 for e in active]].to(x.dtype)  # [T, A]
         out = torch.zeros_like(x)
         for i, m in enumerate(mlps):
             act = m.activation(gate_up[2 * i]) * gate_up[2 * i + 1]
