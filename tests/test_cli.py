@@ -30,7 +30,7 @@ OPTIONS = {
     "generate": [
         "PROMPT", "--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
         "--repetition-penalty", "--seed", "--stop", "--chat", "--thinking", "--no-thinking",
-        "--dtype", "--stream", "--tensor-parallel-size",
+        "--dtype", "--stream", "--tensor-parallel-size", "--collective-timeout-s",
     ],
     "chat": [
         "--model", "--system", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
