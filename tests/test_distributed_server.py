@@ -47,6 +47,16 @@ def rank_pids(server: RemoteServer) -> dict[int, int]:
     return pids
 
 
+def test_a_torchrun_launch_without_the_split_is_a_clear_error(monkeypatch):
+    """Else each process would load the whole model and all but one fail to take the port."""
+    from zcode.errors import ValidationError
+    from zcode.server.launch import run_server
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValidationError, match="--tensor-parallel-size 2"):
+        run_server(None, port=free_port())
+
+
 # -- outputs: two ranks against one process
 
 
@@ -136,18 +146,17 @@ def _tiny_tp_server(tiny_checkpoint, *options: str, torchrun_options=()) -> Remo
 
 def _stream_in_flight(server: RemoteServer) -> dict:
     """Starts a long greedy stream and returns once the engine runs it (a tokenizer-less model
-    streams no text until the end); the dict gets the stream's `error` (or `finished`) and is
-    complete once its `thread` ends."""
+    streams no text until the end); the dict gets the stream's `error` or last `finish_reason`
+    and is complete once its `thread` ends."""
     result = {}
 
     def consume():
         try:
-            for _ in server.client().completions.create(
+            for chunk in server.client().completions.create(
                 model=TINY, prompt=[5, 6, 7, 8], max_tokens=500, temperature=0, stream=True,
                 extra_body={"ignore_eos": True},
             ):  # fmt: skip
-                pass
-            result["finished"] = True
+                result["finish_reason"] = chunk.choices[0].finish_reason
         except openai.APIError as e:
             result["error"] = str(e)
 
@@ -202,6 +211,20 @@ def test_a_hung_follower_fails_the_request_after_the_collective_timeout(tiny_che
         stream = _stream_in_flight(server)
         os.kill(follower, signal.SIGSTOP)
         _assert_failed_in_flight(server, stream, "Timed out")
+
+
+def test_sigterm_on_torchrun_drains_the_request_in_flight(tiny_checkpoint):
+    """torchrun forwards SIGTERM to both ranks: rank 0 drains, the follower ignores it and runs
+    rank 0's steps until rank 0 stops it (torchrun, signalled, exits non-zero itself)."""
+    with _tiny_tp_server(tiny_checkpoint, torchrun_options=("--shutdown-timeout", "60")) as server:
+        stream = _stream_in_flight(server)
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(EXIT_TIMEOUT_S)
+        stream["thread"].join(EXIT_TIMEOUT_S)
+        output = server.output()
+        assert stream.get("finish_reason") == "length", (stream, output)
+        assert "Finished server process" in output and "rank 1: rank 0 finished" in output
+        assert "forcefully exiting" not in output  # no rank needed torchrun's SIGKILL
 
 
 def test_the_follower_exits_on_its_own_when_rank_0_dies(tiny_checkpoint):
