@@ -76,8 +76,8 @@ def tp():
         yield s
 
 
-def test_ready_only_once_the_follower_is(tp):
-    """The follower builds its kernels before the handshake that lets rank 0 report ready."""
+def test_the_follower_builds_its_kernels_before_rank_0_reports_ready(tp):
+    """They are built before the follower's handshake, which rank 0's start-up waits for."""
     assert tp.request("GET", "/health")[0] == 200
     output = tp.output()
     assert output[: output.index("serving")].count("C++ kernels:") == 2, output

@@ -67,7 +67,7 @@ def init_distributed(config: ParallelConfig) -> TPGroup:
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=JOIN_TIMEOUT)
     timeout = timedelta(seconds=config.collective_timeout_s)
-    compute = dist.new_group(backend=backend, timeout=timeout)
+    compute = dist.new_group(timeout=timeout)  # the launch's backend(s)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPGroup(dist.get_rank(), world_size, compute, control)
 
