@@ -49,14 +49,26 @@ class InThreadServer:
 
 
 class RemoteServer:
-    def __init__(self, *args: str, api_key: str | None = None, startup_timeout_s: float = 180):
+    """`launcher`: what runs `-m zcode.cli serve ...`: this Python, or torchrun and its options.
+    The server gets a session of its own, so that `stop` also ends the processes it started
+    (torchrun's ranks)."""
+
+    def __init__(
+        self,
+        *args: str,
+        api_key: str | None = None,
+        startup_timeout_s: float = 180,
+        launcher: tuple[str, ...] = (sys.executable,),
+    ):
         self.port = free_port()
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="zcode-serve-", suffix=".log")
-        command = [sys.executable, "-m", "zcode.cli", "serve", *args, "--port", str(self.port)]
+        command = [*launcher, "-m", "zcode.cli", "serve", *args, "--port", str(self.port)]
         if api_key:
             command += ["--api-key", api_key]
-        self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=ENV)
+        self.proc = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True
+        )
         self._wait_healthy(startup_timeout_s)
 
     def _wait_healthy(self, timeout_s: float) -> None:
@@ -161,9 +173,11 @@ class RemoteServer:
         return self.proc.wait(timeout_s)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the server and all it started have exited
+            pass
+        self.proc.wait(30)
         self.log.close()
 
     def __enter__(self) -> "RemoteServer":

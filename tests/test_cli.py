@@ -30,7 +30,8 @@ OPTIONS = {
     "generate": [
         "PROMPT", "--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
         "--repetition-penalty", "--seed", "--stop", "--chat", "--thinking", "--no-thinking",
-        "--dtype", "--stream", "--tensor-parallel-size", "--expert-parallel",
+        "--dtype", "--stream", "--tensor-parallel-size", "--collective-timeout-s",
+        "--expert-parallel",
     ],
     "chat": [
         "--model", "--system", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",

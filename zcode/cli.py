@@ -280,7 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
         "/v1/chat/completions, /v1/models) plus /tokenize, /detokenize, /tokenizer_info, "
         "/health, /version and Prometheus /metrics. SIGTERM stops admission (new requests get "
         "503), lets in-flight requests finish for up to --shutdown-timeout seconds, aborts the "
-        "rest and exits 0.",
+        "rest and exits 0. Under torchrun with --tensor-parallel-size N, rank 0 serves and the "
+        "other ranks follow its forward passes; a rank that dies or hangs fails the requests "
+        "and the server exits 1.",
     )
     _add_model_argument(serve)
     serve.add_argument(
@@ -363,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_expert_cache_option(serve)
     _add_sparsity_option(serve)
     _add_speculative_options(serve)
+    _add_parallel_options(serve, "serve")
     serve.set_defaults(run=_serve)
 
     calibrate = commands.add_parser(
@@ -517,23 +520,6 @@ def _expert_cache_args(args: argparse.Namespace) -> dict:
     )
 
 
-def _add_parallel_options(parser: argparse.ArgumentParser, command: str) -> None:
-    parser.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the model over N processes started by torchrun: "
-        f"torchrun --nproc-per-node N -m zcode {command} ... (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--expert-parallel",
-        action="store_true",
-        help="MoE models: give each of the --tensor-parallel-size processes a range of whole "
-        "experts instead of a slice of every expert (vLLM's --enable-expert-parallel)",
-    )
-
-
 def _add_sparsity_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sparsity",
@@ -654,11 +640,40 @@ def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engin
     return LLM(model, dtype=dtype, **engine_args)
 
 
+def _add_parallel_options(parser: argparse.ArgumentParser, command: str) -> None:
+    default = ParallelConfig()
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=default.tensor_parallel_size,
+        metavar="N",
+        help="split the model over N processes started by torchrun: "
+        f"torchrun --nproc-per-node N -m zcode {command} ... (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=default.collective_timeout_s,
+        metavar="SECONDS",
+        help="with --tensor-parallel-size: how long a forward pass waits for the other "
+        "processes before failing (a hung process); a dead one fails it at once "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="MoE models: give each of the --tensor-parallel-size processes a range of whole "
+        "experts instead of a slice of every expert (vLLM's --enable-expert-parallel)",
+    )
+
+
 def _parallel_args(args: argparse.Namespace) -> dict:
-    size, expert_parallel = args.tensor_parallel_size, args.expert_parallel
-    if size == 1 and not expert_parallel:
-        return {}
-    return {"parallel": ParallelConfig(tensor_parallel_size=size, expert_parallel=expert_parallel)}
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
+        collective_timeout_s=args.collective_timeout_s,
+    )
+    return {"parallel": parallel} if parallel.is_distributed else {}
 
 
 def _sampling_params(args: argparse.Namespace) -> "SamplingParams":
@@ -1024,6 +1039,7 @@ def _serve(args: argparse.Namespace) -> None:
     engine_args.update(_expert_cache_args(args))
     engine_args.update(_sparsity_args(args))
     engine_args.update(_speculative_args(args))
+    engine_args.update(_parallel_args(args))
     chat_template = None
     if args.chat_template is not None:
         try:

@@ -24,6 +24,9 @@ import torch.distributed as dist
 from zcode.distributed.config import ParallelConfig
 from zcode.errors import RankFailure, ValidationError
 
+# Ranks reach the join at different times (a first kernel build on one of them, imports on a
+# busy machine): torch's own default, not the collective timeout, bounds the wait.
+JOIN_TIMEOUT = timedelta(minutes=30)
 CONTROL_TIMEOUT = timedelta(days=7)
 
 
@@ -39,10 +42,20 @@ class TPGroup:
         return self.rank == 0
 
 
+def launch_rank() -> int:
+    """This process's rank in the torchrun launch (0 outside one), before joining it."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launch_world_size() -> int:
+    """The processes of the torchrun launch (1 outside one)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(config: ParallelConfig) -> TPGroup:
     """Joins the torchrun launch (once per process); checks it has the processes `config` asks
     for."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = launch_world_size()
     if world_size != config.world_size:
         launch = f"torchrun --nproc-per-node {config.world_size} -m zcode ..."
         raise ValidationError(
@@ -52,10 +65,11 @@ def init_distributed(config: ParallelConfig) -> TPGroup:
     if dist.is_initialized():
         raise RuntimeError("this process already joined a process group: one model per process")
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=JOIN_TIMEOUT)
     timeout = timedelta(seconds=config.collective_timeout_s)
-    dist.init_process_group(backend, timeout=timeout)
+    compute = dist.new_group(timeout=timeout)  # the launch's backend(s)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return TPGroup(dist.get_rank(), world_size, dist.group.WORLD, control)
+    return TPGroup(dist.get_rank(), world_size, compute, control)
 
 
 def all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
@@ -76,6 +90,13 @@ def broadcast_object(obj: object, group: TPGroup) -> object:
     box = [obj]
     _checked(group, dist.broadcast_object_list, box, src=0, group=group.control)
     return box[0]
+
+
+def all_gather_object(obj: object, group: TPGroup) -> list:
+    """Every rank's `obj` (pickled), in rank order, on every rank."""
+    out = [None] * group.world_size
+    _checked(group, dist.all_gather_object, out, obj, group=group.control)
+    return out
 
 
 def joined() -> bool:

@@ -18,6 +18,7 @@ from zcode.config import EngineConfig
 from zcode.distributed.group import (
     RankFailure,
     TPGroup,
+    all_gather_object,
     broadcast_object,
     init_distributed,
     joined,
@@ -62,8 +63,9 @@ def start_rank(engine, group: TPGroup) -> None:
 
 
 def lead(model: nn.Module, num_blocks: int, group: TPGroup) -> None:
-    """Rank 0: from now on each forward pass of `model` runs on every rank."""
-    broadcast_object(num_blocks, group)
+    """Rank 0: from now on each forward pass of `model` runs on every rank. Returns once every
+    rank has built its engine (a server reports ready only then)."""
+    _check_blocks(num_blocks, group)
 
     def broadcast_inputs(module: nn.Module, args: tuple) -> None:
         broadcast_object(args, group)  # (input_ids [T], ForwardBatch)
@@ -75,18 +77,25 @@ def lead(model: nn.Module, num_blocks: int, group: TPGroup) -> None:
 def follow(model: nn.Module, num_blocks: int, group: TPGroup) -> None:
     """Other ranks: run rank 0's forward passes until it stops. `num_blocks`: this rank's KV
     blocks, which must hold every block rank 0 hands out."""
-    leader_blocks = broadcast_object(None, group)
-    if num_blocks < leader_blocks:
-        leave()
-        raise RuntimeError(
-            f"rank {group.rank} holds {num_blocks} KV blocks, fewer than rank 0's "
-            f"{leader_blocks}: ranks must hold as many KV heads as rank 0 or fewer"
-        )
+    _check_blocks(num_blocks, group)
     with torch.inference_mode():
         while (inputs := broadcast_object(None, group)) is not None:
             model(*inputs)
     leave()
     logger.info("rank %d: rank 0 finished", group.rank)
+
+
+def _check_blocks(num_blocks: int, group: TPGroup) -> None:
+    """Every rank's KV block count, gathered on every rank: the handshake that says all ranks are
+    ready. Each rank must hold every block rank 0's scheduler hands out."""
+    counts = all_gather_object(num_blocks, group)
+    short = {rank: n for rank, n in enumerate(counts) if n < counts[0]}
+    if short:
+        leave()
+        raise RuntimeError(
+            f"ranks {sorted(short)} hold {sorted(short.values())} KV blocks, fewer than rank 0's "
+            f"{counts[0]}: ranks must hold as many KV heads as rank 0 or fewer"
+        )
 
 
 def _stop(group: TPGroup) -> None:

@@ -5,7 +5,9 @@ the engine thread reads, and each request receives its outputs on an asyncio que
 filled from the engine thread with `call_soon_threadsafe`. So the engine needs no locks, and a
 slow client never blocks a step. The engine thread catches everything: a request the engine
 rejects fails alone, as does one the engine finishes with reason "error"; should a whole step
-raise, the requests of that batch fail and the loop goes on.
+raise, the requests of that batch fail and the loop goes on. A `RankFailure` (another process of
+a tensor-parallel launch died or hung) ends the loop: every request fails with it, and the
+engine reports itself dead (`error`), which `zcode serve` turns into a non-zero exit.
 """
 
 import asyncio
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from zcode.engine.block_manager import join_salts
 from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.request_output import RequestOutput
+from zcode.errors import RankFailure
 from zcode.sampling_params import SamplingParams
 from zcode.server.metrics import Metrics
 from zcode.sparsity.planner import level_salt
@@ -190,7 +193,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._step()
                 self._publish_stats()
-        except BaseException as e:  # a bug in this loop: fail every request, report unhealthy
+        except BaseException as e:  # a bug in this loop, or RankFailure: fail every request
             logger.exception("engine thread died")
             self.error = e
             for stream in self._streams.values():
@@ -254,6 +257,8 @@ class AsyncEngine:
             outputs = self.engine.step()
             if self.levels is not None:
                 self.levels.after_step(outputs)
+        except RankFailure:  # the ranks no longer agree: no request can run, the loop ends
+            raise
         except Exception as e:
             logger.exception("engine step failed; failing the requests it ran")
             scheduler = self.engine.scheduler

@@ -9,6 +9,13 @@ Start-up takes the port first (a port in use is a clear error before minutes of 
 then loads the model, then builds the C++ kernels (a first build takes tens of seconds, which
 the first request would otherwise wait for), and only then serves: `/health` answers 200 once
 the server can answer requests without delay.
+
+Under torchrun with `--tensor-parallel-size N` (zcode.distributed), rank 0 is the server above;
+the other ranks serve no HTTP and follow rank 0's forward passes. Rank 0 reports healthy once
+every rank has loaded its shard and built its kernels; a SIGTERM drains on rank 0, which then
+stops the others, and all exit 0. A rank that dies or hangs makes rank 0's next collective
+raise `RankFailure` (within `--collective-timeout-s` for a hang): every request fails with it
+(HTTP 500 naming the failure) and `zcode serve` exits 1; a rank that loses rank 0 exits 1 too.
 """
 
 import asyncio
@@ -21,6 +28,8 @@ from pathlib import Path
 
 import uvicorn
 
+from zcode.distributed.config import ParallelConfig
+from zcode.distributed.group import launch_rank, launch_world_size
 from zcode.errors import ValidationError
 from zcode.llm import LLM
 from zcode.loader.checkpoint import DEFAULT_MODEL_FILE, resolve_model_path
@@ -80,9 +89,14 @@ def run_server(
     """protect_metrics: /metrics and /version need the API key too; chat_template: Jinja source
     used instead of the checkpoint's template."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    engine_args = engine_args or {}
+    _check_launch(engine_args)
+    if launch_rank() > 0:
+        follow_rank_0(model, engine_args)
+        return
     sock = listening_socket(host, port)
     try:
-        state = build_state(model, served_model_name, engine_args or {}, chat_template)
+        state = build_state(model, served_model_name, engine_args, chat_template)
         build_kernels()
     except BaseException:
         sock.close()
@@ -109,6 +123,33 @@ def run_server(
     state.engine.run()  # returns when the app's shutdown stops the engine, or if it dies
     server.should_exit = True
     http.join()
+    if state.engine.error is not None:  # e.g. RankFailure: exit non-zero, saying why
+        raise state.engine.error
+
+
+def _check_launch(engine_args: dict) -> None:
+    """Under torchrun, the launch's processes must be the ones the model is split over (else
+    every process would load the whole model and try to take the port)."""
+    parallel = engine_args.get("parallel", ParallelConfig())
+    if launch_world_size() > 1 and not parallel.is_distributed:
+        raise ValidationError(
+            f"this torchrun launch has {launch_world_size()} processes: serve one model over "
+            f"them with --tensor-parallel-size {launch_world_size()}, or start zcode serve "
+            "without torchrun"
+        )
+
+
+def follow_rank_0(model: str | None, engine_args: dict) -> None:
+    """A rank other than 0 of a tensor-parallel server: no HTTP; it loads its shard and runs
+    rank 0's forward passes until rank 0 stops, then exits 0 (inside `LLM`), or raises
+    RankFailure if rank 0 dies.
+
+    SIGTERM (torchrun forwards it to every rank) is ignored: rank 0 drains its requests, which
+    needs this rank's collectives, and then tells it to stop.
+    """
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    build_kernels()  # before the handshake in LLM(), so that rank 0 is ready only once we are
+    LLM(model, **engine_args)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

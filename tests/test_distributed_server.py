@@ -1,0 +1,236 @@
+"""`zcode serve` under torchrun with --tensor-parallel-size 2 (gloo), and what a lost rank does.
+
+The oracle for outputs is a one-process server on the same model (itself held to transformers by
+test_parity.py and to the client by test_server.py): the embedded SmolLM2-135M in float32, whose
+9 query heads in 3 KV groups split 6 + 3. The failure tests run the tiny llama checkpoint (token
+id prompts: it has no tokenizer) and kill or stop one rank while a request is in flight: that
+request must end with an error naming the rank failure and the launch must exit non-zero, within
+a hang guard (a bound on hanging, not on speed).
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from remote_server import RemoteServer, free_port
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+ARGS = ("--max-model-len", "512", "--kv-cache-mib", "64", "--dtype", "float32")
+TP_ARGS = ("--tensor-parallel-size", "2")
+STARTUP_TIMEOUT_S = 480  # a hang guard: two ranks loading on a busy 2-core machine
+EXIT_TIMEOUT_S = 120  # a hang guard for the launch to end after a rank is lost
+RANK_FAILURE = "a collective failed"
+
+
+def torchrun(*options: str) -> tuple[str, ...]:
+    """torchrun with two ranks on a free rendezvous port."""
+    launcher = Path(sys.executable).parent / "torchrun"
+    return (str(launcher), "--nproc-per-node", "2", "--master-port", str(free_port()), *options)
+
+
+def rank_pids(server: RemoteServer) -> dict[int, int]:
+    """{rank: pid} of the processes torchrun started (its children, RANK in their environment)."""
+    pids = {}
+    for task in Path(f"/proc/{server.proc.pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            rank = next(v for v in env if v.startswith(b"RANK="))
+            pids[int(rank[len(b"RANK=") :])] = int(pid)
+    assert sorted(pids) == [0, 1], pids
+    return pids
+
+
+def test_a_torchrun_launch_without_the_split_is_a_clear_error(monkeypatch):
+    """Else each process would load the whole model and all but one fail to take the port."""
+    from zcode.errors import ValidationError
+    from zcode.server.launch import run_server
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValidationError, match="--tensor-parallel-size 2"):
+        run_server(None, port=free_port())
+
+
+# -- outputs: two ranks against one process
+
+
+@pytest.fixture(scope="module")
+def single():
+    with RemoteServer(*ARGS) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tp():
+    launcher = torchrun()
+    with RemoteServer(
+        *ARGS, *TP_ARGS, "--shutdown-timeout", "20", launcher=launcher,
+        startup_timeout_s=STARTUP_TIMEOUT_S,
+    ) as s:  # fmt: skip
+        yield s
+
+
+def test_the_follower_builds_its_kernels_before_rank_0_reports_ready(tp):
+    """They are built before the follower's handshake, which rank 0's start-up waits for."""
+    assert tp.request("GET", "/health")[0] == 200
+    output = tp.output()
+    assert output[: output.index("serving")].count("C++ kernels:") == 2, output
+
+
+def test_completions_equal_one_process_and_stream_equals_whole(tp, single):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    whole = tp.client().completions.create(**kwargs)
+    assert whole == single.client().completions.create(**kwargs).model_copy(
+        update={"id": whole.id, "created": whole.created}
+    )
+    chunks = list(tp.client().completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text != ""
+    ids = [[504, 3575, 282, 4649, 314], [1204, 2135, 253]]
+    batch = dict(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    texts = [c.text for c in tp.client().completions.create(**batch).choices]
+    assert texts == [c.text for c in single.client().completions.create(**batch).choices]
+
+
+def test_chat_equals_one_process_and_stream_equals_whole(tp, single):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_completion_tokens=16, temperature=0)
+    whole = tp.client().chat.completions.create(**kwargs)
+    oracle = single.client().chat.completions.create(**kwargs)
+    assert whole.choices[0].message.content == oracle.choices[0].message.content
+    assert whole.usage == oracle.usage
+    chunks = list(tp.client().chat.completions.create(**kwargs, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content != ""
+
+
+def test_sigterm_on_rank_0_drains_and_every_rank_exits_zero(tp):
+    """Last for the module's server: rank 0 finishes the request in flight, then stops the
+    follower; torchrun exits 0 only if both ranks did."""
+    client, result = tp.client(), {}
+
+    def in_flight():
+        result["out"] = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+
+    thread = threading.Thread(target=in_flight)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while tp.metrics()["zcode:num_requests_running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(rank_pids(tp)[0], signal.SIGTERM)
+    assert tp.proc.wait(EXIT_TIMEOUT_S) == 0, tp.output()
+    thread.join(EXIT_TIMEOUT_S)
+    assert result["out"].choices[0].finish_reason == "length"
+    assert result["out"].usage.completion_tokens == 24
+    assert "rank 1: rank 0 finished" in tp.output()
+
+
+# -- a lost rank
+
+TINY = "tiny-llama"
+
+
+def _tiny_tp_server(tiny_checkpoint, *options: str, torchrun_options=()) -> RemoteServer:
+    args = (str(tiny_checkpoint("llama").path), *TP_ARGS, "--served-model-name", TINY)
+    args += ("--dtype", "float32", "--kv-cache-mib", "8", *options)
+    launcher = torchrun(*torchrun_options)
+    return RemoteServer(*args, launcher=launcher, startup_timeout_s=STARTUP_TIMEOUT_S)
+
+
+def _stream_in_flight(server: RemoteServer) -> dict:
+    """Starts a long greedy stream and returns once the engine runs it (a tokenizer-less model
+    streams no text until the end); the dict gets the stream's `error` or last `finish_reason`
+    and is complete once its `thread` ends."""
+    result = {}
+
+    def consume():
+        try:
+            for chunk in server.client().completions.create(
+                model=TINY, prompt=[5, 6, 7, 8], max_tokens=500, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            ):  # fmt: skip
+                result["finish_reason"] = chunk.choices[0].finish_reason
+        except openai.APIError as e:
+            result["error"] = str(e)
+
+    result["thread"] = threading.Thread(target=consume)
+    result["thread"].start()
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    while server.metrics()["zcode:num_requests_running"] == 0:
+        assert time.monotonic() < deadline and result["thread"].is_alive(), server.output()
+        time.sleep(0.02)
+    return result
+
+
+def _assert_request_fails(server: RemoteServer) -> None:
+    """A request after the failure gets an error status, or no connection once the server is
+    gone; never a hang."""
+    body = {"model": TINY, "prompt": [5, 6], "max_tokens": 2}
+    try:
+        status, reply = server.request("POST", "/v1/completions", body)
+    except TimeoutError:
+        pytest.fail(f"the request hung:\n{server.output()}")
+    except OSError:  # refused or reset: the server has exited
+        return
+    assert status in (500, 503), reply
+
+
+def _assert_failed_in_flight(server: RemoteServer, stream: dict, failure: str) -> None:
+    stream["thread"].join(EXIT_TIMEOUT_S)
+    assert not stream["thread"].is_alive(), f"the stream hung:\n{server.output()}"
+    assert "error" in stream, stream
+    assert RANK_FAILURE in stream["error"] and "relaunch torchrun" in stream["error"]
+    _assert_request_fails(server)
+    assert server.proc.wait(EXIT_TIMEOUT_S) != 0
+    assert f"zcode: error: rank 0 of 2: {RANK_FAILURE}" in server.output()
+    assert failure in server.output()
+
+
+def test_a_killed_follower_fails_the_request_in_flight_and_ends_the_launch(tiny_checkpoint):
+    with _tiny_tp_server(tiny_checkpoint) as server:
+        follower = rank_pids(server)[1]
+        stream = _stream_in_flight(server)
+        os.kill(follower, signal.SIGKILL)
+        _assert_failed_in_flight(server, stream, "Signal 9 (SIGKILL) received")
+
+
+def test_a_hung_follower_fails_the_request_after_the_collective_timeout(tiny_checkpoint):
+    """The follower stops (SIGSTOP) mid-stream: rank 0's all-reduce waits the 5 s collective
+    timeout, then fails; torchrun kills the stopped follower after its own 5 s."""
+    with _tiny_tp_server(
+        tiny_checkpoint, "--collective-timeout-s", "5", torchrun_options=("--shutdown-timeout", "5")
+    ) as server:
+        follower = rank_pids(server)[1]
+        stream = _stream_in_flight(server)
+        os.kill(follower, signal.SIGSTOP)
+        _assert_failed_in_flight(server, stream, "Timed out")
+
+
+def test_sigterm_on_torchrun_drains_the_request_in_flight(tiny_checkpoint):
+    """torchrun forwards SIGTERM to both ranks: rank 0 drains, the follower ignores it and runs
+    rank 0's steps until rank 0 stops it (torchrun, signalled, exits non-zero itself)."""
+    with _tiny_tp_server(tiny_checkpoint, torchrun_options=("--shutdown-timeout", "60")) as server:
+        stream = _stream_in_flight(server)
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(EXIT_TIMEOUT_S)
+        stream["thread"].join(EXIT_TIMEOUT_S)
+        output = server.output()
+        assert stream.get("finish_reason") == "length", (stream, output)
+        assert "Finished server process" in output and "rank 1: rank 0 finished" in output
+        assert "forcefully exiting" not in output  # no rank needed torchrun's SIGKILL
+
+
+def test_the_follower_exits_on_its_own_when_rank_0_dies(tiny_checkpoint):
+    """torchrun would kill it only after 300 s (its --shutdown-timeout; the follower ignores the
+    SIGTERM before): an exit within the hang guard is the follower's own."""
+    with _tiny_tp_server(tiny_checkpoint, torchrun_options=("--shutdown-timeout", "300")) as server:
+        os.kill(rank_pids(server)[0], signal.SIGKILL)
+        assert server.proc.wait(EXIT_TIMEOUT_S) != 0
+        assert f"zcode: error: rank 1 of 2: {RANK_FAILURE}" in server.output()
