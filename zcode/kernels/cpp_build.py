@@ -15,9 +15,17 @@ The portable loops do the same integer dot products exactly and sum fp32 in anot
 
 `python -m zcode.kernels.cpp_build` builds every source now (`make install` runs it), so neither
 a first request nor a test waits tens of seconds, or minutes on a busy machine, for a compiler.
+
+torch serializes builds of one extension with a `lock` file it deletes when done; a process
+killed mid-build leaves it behind and every later build waits on it forever. zcode's builds
+therefore take an flock first (the kernel releases it when its holder dies): whoever holds it is
+the only zcode build of that extension, so a torch `lock` file it finds is stale and goes.
 """
 
+import contextlib
+import fcntl
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -29,17 +37,33 @@ def build_ops(name: str, source: Path, what: str, extra_cflags: tuple[str, ...] 
     from torch.utils.cpp_extension import load
 
     try:
-        load(
-            name=name,
-            sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
+        with build_lock(name):
+            load(
+                name=name,
+                sources=[str(source)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+            )
     except Exception as e:  # no working C++ compiler: an expected state on some machines
         logger.warning("C++ kernels %s unavailable, %s: %s", source.name, what, e)
         return False
     return True
+
+
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Held while extension `name` builds or loads; clears a dead build's torch lock file."""
+    from torch.utils.cpp_extension import _get_build_directory  # the dir torch builds `name` in
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with open(build_dir / "zcode-build.flock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield
 
 
 def build_all() -> dict[str, bool]:

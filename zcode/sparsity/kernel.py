@@ -97,13 +97,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 def _module():
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline(
-        name="zcode_sparse_rows_v2",
-        cpp_sources=_CPP,
-        extra_cflags=["-O3", "-march=native", "-fopenmp"],
-        extra_ldflags=["-fopenmp"],
-        with_cuda=False,
-    )
+    from zcode.kernels.cpp_build import build_lock
+
+    name = "zcode_sparse_rows_v2"
+    with build_lock(name):
+        return load_inline(
+            name=name,
+            cpp_sources=_CPP,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            with_cuda=False,
+        )
 
 
 @functools.cache
