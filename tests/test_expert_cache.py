@@ -172,13 +172,14 @@ def test_prefetch_reads_the_next_routers_choice(name, tiny_checkpoint, tmp_path)
     prefetched = hits = 0
     while llm.engine.has_unfinished():
         (out,) = llm.engine.step()
-        routed = [
-            set(layer.gate(inputs[i])[1].flatten().tolist()) for i, layer in enumerate(layers)
-        ]
-        for i in range(len(layers) - 1):
-            ahead = set(layers[i + 1].gate(inputs[i])[1].flatten().tolist())
-            prefetched += len(ahead)
-            hits += len(ahead & routed[i + 1])
+        with torch.inference_mode():  # the step's inputs are inference tensors
+            routed = [
+                set(layer.gate(inputs[i])[1].flatten().tolist()) for i, layer in enumerate(layers)
+            ]
+            for i in range(len(layers) - 1):
+                ahead = set(layers[i + 1].gate(inputs[i])[1].flatten().tolist())
+                prefetched += len(ahead)
+                hits += len(ahead & routed[i + 1])
     for h in handles:
         h.remove()
     stats = llm.engine.stats()
