@@ -10,8 +10,8 @@ import pytest
 import torch
 from gguf import GGUFReader
 from test_cli import ENV
-from test_glm_synthetic import synthetic_script
 
+from scripts import make_glm_synthetic as script
 from zcode.hardware.cost_model import CostModel
 from zcode.info import FitOptions, model_info, shipped_configs
 from zcode.info_fit import RAM_USABLE, plan_fit
@@ -28,7 +28,6 @@ SHAPES = ("glm45-air", "glm5")
 @pytest.fixture(scope="module", params=SHAPES)
 def gguf_files(request, tmp_path_factory) -> dict:
     """A tiny synthetic checkpoint of each shape and its files of every type."""
-    script = synthetic_script()
     hf_dir = tmp_path_factory.mktemp(request.param) / "hf"
     script.make_checkpoint(request.param, PLANNER_PARAMS, hf_dir, 256, 0, KQUANT_DIMS)
     files = script.make_gguf_files(hf_dir, list(FILE_TYPES))
