@@ -46,6 +46,8 @@ RANK_TIMEOUT_S = 480  # a hang guard, not a speed bound: generous on a busy mach
 # the first step of each process, takes minutes.
 SLOW_RANK_TIMEOUT_S = 900
 FAKE_GROUP = TPGroup(rank=0, world_size=2, compute=None, control=None)
+TP2 = {"tensor_parallel_size": 2}
+PP2 = {"pipeline_parallel_size": 2}
 
 
 # -- the split, without processes
@@ -210,7 +212,7 @@ def _reference_kernels() -> None:
 
 
 def _rank_main(
-    rank: int, port: int, model, dtype: str, rounds, max_tokens: int, out: str, die, ep: bool
+    rank: int, port: int, model, dtype: str, rounds, max_tokens: int, out: str, die, parallel
 ):
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -232,7 +234,7 @@ def _rank_main(
         dist.broadcast_object_list = dying
     from zcode.distributed.config import ParallelConfig
 
-    parallel = ParallelConfig(tensor_parallel_size=2, expert_parallel=ep, collective_timeout_s=30)
+    parallel = ParallelConfig(**parallel, collective_timeout_s=30)
     llm = LLM(model, dtype=dtype, parallel=parallel, kv_cache_bytes=8 << 20)
     try:  # only rank 0 gets here: the follower exits in LLM() when rank 0 ends
         result = _run(llm, rounds, max_tokens)
@@ -249,15 +251,16 @@ def _launch(
     max_tokens: int = 6,
     die: bool = False,
     timeout_s: float = RANK_TIMEOUT_S,
-    expert_parallel: bool = False,
+    parallel: dict = TP2,
 ) -> dict:
+    """`parallel`: ParallelConfig's fields for two processes."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "rank0.pt")
     context = multiprocessing.get_context("spawn")
     model = None if model is None else str(model)
-    args = (port, model, dtype, rounds, max_tokens, out, die, expert_parallel)
+    args = (port, model, dtype, rounds, max_tokens, out, die, parallel)
     ranks = [context.Process(target=_rank_main, args=(r, *args)) for r in range(2)]
     for p in ranks:
         p.start()
@@ -321,8 +324,10 @@ def test_moe_models_match_one_process(tiny_checkpoint, one_process_runs, tmp_pat
                                       expert_parallel):  # fmt: skip
     """MoE experts sliced (TP) or whole, 4 of 8 per rank (EP); glm_moe_dsa's MLA split by
     heads with the latent cache and the DSA indexer replicated."""
-    tp = _launch(tmp_path, tiny_checkpoint(name).path, "float32", _prompts(seed=3),
-                 expert_parallel=expert_parallel)  # fmt: skip
+    parallel = {**TP2, "expert_parallel": expert_parallel}
+    tp = _launch(
+        tmp_path, tiny_checkpoint(name).path, "float32", _prompts(seed=3), parallel=parallel
+    )
     _assert_same(tp, one_process_runs(name), LOGIT_TOL)
 
 
@@ -381,3 +386,14 @@ def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
     assert single.returncode == 0, single.stderr
     assert tp.returncode == 0, tp.stderr
     assert tp.stdout == single.stdout != ""
+
+
+# -- pipeline parallelism
+
+
+@pytest.mark.parametrize("name", ["llama", "glm4_moe", "glm_moe_dsa"])
+def test_pp2_matches_one_process(tiny_checkpoint, one_process_runs, tmp_path, name):
+    """Rank 0 runs the embedding and the first layers, rank 1 the rest, the norm and lm_head;
+    the hidden states go over to rank 1 and the sampled rows' logits come back."""
+    pp = _launch(tmp_path, tiny_checkpoint(name).path, "float32", _prompts(seed=3), parallel=PP2)
+    _assert_same(pp, one_process_runs(name), LOGIT_TOL)

@@ -532,6 +532,15 @@ def _add_parallel_options(parser: argparse.ArgumentParser, command: str) -> None
         help="MoE models: give each of the --tensor-parallel-size processes a range of whole "
         "experts instead of a slice of every expert (vLLM's --enable-expert-parallel)",
     )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the layers as N stages of consecutive layers, one per torchrun process, each "
+        "holding only its layers' weights and KV cache (for slow links between processes; "
+        "not with --tensor-parallel-size) (default: %(default)s)",
+    )
 
 
 def _add_sparsity_option(parser: argparse.ArgumentParser) -> None:
@@ -655,10 +664,12 @@ def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engin
 
 
 def _parallel_args(args: argparse.Namespace) -> dict:
-    size, expert_parallel = args.tensor_parallel_size, args.expert_parallel
-    if size == 1 and not expert_parallel:
-        return {}
-    return {"parallel": ParallelConfig(tensor_parallel_size=size, expert_parallel=expert_parallel)}
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+    )
+    return {"parallel": parallel} if parallel != ParallelConfig() else {}
 
 
 def _sampling_params(args: argparse.Namespace) -> "SamplingParams":
