@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 from tiny_models import VOCAB
 
 from zcode.distributed.group import TPGroup
+from zcode.distributed.pipeline import model_stages, split_pipeline, stage_layers
 from zcode.distributed.shard import (
     head_shards,
     row_parallel,
@@ -360,15 +361,18 @@ def test_tp2_matches_one_process_on_smollm2_gguf_as_stored(tmp_path):
     assert tp["weight_bytes"] < 0.75 * single["weight_bytes"]
 
 
-def test_a_dead_rank_fails_rank_0_with_a_clear_error(tiny_checkpoint, tmp_path):
-    result = _launch(tmp_path, tiny_checkpoint("llama").path, "float32", _prompts(2), die=True)
+@pytest.mark.parametrize("parallel", [TP2, PP2], ids=["tp2", "pp2"])
+def test_a_dead_rank_fails_rank_0_with_a_clear_error(tiny_checkpoint, tmp_path, parallel):
+    path = tiny_checkpoint("llama").path
+    result = _launch(tmp_path, path, "float32", _prompts(2), die=True, parallel=parallel)
     assert result["exitcodes"] == [0, 3]
     assert "rank 0 of 2: a collective failed" in result["error"]
     assert "relaunch torchrun" in result["error"]
 
 
 @pytest.mark.slow
-def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
+@pytest.mark.parametrize("option", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_zcode_generate_under_torchrun_prints_what_one_process_prints(option):
     torchrun = Path(sys.executable).parent / "torchrun"
     command = ["-m", "zcode", "generate", "--dtype", "float32", "--max-tokens", "8"]
     command += ["--temperature", "0", "Paris is"]
@@ -377,7 +381,7 @@ def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
         [sys.executable, *command], capture_output=True, text=True, env=env, timeout=600
     )
     tp = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", *command, "--tensor-parallel-size", "2"],
+        [str(torchrun), "--nproc-per-node", "2", *command, option, "2"],
         capture_output=True,
         text=True,
         env=env,
@@ -391,9 +395,86 @@ def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
 # -- pipeline parallelism
 
 
-@pytest.mark.parametrize("name", ["llama", "glm4_moe", "glm_moe_dsa"])
+def test_stage_layers_are_contiguous_ranges_larger_first():
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(4, 3) == [range(0, 2), range(2, 3), range(3, 4)]
+    # a boundary on a layer that cannot start a stage moves to the nearest one that can, the
+    # later one on a tie
+    assert stage_layers(4, 2, lambda layer: layer != 2) == [range(0, 3), range(3, 4)]
+    assert stage_layers(6, 2, lambda layer: layer not in (2, 3)) == [range(0, 4), range(4, 6)]
+    with pytest.raises(NotImplementedError, match="each rank needs at least one"):
+        stage_layers(1, 2)
+    with pytest.raises(NotImplementedError, match="can start stage 1"):
+        stage_layers(3, 2, lambda layer: layer == 0)
+
+
+def test_pipeline_parallel_config_and_launch_errors(monkeypatch):
+    from zcode.distributed.config import ParallelConfig
+    from zcode.errors import ValidationError
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert ParallelConfig(pipeline_parallel_size=2).world_size == 2
+    with pytest.raises(NotImplementedError, match="tensor-parallel stages"):
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValidationError, match="pipeline_parallel_size 2 needs 2 processes"):
+        LLM(None, pipeline_parallel_size=2)
+
+
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+
+
+@pytest.mark.parametrize("name", ["llama", "glm4_moe", "glm_moe_dsa_shared"])
+def test_each_stage_holds_only_its_layers_weights_and_kv_cache(tiny_checkpoint, name):
+    """Without processes: rank r keeps the layers of its stage (rank 0 also the embedding, the
+    last rank the lm_head; both the final norm and the rotary tables), and its KV cache, sized
+    from the same bytes, holds those layers only."""
+    from zcode.config import EngineConfig
+    from zcode.engine.kv_cache import kv_bytes_per_token
+    from zcode.engine.llm_engine import LLMEngine
+
+    path = tiny_checkpoint(name).path
+    config = EngineConfig(kv_cache_bytes=1 << 20)
+    whole, tokenizer = load_model(path, torch.float32)
+    replicated = _tensor_bytes(whole.model.norm) + _tensor_bytes(whole.model.rotary_emb)
+    one_process = LLMEngine(whole, tokenizer, config).runner
+    all_layers = whole.attention_layers()
+    stages = model_stages(whole, 2)
+    # IndexShare: the even boundary, layer 2, shares layer 1's selection: it moves to layer 3
+    assert stages[0] == range(3 if name == "glm_moe_dsa_shared" else (len(all_layers) + 1) // 2)
+    per_rank_bytes = []
+    for rank, stage in enumerate(stages):
+        net, _ = load_model(path, torch.float32)
+        split_pipeline(net, TPGroup(rank, 2, None, None))
+        runner = LLMEngine(net, tokenizer, config).runner
+        per_rank_bytes.append(weight_bytes(net))
+        own = [all_layers[i] for i in stage]
+        assert [a.cache_spec() for a in net.attention_layers()] == [a.cache_spec() for a in own]
+        assert all(a.cache for a in net.attention_layers())
+        assert runner.kv_cache.bytes_per_token == kv_bytes_per_token(own, torch.float32)
+        cache_bytes = sum(t.nbytes for a in net.attention_layers() for t in a.cache.values())
+        assert cache_bytes <= config.kv_cache_bytes * 1.05  # the budget, plus the padding block
+        assert runner.num_blocks > one_process.num_blocks  # fewer layers: more tokens per byte
+    # resident storages: a rank that kept views of the checkpoint file would count all of it
+    assert sum(per_rank_bytes) == _tensor_bytes(whole) + replicated
+    if name == "llama":  # two equal layers, embedding and lm_head the same size: half each
+        assert per_rank_bytes[0] == per_rank_bytes[1]
+
+
+@pytest.mark.parametrize("name", ["llama", "glm4", "glm4_moe", "glm_moe_dsa", "glm_moe_dsa_shared"])
 def test_pp2_matches_one_process(tiny_checkpoint, one_process_runs, tmp_path, name):
     """Rank 0 runs the embedding and the first layers, rank 1 the rest, the norm and lm_head;
-    the hidden states go over to rank 1 and the sampled rows' logits come back."""
-    pp = _launch(tmp_path, tiny_checkpoint(name).path, "float32", _prompts(seed=3), parallel=PP2)
+    the hidden states go over to rank 1 and the sampled rows' logits come back. IndexShare
+    (glm_moe_dsa_shared, layers full, full, shared, full) splits 3 + 1, off the shared layer."""
+    path = tiny_checkpoint(name).path
+    pp = _launch(tmp_path, path, "float32", _prompts(seed=3), parallel=PP2)
     _assert_same(pp, one_process_runs(name), LOGIT_TOL)
+
+
+@pytest.mark.slow
+def test_pp2_matches_one_process_on_smollm2(tmp_path):
+    """30 layers as 15 + 15; the tied embedding is on both ends (rank 0 looks tokens up, rank 1
+    computes the logits with it), so each rank holds 60% of the weights, not half."""
+    rounds = [["The capital of France is", "def fibonacci(n):"], ["The capital of Spain is"]]
+    pp = _launch(tmp_path, None, "float32", rounds, timeout_s=SLOW_RANK_TIMEOUT_S, parallel=PP2)
+    _assert_same(pp, _one_process(None, "float32", rounds), LOGIT_TOL)

@@ -29,6 +29,8 @@ a boundary is one [T, D] tensor per step (2 D bytes per token in bf16), against 
 parallelism's all-reduce in every layer: the scheme for ranks joined by slow links.
 """
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -37,27 +39,39 @@ from zcode.distributed.shard import own_memory, split_sizes
 from zcode.layers.mla import MLAttention
 
 
-def stage_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Per stage, the decoder layers it runs: contiguous, as even as possible, larger first."""
+def stage_layers(
+    num_layers: int, num_stages: int, can_start: Callable[[int], bool] = lambda layer: True
+) -> list[range]:
+    """Per stage, the decoder layers it runs: contiguous, as even as possible with the larger
+    ranges first. A boundary on a layer that cannot start a stage (`can_start`) moves to the
+    nearest one that can, the later one on a tie."""
     if num_layers < num_stages:
         raise NotImplementedError(
             f"pipeline parallelism over {num_stages} ranks of a model with {num_layers} "
             "decoder layers: each rank needs at least one"
         )
-    ranges, start = [], 0
-    for size in split_sizes(num_layers, num_stages):
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
+    sizes = split_sizes(num_layers, num_stages)
+    starts = [sum(sizes[:stage]) for stage in range(num_stages)]
+    for stage in range(1, num_stages):
+        # after the previous stage's first layer, leaving a layer for each later stage
+        allowed = range(starts[stage - 1] + 1, num_layers - (num_stages - 1 - stage))
+        candidates = [layer for layer in allowed if can_start(layer)]
+        if not candidates:
+            raise NotImplementedError(
+                f"pipeline parallelism over {num_stages} ranks: no layer in "
+                f"[{allowed.start}, {allowed.stop}) can start stage {stage}"
+            )
+        even = starts[stage]
+        starts[stage] = min(candidates, key=lambda layer: (abs(layer - even), -layer))
+    return [range(a, b) for a, b in zip(starts, starts[1:] + [num_layers])]
 
 
 def split_pipeline(model: nn.Module, group: TPGroup) -> None:
     """Keeps this rank's stage of `model`, in place: its layers, plus the embedding on the first
     rank and the lm_head on the last; the rest is dropped."""
     backbone, rank, last_rank = model.model, group.rank, group.world_size - 1
-    layers = stage_layers(len(backbone.layers), group.world_size)[rank]
-    _check_stage_start(backbone.layers[layers.start], layers.start)
-    backbone.layers = nn.ModuleList(backbone.layers[layers.start : layers.stop])
+    stage = model_stages(model, group.world_size)[rank]
+    backbone.layers = nn.ModuleList(backbone.layers[stage.start : stage.stop])
     hidden_dtype = backbone.norm.weight.dtype  # the engine's activation dtype
     if rank > 0:
         backbone.embed_tokens = ReceiveHidden(
@@ -76,14 +90,16 @@ def split_pipeline(model: nn.Module, group: TPGroup) -> None:
     own_memory(model)
 
 
-def _check_stage_start(layer: nn.Module, index: int) -> None:
-    attn = layer.self_attn
-    if type(attn) is MLAttention and attn.indexer is None:
-        raise NotImplementedError(
-            f"pipeline stage starting at layer {index}, a DSA layer that reuses an earlier "
-            "layer's top-k selection (IndexShare): passing the selection between ranks is not "
-            "built yet (issue 19)"
-        )
+def model_stages(model: nn.Module, num_stages: int) -> list[range]:
+    """`stage_layers` for `model`: no stage starts at a DSA layer that reuses an earlier layer's
+    top-k selection (IndexShare), which would have to cross ranks."""
+    layers = model.model.layers
+
+    def can_start(index: int) -> bool:
+        attn = layers[index].self_attn
+        return not (type(attn) is MLAttention and attn.indexer is None)
+
+    return stage_layers(len(layers), num_stages, can_start)
 
 
 class ReceiveHidden(nn.Module):
