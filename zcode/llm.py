@@ -14,6 +14,7 @@ from zcode.distributed.steps import join, start_rank
 from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.request_output import RequestOutput
 from zcode.errors import ValidationError
+from zcode.kernels.cpp_build import build_all
 from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
 
@@ -65,6 +66,10 @@ class LLM:
             split_pipeline(net, group)
         elif group is not None:
             shard_model(net, group, self.config.parallel.expert_parallel)
+        if group is not None:
+            # Now, not inside the first step: a pipeline stage waits for the earlier stages'
+            # whole forward under the collective timeout, and a first build takes minutes.
+            build_all()
         self.sparsity = None
         if sparsity is not None:
             from zcode.sparsity.apply import apply_default_plan

@@ -5,7 +5,9 @@ the lm_head. Every rank keeps only its layers' weights, and since the engine siz
 the KV cache from the attention layers the model holds, only their KV cache (layer-wise KV
 sharding): the same bytes of cache hold world_size times the tokens. Ranges are as even as
 possible, the larger ones first, so rank 0 (whose scheduler hands out the KV blocks) holds the
-fewest blocks per byte of cache and every other rank holds the blocks it hands out.
+fewest blocks per byte of cache and every other rank holds the blocks it hands out. No stage
+starts at a GLM-5.2 IndexShare layer (it reuses the previous layer's DSA top-k selection): such a
+boundary moves to the nearest layer that runs its own indexer.
 
 One forward pass, the same on every rank (rank 0 broadcasts its inputs, zcode.distributed.steps):
 
@@ -26,7 +28,9 @@ The stages run one after another, a whole batch at a time, so at N stages each i
 them needs micro-batches, a step's sequences in groups with stage s running group i while stage
 s + 1 runs group i - 1 (GPipe; vLLM runs one scheduler batch in flight per stage). What crosses
 a boundary is one [T, D] tensor per step (2 D bytes per token in bf16), against tensor
-parallelism's all-reduce in every layer: the scheme for ranks joined by slow links.
+parallelism's all-reduce in every layer: the scheme for ranks joined by slow links. The logits
+coming back (vocab x 4 bytes per sampled row) outweigh it at GLM's vocabulary; sampling on the
+last stage and returning the token ids, as vLLM does, would move the sampler off rank 0.
 """
 
 from collections.abc import Callable
