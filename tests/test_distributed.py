@@ -332,26 +332,34 @@ def test_moe_models_match_one_process(tiny_checkpoint, one_process_runs, tmp_pat
     _assert_same(tp, one_process_runs(name), LOGIT_TOL)
 
 
-@pytest.mark.slow
-def test_tp2_matches_one_process_on_smollm2(tmp_path):
-    """The real model dequantized to fp32: 9 query heads in 3 KV groups split 6 + 3, a tied
-    vocab-parallel embedding and head; the second round reuses the first one's full blocks."""
+def _smollm2_rounds() -> list[list[str]]:
+    """Two prompts, then two sharing their first full KV blocks."""
     opening = "The history of the Roman Empire begins with the founding of the city of Rome and its"
     opening += (
         " early kings, who ruled it for more than two centuries until they were driven out by"
     )
-    rounds = [[opening + " Romulus", opening + " the"], [opening + " Remus", opening + " a"]]
+    return [[opening + " Romulus", opening + " the"], [opening + " Remus", opening + " a"]]
+
+
+@pytest.mark.slow
+def test_tp2_matches_one_process_on_smollm2(tmp_path):
+    """The real model dequantized to fp32: 9 query heads in 3 KV groups split 6 + 3, a tied
+    vocab-parallel embedding and head; the second round reuses the first one's full blocks."""
+    rounds = _smollm2_rounds()
     tp = _launch(tmp_path, None, "float32", rounds, timeout_s=SLOW_RANK_TIMEOUT_S)
     _assert_same(tp, _one_process(None, "float32", rounds), LOGIT_TOL)
 
 
 @pytest.mark.slow
-def test_tp2_matches_one_process_on_smollm2_gguf_as_stored(tmp_path):
-    """Q4_1 blocks split by rows and, at whole blocks, by columns. Activations are quantized to
-    int8 per block, so the all-reduce's rounding differences move logits by int8 noise (a
-    near-tie could flip a greedy token: one step, the prompts' next tokens)."""
+@pytest.mark.parametrize("parallel", [TP2, PP2], ids=["tp2", "pp2"])
+def test_two_processes_match_one_process_on_smollm2_gguf_as_stored(tmp_path, parallel):
+    """TP: Q4_1 blocks split by rows and, at whole blocks, by columns; PP: each rank's layers'
+    blocks copied out of the file map. Activations are quantized to int8 per block, so the
+    all-reduce's rounding differences move logits by int8 noise (a near-tie could flip a greedy
+    token: one step, the prompts' next tokens)."""
     rounds = [["The capital of France is", "def fibonacci(n):"]]
-    tp = _launch(tmp_path, None, "auto", rounds, max_tokens=1, timeout_s=SLOW_RANK_TIMEOUT_S)
+    tp = _launch(tmp_path, None, "auto", rounds, max_tokens=1, timeout_s=SLOW_RANK_TIMEOUT_S,
+                 parallel=parallel)  # fmt: skip
     single = _one_process(None, "auto", rounds, max_tokens=1)
     assert tp["exitcodes"] == [0, 0]
     assert tp["tokens"] == single["tokens"]
@@ -474,7 +482,8 @@ def test_pp2_matches_one_process(tiny_checkpoint, one_process_runs, tmp_path, na
 @pytest.mark.slow
 def test_pp2_matches_one_process_on_smollm2(tmp_path):
     """30 layers as 15 + 15; the tied embedding is on both ends (rank 0 looks tokens up, rank 1
-    computes the logits with it), so each rank holds 60% of the weights, not half."""
-    rounds = [["The capital of France is", "def fibonacci(n):"], ["The capital of Spain is"]]
+    computes the logits with it), so each rank holds 60% of the weights, not half. The second
+    round reuses the first one's full blocks."""
+    rounds = _smollm2_rounds()
     pp = _launch(tmp_path, None, "float32", rounds, timeout_s=SLOW_RANK_TIMEOUT_S, parallel=PP2)
     _assert_same(pp, _one_process(None, "float32", rounds), LOGIT_TOL)
