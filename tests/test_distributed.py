@@ -429,6 +429,9 @@ def test_pipeline_parallel_config_and_launch_errors(monkeypatch):
         ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
     with pytest.raises(ValidationError, match="pipeline_parallel_size 2 needs 2 processes"):
         LLM(None, pipeline_parallel_size=2)
+    # a skip_layers draft would run fewer layers on rank 0 than on the ranks following it
+    with pytest.raises(NotImplementedError, match="parallelism with speculative skip_layers"):
+        LLM(None, pipeline_parallel_size=2, speculative="skip_layers")
 
 
 def _tensor_bytes(module: torch.nn.Module) -> int:
