@@ -1,20 +1,24 @@
-"""Tensor parallelism: TP=2 against one process on this machine, and the bytes it moves.
+"""Tensor and pipeline parallelism: TP=2 and PP=2 against one process on this machine, and the
+bytes they move.
 
     .venv/bin/python bench/bench_distributed.py [--model PATH] [--tokens 32] [--repeats 3]
         [--expert-parallel]
 
 Runs the same greedy generation (one 32-token prompt, batch 1) in one process with 1 and 2
-threads and as two ranks of 1 thread each (spawned as torchrun would, gloo over loopback):
-decode tok/s (the N-token generation less the 1-token one, max and median over repeats), rank
-0's resident weights, and the bytes each decode token sends through the collectives, counted
-at the calls (payload: a ring all-reduce sends 2 (N-1)/N of it per rank). On a 2-core machine
-expect no gain: the collectives add a round trip per layer and save only half the arithmetic,
-which is small at decode.
+threads and as two ranks of 1 thread each (spawned as torchrun would, gloo over loopback), split
+by tensors (TP) or by layers (PP): decode tok/s (the N-token generation less the 1-token one,
+max and median over repeats), rank 0's resident weights, and the bytes each decode token sends
+through the collectives and the pipeline's point-to-point sends, counted at the calls (payload:
+a ring all-reduce sends 2 (N-1)/N of it per rank). On a 2-core machine expect no gain: the
+collectives add a round trip per layer and save only half the arithmetic, which is small at
+decode; the pipeline stages run one after the other, so at best it matches one process.
 
 Then the cost model of the same scheme at real GLM sizes: payload per token (bf16) of the two
 all-reduces per layer and the logits all-gather, and its time over a link of the given GB/s with
 the given latency per collective; and for the MoE layers, the bytes per token of our
-all-reduce against an all-to-all dispatch and combine (zcode.distributed.traffic).
+all-reduce against an all-to-all dispatch and combine (zcode.distributed.traffic). And for
+pipeline parallelism, per decode token: the hidden state [D] sent across each of the N - 1 stage
+boundaries and the sampled row's fp32 logits sent back to rank 0, against TP's all-reduces.
 """
 
 import argparse
@@ -42,30 +46,30 @@ GLM_SIZES = [
 ]
 
 
-def _worker(rank: int, world_size: int, port: int, args, threads: int, out: str) -> None:
+def _worker(rank: int, port: int, args, threads: int, parallel: dict, out: str) -> None:
+    """`parallel`: LLM's arguments for the split, {} for one process."""
     import zcode.distributed.layers as layers
+    import zcode.distributed.pipeline as pipeline
     from zcode import LLM, SamplingParams
     from zcode.distributed.shard import weight_bytes
 
     torch.set_num_threads(threads)
-    moved = {"all_reduce": 0, "all_gather": 0}
+    moved = {"all_reduce": 0, "all_gather": 0, "send": 0}
 
     def counting(name, collective):
-        def run(x, group):
+        def run(x, *rest):
             moved[name] += x.numel() * x.element_size()
-            return collective(x, group)
+            return collective(x, *rest)
 
         return run
 
     layers.all_reduce = counting("all_reduce", layers.all_reduce)
     layers.all_gather = counting("all_gather", layers.all_gather)
-    parallel = {}
-    if world_size > 1:
+    pipeline.send = counting("send", pipeline.send)  # rank 0's hidden states
+    if parallel:
         os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
+            RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )  # fmt: skip
-        parallel = {"tensor_parallel_size": world_size, "expert_parallel": args.expert_parallel}
     llm = LLM(args.model, **parallel)  # ranks > 0 follow here and exit with rank 0
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
@@ -87,15 +91,15 @@ def _worker(rank: int, world_size: int, port: int, args, threads: int, out: str)
     torch.save(result, out)
 
 
-def _measure(args, world_size: int, threads: int) -> dict:
+def _measure(args, threads: int, parallel: dict) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(suffix=".pt")
     context = multiprocessing.get_context("spawn")
     ranks = [
-        context.Process(target=_worker, args=(r, world_size, port, args, threads, out))
-        for r in range(world_size)
+        context.Process(target=_worker, args=(r, port, args, threads, parallel, out))
+        for r in range(2 if parallel else 1)
     ]
     for p in ranks:
         p.start()
@@ -119,10 +123,12 @@ def main() -> None:
         "--expert-parallel", action="store_true", help="MoE models: whole experts per rank"
     )
     args = parser.parse_args()
+    tp = {"tensor_parallel_size": 2, "expert_parallel": args.expert_parallel}
     runs = {
-        "1 process, 1 thread": _measure(args, 1, 1),
-        "1 process, 2 threads": _measure(args, 1, 2),
-        "TP=2, 1 thread per rank": _measure(args, 2, 1),
+        "1 process, 1 thread": _measure(args, 1, {}),
+        "1 process, 2 threads": _measure(args, 2, {}),
+        "TP=2, 1 thread per rank": _measure(args, 1, tp),
+        "PP=2, 1 thread per rank": _measure(args, 1, {"pipeline_parallel_size": 2}),
     }
     rows = []
     base = statistics.median(
@@ -139,17 +145,17 @@ def main() -> None:
                 f"{r['weight_bytes'] / 2**20:.1f}",
                 f"{r['all_reduce'] / 1024:.1f}",
                 f"{r['all_gather'] / 1024:.1f}",
+                f"{r['send'] / 1024:.1f}",
             )
         )
     headers = ["run", "tok/s max", "tok/s median", "vs 1p2t", "rank-0 weights MiB"]
-    print_rows(headers + ["all-reduce KiB/tok", "all-gather KiB/tok"], rows)
+    print_rows(headers + ["all-reduce KiB/tok", "all-gather KiB/tok", "rank-0 send KiB/tok"], rows)
     print()
     cost = []
     for name, num_layers, hidden, vocab, *_ in GLM_SIZES:
         for tp in (2, 8):
             reduce_bytes = 2 * num_layers * hidden * 2  # bf16, attention and FFN
-            gather_bytes = vocab * 4 * (tp - 1) / tp  # fp32 logits from the other ranks
-            wire = 2 * (tp - 1) / tp * reduce_bytes + gather_bytes
+            wire = tp_wire_bytes(num_layers, hidden, vocab, tp)
             ms = wire / (args.link_gbps * 1e9) * 1e3 + (2 * num_layers + 1) * args.latency_us / 1e3
             cost.append((name, str(tp), f"{reduce_bytes / 2**20:.2f}", f"{wire / 2**20:.2f}",
                          f"{ms:.2f}"))  # fmt: skip
@@ -158,6 +164,35 @@ def main() -> None:
     print()
     print("MoE layers, bf16, uniform routing: bytes sent per token by all ranks")
     print_rows(["model", "ranks", "all-reduce MiB/tok", "all-to-all MiB/tok", "ratio"], moe_rows())
+    print()
+    print(f"pipeline stages at decode, {args.link_gbps} GB/s, {args.latency_us} us per send:")
+    headers = ["model", "stages", "hidden KiB/tok", "logits KiB/tok", "ms/token", "vs TP wire"]
+    print_rows(headers, pp_rows(args.link_gbps, args.latency_us))
+
+
+def tp_wire_bytes(num_layers: int, hidden: int, vocab: int, tp: int) -> float:
+    """Bytes one rank sends per decode token under TP: its ring share of the two bf16
+    all-reduces per layer, and its fp32 logits for the all-gather."""
+    reduce_bytes = 2 * num_layers * hidden * 2
+    return 2 * (tp - 1) / tp * reduce_bytes + vocab * 4 * (tp - 1) / tp
+
+
+def pp_rows(link_gbps: float, latency_us: float) -> list[tuple]:
+    """Per decode token: hidden [D] bf16 over each of the N - 1 boundaries, the sampled row's
+    [vocab] fp32 logits back to rank 0 (it samples); against a TP rank's wire bytes at the same
+    N. The logits dominate at GLM's vocabulary: sampling on the last stage and sending the
+    token id back (vLLM) would leave only the hidden states."""
+    rows = []
+    for name, num_layers, hidden, vocab, *_ in GLM_SIZES:
+        for stages in (2, 8):
+            hidden_bytes = (stages - 1) * hidden * 2
+            logits_bytes = vocab * 4
+            ms = (hidden_bytes + logits_bytes) / (link_gbps * 1e9) * 1e3 + stages * latency_us / 1e3
+            tp_wire = tp_wire_bytes(num_layers, hidden, vocab, stages)
+            rows.append((name, str(stages), f"{hidden_bytes / 1024:.1f}",
+                         f"{logits_bytes / 1024:.1f}", f"{ms:.3f}",
+                         f"{(hidden_bytes + logits_bytes) / tp_wire:.3f}"))  # fmt: skip
+    return rows
 
 
 def moe_rows() -> list[tuple]:

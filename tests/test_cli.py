@@ -31,7 +31,7 @@ OPTIONS = {
         "PROMPT", "--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
         "--repetition-penalty", "--seed", "--stop", "--chat", "--thinking", "--no-thinking",
         "--dtype", "--stream", "--tensor-parallel-size", "--collective-timeout-s",
-        "--expert-parallel",
+        "--expert-parallel", "--pipeline-parallel-size",
     ],
     "chat": [
         "--model", "--system", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
@@ -77,6 +77,11 @@ def test_help_explains_every_option(command, capsys):
         (["generate", "hi", "--thinking"], "add --chat"),
         (["generate", "hi", "--tensor-parallel-size", "0"], "must be a positive integer"),
         (["generate", "hi", "--expert-parallel"], "set tensor_parallel_size to 2 or more"),
+        (["generate", "hi", "--pipeline-parallel-size", "-1"], "must be a positive integer"),
+        (
+            ["generate", "hi", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2"],
+            "not supported yet: pipeline parallelism of tensor-parallel stages",
+        ),
         (["chat", "--temperature", "-1"], "temperature must be >= 0"),
         (["ppl", "missing.txt"], "missing.txt: No such file or directory"),
         (["ppl", "f.txt", "--window", "64", "--stride", "65"], "--stride must be between 1"),
@@ -100,6 +105,9 @@ def test_parallel_options_make_the_parallel_config():
     )
     parallel = cli._parallel_args(args)["parallel"]
     assert (parallel.tensor_parallel_size, parallel.expert_parallel) == (2, True)
+    args = cli.build_parser().parse_args(["generate", "hi", "--pipeline-parallel-size", "2"])
+    assert cli._parallel_args(args)["parallel"].pipeline_parallel_size == 2
+    assert cli._parallel_args(cli.build_parser().parse_args(["generate", "hi"])) == {}
 
 
 def test_version(capsys):

@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 from tiny_models import VOCAB
 
 from zcode.distributed.group import TPGroup
+from zcode.distributed.pipeline import model_stages, split_pipeline, stage_layers
 from zcode.distributed.shard import (
     head_shards,
     row_parallel,
@@ -46,6 +47,8 @@ RANK_TIMEOUT_S = 480  # a hang guard, not a speed bound: generous on a busy mach
 # the first step of each process, takes minutes.
 SLOW_RANK_TIMEOUT_S = 900
 FAKE_GROUP = TPGroup(rank=0, world_size=2, compute=None, control=None)
+TP2 = {"tensor_parallel_size": 2}
+PP2 = {"pipeline_parallel_size": 2}
 
 
 # -- the split, without processes
@@ -210,11 +213,14 @@ def _reference_kernels() -> None:
 
 
 def _rank_main(
-    rank: int, port: int, model, dtype: str, rounds, max_tokens: int, out: str, die, ep: bool
+    rank: int, port: int, model, dtype: str, rounds, max_tokens: int, out: str, die, parallel
 ):
+    from zcode.distributed.config import ParallelConfig
+
+    parallel = ParallelConfig(**parallel, collective_timeout_s=30)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(parallel.world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     torch.set_num_threads(1)
     _reference_kernels()
@@ -230,9 +236,6 @@ def _rank_main(
             return broadcast(*args, **kwargs)
 
         dist.broadcast_object_list = dying
-    from zcode.distributed.config import ParallelConfig
-
-    parallel = ParallelConfig(tensor_parallel_size=2, expert_parallel=ep, collective_timeout_s=30)
     llm = LLM(model, dtype=dtype, parallel=parallel, kv_cache_bytes=8 << 20)
     try:  # only rank 0 gets here: the follower exits in LLM() when rank 0 ends
         result = _run(llm, rounds, max_tokens)
@@ -249,16 +252,20 @@ def _launch(
     max_tokens: int = 6,
     die: bool = False,
     timeout_s: float = RANK_TIMEOUT_S,
-    expert_parallel: bool = False,
+    parallel: dict = TP2,
 ) -> dict:
+    """`parallel`: ParallelConfig's fields; one process per rank."""
+    from zcode.distributed.config import ParallelConfig
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = str(tmp_path / "rank0.pt")
     context = multiprocessing.get_context("spawn")
     model = None if model is None else str(model)
-    args = (port, model, dtype, rounds, max_tokens, out, die, expert_parallel)
-    ranks = [context.Process(target=_rank_main, args=(r, *args)) for r in range(2)]
+    args = (port, model, dtype, rounds, max_tokens, out, die, parallel)
+    world_size = ParallelConfig(**parallel).world_size
+    ranks = [context.Process(target=_rank_main, args=(r, *args)) for r in range(world_size)]
     for p in ranks:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -284,7 +291,7 @@ def _one_process(model, dtype: str, rounds, max_tokens: int = 6) -> dict:
 
 
 def _assert_same(tp: dict, single: dict, tol: float) -> None:
-    assert tp["exitcodes"] == [0, 0]
+    assert set(tp["exitcodes"]) == {0}
     assert tp["tokens"] == single["tokens"]
     assert tp["prefix_cache_hits"] == single["prefix_cache_hits"] > 0
     assert len(tp["logits"]) == len(single["logits"])
@@ -321,31 +328,41 @@ def test_moe_models_match_one_process(tiny_checkpoint, one_process_runs, tmp_pat
                                       expert_parallel):  # fmt: skip
     """MoE experts sliced (TP) or whole, 4 of 8 per rank (EP); glm_moe_dsa's MLA split by
     heads with the latent cache and the DSA indexer replicated."""
-    tp = _launch(tmp_path, tiny_checkpoint(name).path, "float32", _prompts(seed=3),
-                 expert_parallel=expert_parallel)  # fmt: skip
+    parallel = {**TP2, "expert_parallel": expert_parallel}
+    tp = _launch(
+        tmp_path, tiny_checkpoint(name).path, "float32", _prompts(seed=3), parallel=parallel
+    )
     _assert_same(tp, one_process_runs(name), LOGIT_TOL)
+
+
+def _smollm2_rounds() -> list[list[str]]:
+    """Two prompts, then two sharing their first full KV blocks."""
+    opening = "The history of the Roman Empire begins with the founding of the city of Rome and its"
+    opening += (
+        " early kings, who ruled it for more than two centuries until they were driven out by"
+    )
+    return [[opening + " Romulus", opening + " the"], [opening + " Remus", opening + " a"]]
 
 
 @pytest.mark.slow
 def test_tp2_matches_one_process_on_smollm2(tmp_path):
     """The real model dequantized to fp32: 9 query heads in 3 KV groups split 6 + 3, a tied
     vocab-parallel embedding and head; the second round reuses the first one's full blocks."""
-    opening = "The history of the Roman Empire begins with the founding of the city of Rome and its"
-    opening += (
-        " early kings, who ruled it for more than two centuries until they were driven out by"
-    )
-    rounds = [[opening + " Romulus", opening + " the"], [opening + " Remus", opening + " a"]]
+    rounds = _smollm2_rounds()
     tp = _launch(tmp_path, None, "float32", rounds, timeout_s=SLOW_RANK_TIMEOUT_S)
     _assert_same(tp, _one_process(None, "float32", rounds), LOGIT_TOL)
 
 
 @pytest.mark.slow
-def test_tp2_matches_one_process_on_smollm2_gguf_as_stored(tmp_path):
-    """Q4_1 blocks split by rows and, at whole blocks, by columns. Activations are quantized to
-    int8 per block, so the all-reduce's rounding differences move logits by int8 noise (a
-    near-tie could flip a greedy token: one step, the prompts' next tokens)."""
+@pytest.mark.parametrize("parallel", [TP2, PP2], ids=["tp2", "pp2"])
+def test_two_processes_match_one_process_on_smollm2_gguf_as_stored(tmp_path, parallel):
+    """TP: Q4_1 blocks split by rows and, at whole blocks, by columns; PP: each rank's layers'
+    blocks copied out of the file map. Activations are quantized to int8 per block, so the
+    all-reduce's rounding differences move logits by int8 noise (a near-tie could flip a greedy
+    token: one step, the prompts' next tokens)."""
     rounds = [["The capital of France is", "def fibonacci(n):"]]
-    tp = _launch(tmp_path, None, "auto", rounds, max_tokens=1, timeout_s=SLOW_RANK_TIMEOUT_S)
+    tp = _launch(tmp_path, None, "auto", rounds, max_tokens=1, timeout_s=SLOW_RANK_TIMEOUT_S,
+                 parallel=parallel)  # fmt: skip
     single = _one_process(None, "auto", rounds, max_tokens=1)
     assert tp["exitcodes"] == [0, 0]
     assert tp["tokens"] == single["tokens"]
@@ -355,15 +372,18 @@ def test_tp2_matches_one_process_on_smollm2_gguf_as_stored(tmp_path):
     assert tp["weight_bytes"] < 0.75 * single["weight_bytes"]
 
 
-def test_a_dead_rank_fails_rank_0_with_a_clear_error(tiny_checkpoint, tmp_path):
-    result = _launch(tmp_path, tiny_checkpoint("llama").path, "float32", _prompts(2), die=True)
+@pytest.mark.parametrize("parallel", [TP2, PP2], ids=["tp2", "pp2"])
+def test_a_dead_rank_fails_rank_0_with_a_clear_error(tiny_checkpoint, tmp_path, parallel):
+    path = tiny_checkpoint("llama").path
+    result = _launch(tmp_path, path, "float32", _prompts(2), die=True, parallel=parallel)
     assert result["exitcodes"] == [0, 3]
     assert "rank 0 of 2: a collective failed" in result["error"]
     assert "relaunch torchrun" in result["error"]
 
 
 @pytest.mark.slow
-def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
+@pytest.mark.parametrize("option", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_zcode_generate_under_torchrun_prints_what_one_process_prints(option):
     torchrun = Path(sys.executable).parent / "torchrun"
     command = ["-m", "zcode", "generate", "--dtype", "float32", "--max-tokens", "8"]
     command += ["--temperature", "0", "Paris is"]
@@ -372,7 +392,7 @@ def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
         [sys.executable, *command], capture_output=True, text=True, env=env, timeout=600
     )
     tp = subprocess.run(
-        [str(torchrun), "--nproc-per-node", "2", *command, "--tensor-parallel-size", "2"],
+        [str(torchrun), "--nproc-per-node", "2", *command, option, "2"],
         capture_output=True,
         text=True,
         env=env,
@@ -381,3 +401,104 @@ def test_zcode_generate_under_torchrun_prints_what_one_process_prints():
     assert single.returncode == 0, single.stderr
     assert tp.returncode == 0, tp.stderr
     assert tp.stdout == single.stdout != ""
+
+
+# -- pipeline parallelism
+
+
+def test_stage_layers_are_contiguous_ranges_larger_first():
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(4, 3) == [range(0, 2), range(2, 3), range(3, 4)]
+    # a boundary on a layer that cannot start a stage moves to the nearest one that can, the
+    # later one on a tie
+    assert stage_layers(4, 2, lambda layer: layer != 2) == [range(0, 3), range(3, 4)]
+    assert stage_layers(6, 2, lambda layer: layer not in (2, 3)) == [range(0, 4), range(4, 6)]
+    with pytest.raises(NotImplementedError, match="each rank needs at least one"):
+        stage_layers(1, 2)
+    with pytest.raises(NotImplementedError, match="can start stage 1"):
+        stage_layers(3, 2, lambda layer: layer == 0)
+
+
+def test_pipeline_parallel_config_and_launch_errors(monkeypatch):
+    from zcode.distributed.config import ParallelConfig
+    from zcode.errors import ValidationError
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert ParallelConfig(pipeline_parallel_size=2).world_size == 2
+    with pytest.raises(NotImplementedError, match="tensor-parallel stages"):
+        ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValidationError, match="pipeline_parallel_size 2 needs 2 processes"):
+        LLM(None, pipeline_parallel_size=2)
+    # a skip_layers draft would run fewer layers on rank 0 than on the ranks following it
+    with pytest.raises(NotImplementedError, match="parallelism with speculative skip_layers"):
+        LLM(None, pipeline_parallel_size=2, speculative="skip_layers")
+
+
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+
+
+@pytest.mark.parametrize("name", ["llama", "glm4_moe", "glm_moe_dsa_shared"])
+def test_each_stage_holds_only_its_layers_weights_and_kv_cache(tiny_checkpoint, name):
+    """Without processes: rank r keeps the layers of its stage (rank 0 also the embedding, the
+    last rank the lm_head; both the final norm and the rotary tables), and its KV cache, sized
+    from the same bytes, holds those layers only."""
+    from zcode.config import EngineConfig
+    from zcode.engine.kv_cache import kv_bytes_per_token
+    from zcode.engine.llm_engine import LLMEngine
+
+    path = tiny_checkpoint(name).path
+    config = EngineConfig(kv_cache_bytes=1 << 20)
+    whole, tokenizer = load_model(path, torch.float32)
+    replicated = _tensor_bytes(whole.model.norm) + _tensor_bytes(whole.model.rotary_emb)
+    one_process = LLMEngine(whole, tokenizer, config).runner
+    all_layers = whole.attention_layers()
+    stages = model_stages(whole, 2)
+    # IndexShare: the even boundary, layer 2, shares layer 1's selection: it moves to layer 3
+    assert stages[0] == range(3 if name == "glm_moe_dsa_shared" else (len(all_layers) + 1) // 2)
+    per_rank_bytes = []
+    for rank, stage in enumerate(stages):
+        net, _ = load_model(path, torch.float32)
+        split_pipeline(net, TPGroup(rank, 2, None, None))
+        runner = LLMEngine(net, tokenizer, config).runner
+        per_rank_bytes.append(weight_bytes(net))
+        own = [all_layers[i] for i in stage]
+        assert [a.cache_spec() for a in net.attention_layers()] == [a.cache_spec() for a in own]
+        assert all(a.cache for a in net.attention_layers())
+        assert runner.kv_cache.bytes_per_token == kv_bytes_per_token(own, torch.float32)
+        cache_bytes = sum(t.nbytes for a in net.attention_layers() for t in a.cache.values())
+        assert cache_bytes <= config.kv_cache_bytes * 1.05  # the budget, plus the padding block
+        assert runner.num_blocks > one_process.num_blocks  # fewer layers: more tokens per byte
+    # resident storages: a rank that kept views of the checkpoint file would count all of it
+    assert sum(per_rank_bytes) == _tensor_bytes(whole) + replicated
+    if name == "llama":  # two equal layers, embedding and lm_head the same size: half each
+        assert per_rank_bytes[0] == per_rank_bytes[1]
+
+
+@pytest.mark.parametrize("name", ["llama", "glm4", "glm4_moe", "glm_moe_dsa", "glm_moe_dsa_shared"])
+def test_pp2_matches_one_process(tiny_checkpoint, one_process_runs, tmp_path, name):
+    """Rank 0 runs the embedding and the first layers, rank 1 the rest, the norm and lm_head;
+    the hidden states go over to rank 1 and the sampled rows' logits come back. IndexShare
+    (glm_moe_dsa_shared, layers full, full, shared, full) splits 3 + 1, off the shared layer."""
+    path = tiny_checkpoint(name).path
+    pp = _launch(tmp_path, path, "float32", _prompts(seed=3), parallel=PP2)
+    _assert_same(pp, one_process_runs(name), LOGIT_TOL)
+
+
+def test_pp3_middle_stage_receives_and_sends(tiny_checkpoint, one_process_runs, tmp_path):
+    """Three stages of one layer each: rank 1 both receives and sends the hidden states."""
+    path = tiny_checkpoint("glm4_moe").path
+    pp = _launch(
+        tmp_path, path, "float32", _prompts(seed=3), parallel={"pipeline_parallel_size": 3}
+    )
+    _assert_same(pp, one_process_runs("glm4_moe"), LOGIT_TOL)
+
+
+@pytest.mark.slow
+def test_pp2_matches_one_process_on_smollm2(tmp_path):
+    """30 layers as 15 + 15; the tied embedding is on both ends (rank 0 looks tokens up, rank 1
+    computes the logits with it), so each rank holds 60% of the weights, not half. The second
+    round reuses the first one's full blocks."""
+    rounds = _smollm2_rounds()
+    pp = _launch(tmp_path, None, "float32", rounds, timeout_s=SLOW_RANK_TIMEOUT_S, parallel=PP2)
+    _assert_same(pp, _one_process(None, "float32", rounds), LOGIT_TOL)

@@ -665,12 +665,22 @@ def _add_parallel_options(parser: argparse.ArgumentParser, command: str) -> None
         help="MoE models: give each of the --tensor-parallel-size processes a range of whole "
         "experts instead of a slice of every expert (vLLM's --enable-expert-parallel)",
     )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=default.pipeline_parallel_size,
+        metavar="N",
+        help="run the layers as N stages of consecutive layers, one per torchrun process, each "
+        "holding only its layers' weights and KV cache (for slow links between processes; "
+        "not with --tensor-parallel-size) (default: %(default)s)",
+    )
 
 
 def _parallel_args(args: argparse.Namespace) -> dict:
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size,
         expert_parallel=args.expert_parallel,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         collective_timeout_s=args.collective_timeout_s,
     )
     return {"parallel": parallel} if parallel.is_distributed else {}

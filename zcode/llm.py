@@ -8,11 +8,13 @@ import torch
 from zcode.chat.template import render_chat
 from zcode.config import EngineConfig
 from zcode.distributed.config import ParallelConfig
+from zcode.distributed.pipeline import split_pipeline
 from zcode.distributed.shard import shard_model
 from zcode.distributed.steps import join, start_rank
 from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.request_output import RequestOutput
 from zcode.errors import ValidationError
+from zcode.kernels.cpp_build import build_all
 from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
 
@@ -38,6 +40,7 @@ class LLM:
         sparsity: str | Path | None = None,
         tensor_parallel_size: int | None = None,
         expert_parallel: bool = False,
+        pipeline_parallel_size: int | None = None,
         **engine_args,
     ) -> None:
         """`sparsity`: a calibration artifact (`zcode calibrate`) whose default plan is applied
@@ -45,10 +48,13 @@ class LLM:
         `tensor_parallel_size`: the number of torchrun processes that split the model; on
         ranks other than 0 this constructor follows rank 0's steps and exits the process when
         rank 0 ends (zcode.distributed). `expert_parallel`: those processes hold whole MoE
-        experts, a range each, instead of a slice of every expert."""
-        if tensor_parallel_size is not None or expert_parallel:
+        experts, a range each, instead of a slice of every expert. `pipeline_parallel_size`:
+        torchrun processes that each run a range of the layers instead (same behaviour)."""
+        if (tensor_parallel_size, expert_parallel, pipeline_parallel_size) != (None, False, None):
             engine_args["parallel"] = ParallelConfig(
-                tensor_parallel_size=tensor_parallel_size or 1, expert_parallel=expert_parallel
+                tensor_parallel_size=tensor_parallel_size or 1,
+                expert_parallel=expert_parallel,
+                pipeline_parallel_size=pipeline_parallel_size or 1,
             )
         self.config = EngineConfig(**engine_args)
         group = join(self.config, sparsity)
@@ -56,8 +62,14 @@ class LLM:
         if dtype is None and sparsity is not None:
             dtype = torch.float32  # sparse FFN kernels read rows of float weights
         net, self.tokenizer = load_model(model, dtype)
-        if group is not None:
+        if group is not None and self.config.parallel.pipeline_parallel_size > 1:
+            split_pipeline(net, group)
+        elif group is not None:
             shard_model(net, group, self.config.parallel.expert_parallel)
+        if group is not None:
+            # Now, not inside the first step: a pipeline stage waits for the earlier stages'
+            # whole forward under the collective timeout, and a first build takes minutes.
+            build_all()
         self.sparsity = None
         if sparsity is not None:
             from zcode.sparsity.apply import apply_default_plan

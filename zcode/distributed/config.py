@@ -10,7 +10,8 @@ class ParallelConfig:
     """tensor_parallel_size: processes that split every layer by heads and FFN columns (one
     torchrun process each). expert_parallel: MoE layers give each of those processes a range of
     whole routed experts instead of a slice of every expert (vLLM's --enable-expert-parallel).
-    pipeline_parallel_size is the next scheme of issue 19 and is refused until built.
+    pipeline_parallel_size: processes that each run a contiguous range of the decoder layers and
+    hold only their KV cache (zcode.distributed.pipeline); not yet combined with the tensor split.
     collective_timeout_s: how long a collective inside a forward pass waits for the other ranks
     before the step fails (a dead or hung rank)."""
 
@@ -33,8 +34,11 @@ class ParallelConfig:
                 "expert_parallel splits the experts over the tensor-parallel processes: "
                 "set tensor_parallel_size to 2 or more"
             )
-        if self.pipeline_parallel_size > 1:
-            raise NotImplementedError("pipeline parallelism (issue 19): not built yet")
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise NotImplementedError(
+                "pipeline parallelism of tensor-parallel stages (pipeline_parallel_size and "
+                "tensor_parallel_size both above 1): not built yet (issue 19); use one of them"
+            )
 
     @property
     def world_size(self) -> int:

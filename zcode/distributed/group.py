@@ -4,8 +4,9 @@ torchrun starts one process per rank and sets RANK, WORLD_SIZE and the rendezvou
 MASTER_PORT); this module is the one place that reads them. Collectives on CPU tensors go over
 gloo, on CUDA tensors over NCCL. Two groups:
 
-- `compute`: the all-reduces and all-gathers of a forward pass, with the config's timeout, so a
-  rank that died or hangs fails the step within it instead of hanging the others;
+- `compute`: the all-reduces and all-gathers of a forward pass (and the point-to-point sends of
+  pipeline stages), with the config's timeout, so a rank that died or hangs fails the step
+  within it instead of hanging the others;
 - `control`: rank 0's per-step broadcast of what to run; followers wait on it between steps
   (an idle server may wait for days), so its timeout is long. A rank that dies closes its
   sockets, which gloo reports at once, timeout or not.
@@ -59,8 +60,9 @@ def init_distributed(config: ParallelConfig) -> TPGroup:
     if world_size != config.world_size:
         launch = f"torchrun --nproc-per-node {config.world_size} -m zcode ..."
         raise ValidationError(
-            f"tensor_parallel_size {config.tensor_parallel_size} needs {config.world_size} "
-            f"processes, this launch has {world_size}: start it with `{launch}`"
+            f"tensor_parallel_size {config.tensor_parallel_size} x pipeline_parallel_size "
+            f"{config.pipeline_parallel_size} needs {config.world_size} processes, this launch "
+            f"has {world_size}: start it with `{launch}`"
         )
     if dist.is_initialized():
         raise RuntimeError("this process already joined a process group: one model per process")
@@ -83,6 +85,17 @@ def all_gather(x: torch.Tensor, group: TPGroup) -> list[torch.Tensor]:
     parts = [torch.empty_like(x) for _ in range(group.world_size)]
     _checked(group, dist.all_gather, parts, x.contiguous(), group=group.compute)
     return parts
+
+
+def send(x: torch.Tensor, dst: int, group: TPGroup) -> None:
+    """Sends x to rank `dst`, which receives it with `recv` into a tensor of x's shape and dtype."""
+    _checked(group, dist.send, x.contiguous(), dst, group=group.compute)
+
+
+def recv(x: torch.Tensor, src: int, group: TPGroup) -> torch.Tensor:
+    """Fills x with what rank `src` sends; returns x."""
+    _checked(group, dist.recv, x, src, group=group.compute)
+    return x
 
 
 def broadcast_object(obj: object, group: TPGroup) -> object:

@@ -93,10 +93,10 @@ def shard_model(model: nn.Module, group: TPGroup, expert_parallel: bool = False)
         else:
             _shard_mlp(layer.mlp, group, model.config.model_type)
     _shard_vocab(model, group)
-    _own_memory(model)
+    own_memory(model)
 
 
-def _own_memory(model: nn.Module) -> None:
+def own_memory(model: nn.Module) -> None:
     """Copies the replicated tensors (norms, biases) that are still views of the checkpoint
     file, so that nothing keeps the whole file mapped."""
     for module in model.modules():

@@ -42,12 +42,14 @@ def join(config: EngineConfig, sparsity: object = None) -> TPGroup | None:
                 (config.expert_cache_gb, config.expert_cache_fraction) != (None, None),
             ),
             ("a sparsity artifact", sparsity is not None),
+            # the drafts run fewer layers on rank 0 than its broadcast makes the others run
+            ("speculative skip_layers", config.speculative == "skip_layers"),
         )
         if used
     ]
     if unsupported:
         raise NotImplementedError(
-            f"tensor parallelism with {', '.join(unsupported)}: not built yet (issue 19)"
+            f"tensor / pipeline parallelism with {', '.join(unsupported)}: not built yet (issue 19)"
         )
     return init_distributed(config.parallel)
 
