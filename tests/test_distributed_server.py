@@ -1,4 +1,5 @@
-"""`zcode serve` under torchrun with --tensor-parallel-size 2 (gloo), and what a lost rank does.
+"""`zcode serve` under torchrun with --tensor-parallel-size 2 or --pipeline-parallel-size 2
+(gloo), and what a lost rank does.
 
 The oracle for outputs is a one-process server on the same model (itself held to transformers by
 test_parity.py and to the client by test_server.py): the embedded SmolLM2-135M in float32, whose
@@ -24,6 +25,7 @@ PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Name three colors."}]
 ARGS = ("--max-model-len", "512", "--kv-cache-mib", "64", "--dtype", "float32")
 TP_ARGS = ("--tensor-parallel-size", "2")
+SPLITS = {"tp2": TP_ARGS, "pp2": ("--pipeline-parallel-size", "2")}
 STARTUP_TIMEOUT_S = 480  # a hang guard: two ranks loading on a busy 2-core machine
 EXIT_TIMEOUT_S = 120  # a hang guard for the launch to end after a rank is lost
 RANK_FAILURE = "a collective failed"
@@ -66,11 +68,12 @@ def single():
         yield s
 
 
-@pytest.fixture(scope="module")
-def tp():
+@pytest.fixture(scope="module", params=sorted(SPLITS))
+def tp(request):
+    """A two-rank server, tensor- or pipeline-parallel (the fixture keeps its first name)."""
     launcher = torchrun()
     with RemoteServer(
-        *ARGS, *TP_ARGS, "--shutdown-timeout", "20", launcher=launcher,
+        *ARGS, *SPLITS[request.param], "--shutdown-timeout", "20", launcher=launcher,
         startup_timeout_s=STARTUP_TIMEOUT_S,
     ) as s:  # fmt: skip
         yield s
