@@ -70,7 +70,7 @@ def test_an_unknown_loss_never_meets_a_quality_budget():
         ({"max_kv_bytes": 0}, "max_kv_bytes"),
         ({"max_kv_bytes": 1.5}, "max_kv_bytes"),
         ({"plan": "dense"}, "ExecutionPlan"),
-        ({"plan": ExecutionPlan(), "skip_layers": (1,)}, "not both"),
+        ({"plan": ExecutionPlan(skip_layers=(0,)), "skip_layers": (1,)}, "not both"),
     ],
 )
 def test_bad_hints_are_validation_errors(kwargs, match):

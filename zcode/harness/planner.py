@@ -22,8 +22,10 @@ dimensions and units:
   (the expected increase of next-token cross-entropy when the dense model's distribution is the
   text's; the precision planner already adds it across units);
 - an FFN level: log(ppl_ratio) measured for the level on calibration text;
-- a skipped KV group: log of the perplexity ratio of ablating it alone, clamped at 0 (a removal
-  is never predicted to help).
+- a skipped KV group: log of the perplexity ratio of ablating it alone;
+
+the last two clamped at 0: dropping work is never predicted to help (a ratio under 1 is
+calibration noise).
 
 Predicted quality loss % = 100 * (exp(sum) - 1): a perplexity increase in percent.
 
@@ -41,7 +43,7 @@ a better plan by the same objective ("none" when none would).
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -64,7 +66,8 @@ class Hints:
     quality: str | None = None  # shorthand for a max_quality_loss (QUALITY_BUDGETS_PCT)
     max_kv_bytes: int | None = None  # KV cache bytes per token
     plan: ExecutionPlan | None = None  # an explicit plan: runs as given, targets only reported
-    skip_layers: tuple[int, ...] = ()  # explicit depth, the other dimensions still searched
+    # Explicit depth: the other dimensions are still searched (or `plan` runs with it).
+    skip_layers: tuple[int, ...] = ()
     skip_kv_heads: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
@@ -84,7 +87,8 @@ class Hints:
             )
         if self.plan is not None and not isinstance(self.plan, ExecutionPlan):
             raise ValidationError(f"plan must be an ExecutionPlan, got {type(self.plan).__name__}")
-        if self.plan is not None and (self.skip_layers or self.skip_kv_heads):
+        plan_skips = self.plan is not None and (self.plan.skip_layers or self.plan.skip_kv_heads)
+        if plan_skips and (self.skip_layers or self.skip_kv_heads):
             raise ValidationError(
                 "pass skips in the plan or as skip_layers / skip_kv_heads, not both"
             )
@@ -264,13 +268,18 @@ class Planner:
         plan = self.plan_of(precision, ffn, depth)
         ms = None
         if self.cost is not None:
-            ms = self.cost.predict_decode_ms(
-                self.model,
-                plan,
-                modules=precision.modules,
-                batch_size=batch_size,
-                context_len=context_len,
-            )
+            try:
+                ms = self.cost.predict_decode_ms(
+                    self.model,
+                    plan,
+                    modules=precision.modules,
+                    batch_size=batch_size,
+                    context_len=context_len,
+                )
+            except ValueError as e:  # a kernel kind the fit never measured
+                raise ValidationError(
+                    f"the cost model cannot predict plan {plan.name!r}: {e}"
+                ) from None
         losses = [o.log_loss for o in (precision, ffn, depth)]
         loss_pct = None if None in losses else 100 * math.expm1(sum(losses))
         return Candidate(plan, ms, loss_pct, self.kv_bytes(depth))
@@ -320,6 +329,8 @@ class Planner:
 
     def _override(self, hints: Hints, batch_size: int, context_len: int) -> PlanChoice:
         plan = hints.plan
+        if hints.skip_layers or hints.skip_kv_heads:
+            plan = replace(plan, skip_layers=hints.skip_layers, skip_kv_heads=hints.skip_kv_heads)
         depth = self.explicit_depth(plan.skip_layers, plan.skip_kv_heads)
         candidates = self.candidates(depth, batch_size, context_len)
         found = next((c for c in candidates if c.plan.kv_signature() == plan.kv_signature()), None)
@@ -348,7 +359,7 @@ def precision_options(variants) -> list[Option]:
         touches_ffn = any(".mlp." in name for name, _ in level.plan.precision)
         options.append(
             Option(
-                f"quality={quality}",
+                level.plan.name,
                 level.predicted_kl,
                 precision=level.plan.precision,
                 modules=level.modules,
@@ -385,7 +396,7 @@ def ffn_options(sparsity, precision_touches_ffn: bool) -> list[Option]:
         options.append(
             Option(
                 f"ffn in {lv.sparsity_in:g} / mid {lv.sparsity_mid:g}",
-                math.log(lv.ppl_ratio),
+                max(0.0, math.log(lv.ppl_ratio)),
                 ffn_level=(lv.sparsity_in, lv.sparsity_mid),
                 ffn_density=ffn_read_fraction(
                     lv.sparsity_in, lv.sparsity_mid, DEFAULT_DENSE_FRACTION
