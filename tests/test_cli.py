@@ -30,7 +30,8 @@ OPTIONS = {
     "generate": [
         "PROMPT", "--model", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
         "--repetition-penalty", "--seed", "--stop", "--chat", "--thinking", "--no-thinking",
-        "--dtype", "--stream", "--tensor-parallel-size",
+        "--dtype", "--stream", "--tensor-parallel-size", "--max-latency-ms", "--max-quality-loss",
+        "--quality", "--max-kv-bytes",
     ],
     "chat": [
         "--model", "--system", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
@@ -39,6 +40,10 @@ OPTIONS = {
     "info": ["MODEL", "--json"],
     "ppl": ["MODEL", "FILE", "--window", "--stride", "--max-tokens", "--dtype"],
     "hw": ["--refresh", "--json"],
+    "plan": [
+        "MODEL", "--sparsity", "--profile", "--budget", "--max-latency-ms", "--max-quality-loss",
+        "--quality", "--max-kv-bytes", "--per-request-depth", "--batch-size", "--context-len",
+    ],
 }  # fmt: skip
 
 

@@ -113,7 +113,7 @@ def test_every_combination_of_hints_runs_its_plan(paged, tiny_checkpoint, artifa
         report = out.plan
         assert isinstance(report, PlanReport), combo
         hints = Hints(**{**kwargs, "skip_layers": tuple(kwargs.get("skip_layers", ()))})
-        choice = planner.choose(hints, batch_size=1, context_len=len(PROMPT) + 2)
+        choice = planner.choose(hints, batch_size=1, context_len=16)  # len(PROMPT) + 2.5, up
         assert report.signature == choice.plan.signature(), combo
         assert report.binding == ("override" if "plan" in combo else choice.binding), combo
         met = all(
@@ -215,3 +215,28 @@ def test_compiled_decode_follows_every_plan_change(tiny_checkpoint, artifact):
     assert outputs[1][0].token_ids != outputs[2][0].token_ids  # the sparse level did differ
     assert compiled.engine.runner.num_graph_compiles > 0  # dense plans ran compiled
     assert outputs[-1][1].token_ids == outputs[0][1].token_ids
+
+
+def test_zcode_plan_prints_the_choice(tiny_checkpoint, artifact, tmp_path, capsys, monkeypatch):
+    import json
+
+    from zcode import cli
+    from zcode.hardware.cost_model import CostModel
+
+    path = tmp_path / "artifact.pt"
+    artifact.save(path)
+    model = str(tiny_checkpoint("llama").path)
+    argv = ["plan", model, "--sparsity", str(path), "--per-request-depth", "--json"]
+    monkeypatch.setattr(CostModel, "cached", classmethod(lambda cls, info, cache_dir=None: None))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--max-latency-ms", "5"])
+    assert exit_info.value.code == 2 and "zcode hw --fit-cost" in capsys.readouterr().err
+    # fp32 K and V of 16 dims per KV head (128 bytes a token), 2 layers x 2 KV heads: at most 3
+    monkeypatch.setattr(
+        CostModel, "cached", classmethod(lambda cls, info, cache_dir=None: cost_model())
+    )
+    cli.main([*argv, "--max-quality-loss", "50", "--max-kv-bytes", str(3 * 128)])
+    row = json.loads(capsys.readouterr().out)
+    assert row["kv_bytes_per_token"] <= 3 * 128 and row["target_met"]
+    assert row["predicted_quality_loss_pct"] <= 50 and row["predicted_ms_per_token"] > 0
+    assert "skip 1 KV heads" in row["plan"] or "skip 2 KV heads" in row["plan"]

@@ -1,6 +1,7 @@
 """The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
 import dataclasses
+import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -74,6 +75,7 @@ class LLM:
         # None: this machine's cached fit, read when a request first has hints.
         self.cost_model = None
         self._cost_model_read = False
+        self._planner: tuple[tuple, Planner] | None = None
         if self.sparsity is not None:
             self.declare_default_plan()
 
@@ -85,13 +87,17 @@ class LLM:
             from zcode.hardware.probe import probe
 
             self.cost_model, self._cost_model_read = CostModel.cached(probe()), True
-        return Planner(
-            self.model,
-            self.cost_model,
-            self.precision_variants,
-            self.sparsity,
-            kv_paged=self.engine.runner.pages is not None,
-        )
+        key = (id(self.cost_model), id(self.precision_variants), id(self.sparsity))
+        if self._planner is None or self._planner[0] != key:  # its candidates are memoized
+            planner = Planner(
+                self.model,
+                self.cost_model,
+                self.precision_variants,
+                self.sparsity,
+                kv_paged=self.engine.runner.pages is not None,
+            )
+            self._planner = (key, planner)
+        return self._planner[1]
 
     def executor(self) -> PlanExecutor:
         default = Planner(self.model, None, self.precision_variants, self.sparsity).default_plan()
@@ -131,7 +137,10 @@ class LLM:
         decoder layers and (layer, KV head) pairs these requests never run and keep no KV for;
         the other dimensions are still planned. With any hint, each output's `plan` is a
         PlanReport: the plan, predicted and measured ms per token, predicted quality loss, KV
-        bytes per token, the binding constraint and whether the targets are met.
+        bytes per token, the binding constraint and whether the targets are met. The plan is
+        model state for the whole batch of this call: per-row plans in one batch are not built
+        yet (issue 17, phase 2), and changing the plan while other requests run raises a
+        ValidationError.
         """
         params = sampling_params or SamplingParams()
         hints = Hints(
@@ -148,10 +157,11 @@ class LLM:
             self.engine.validate_skips(hints.plan.skip_layers, hints.plan.skip_kv_heads)
         if hints == Hints():  # the model as it is
             return self._run(token_lists, params, (), ())[0]
-        mean_len = sum(map(len, token_lists)) / len(token_lists)
-        choice = self.planner().choose(
-            hints, batch_size=len(token_lists), context_len=int(mean_len + params.max_tokens / 2)
-        )
+        # Predicted at the batch's mean context halfway through, up to a power of two (so the
+        # planner's memoized candidates serve many requests).
+        mean_len = sum(map(len, token_lists)) / len(token_lists) + params.max_tokens / 2
+        context_len = 1 << math.ceil(math.log2(max(mean_len, 1)))
+        choice = self.planner().choose(hints, len(token_lists), context_len)
         with self.executor().running(choice.plan):
             outputs, step_ms = self._run(
                 token_lists, params, choice.plan.skip_layers, choice.plan.skip_kv_heads
