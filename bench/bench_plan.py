@@ -42,11 +42,13 @@ QUALITY_BUDGETS_PCT = (1.0, 5.0, 20.0)
 LATENCY_QUANTILES = (0.1, 0.4, 0.7, 1.0)  # of the candidates' predicted ms, low to high
 
 
-def load_artifact(llm: LLM, path: str | None, num_tokens: int) -> SparsityArtifact:
+def load_artifact(
+    llm: LLM, path: str | None, num_tokens: int, num_eval_tokens: int
+) -> SparsityArtifact:
     path = Path(path) if path else default_path(llm.model)
     if path.is_file():
         return SparsityArtifact.load(path)
-    artifact = calibrate(llm, num_tokens=num_tokens)
+    artifact = calibrate(llm, num_tokens=num_tokens, num_eval_tokens=num_eval_tokens)
     artifact.save(path)
     return artifact
 
@@ -108,6 +110,7 @@ def main() -> None:
     parser.add_argument("--model", help="HF directory or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--artifact", help="sparsity artifact (default: cached or calibrated)")
     parser.add_argument("--calibration-tokens", type=int, default=4096)
+    parser.add_argument("--calibration-eval-tokens", type=int, default=1024)
     parser.add_argument("--heldout-tokens", type=int, default=4096)
     parser.add_argument("--num-plans", type=int, default=12)
     parser.add_argument("--fit-cost", action="store_true", help="fit the cost model if missing")
@@ -115,7 +118,9 @@ def main() -> None:
     if args.quick:
         args.heldout_tokens, args.num_plans = 1024, 6
     llm = LLM(args.model, dtype="float32", per_request_depth=True, kv_cache_bytes=256 << 20)
-    llm.sparsity = load_artifact(llm, args.artifact, args.calibration_tokens)
+    llm.sparsity = load_artifact(
+        llm, args.artifact, args.calibration_tokens, args.calibration_eval_tokens
+    )
     llm.cost_model = CostModel.load_or_fit() if args.fit_cost else CostModel.cached(probe())
     llm.declare_default_plan()
     candidates = llm.planner().candidates()
