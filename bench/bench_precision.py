@@ -69,7 +69,7 @@ from zcode.quant.linear import QuantizedLinear  # noqa: E402
 from zcode.quant.planner import module_formats, plan  # noqa: E402
 from zcode.quant.report import draw_pareto  # noqa: E402
 from zcode.quant.sensitivity import SingleSequenceRunner, profile_sensitivity  # noqa: E402
-from zcode.quant.variants import QUALITIES, attach_variants  # noqa: E402
+from zcode.quant.variants import attach_variants  # noqa: E402
 from zcode.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -218,16 +218,18 @@ def quality_variant_rows(
     kl_ids: list[int],
     dense: torch.Tensor,
 ) -> list[dict]:
-    """generate(quality=)'s three levels on the model (quantized in place to the `budget` plan,
-    so this runs last): each level's plan report with held-out perplexity and KL."""
+    """The precision variants' three levels on the model (quantized in place to the `budget`
+    plan, so this runs last): each level's plan with held-out perplexity and KL."""
     attach_variants(llm, profile, budget, cap, kernel="reference")
-    variants = llm.precision_variants
     rows = []
-    for quality in QUALITIES:
-        with variants.running(llm.engine, quality):
+    for quality, level in llm.precision_variants.levels.items():
+        with llm.executor().running(level.plan):
             ppl = perplexity(llm, heldout, WINDOW, STRIDE).perplexity
             kl = measured_kl(llm, kl_ids, dense)
-        rows.append({**variants.report(quality), "ppl": ppl, "measured_kl": kl})
+        rows.append(
+            {"quality": quality, "plan": level.plan.name, "predicted_kl": level.predicted_kl}
+            | {"ppl": ppl, "measured_kl": kl}
+        )
         print(f"quality={quality:>8}: ppl {ppl:.4f}  KL {kl:.5f}", flush=True)
     return rows
 

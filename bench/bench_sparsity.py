@@ -8,7 +8,8 @@ with dense (argmax of the next-token distribution) and mean KL(dense || plan) pe
 realized fraction of FFN multiply-adds skipped (masks recomputed in Python from the FFN inputs).
 Speed: batch-1 decode ms/token, min and median over interleaved repeats; a batch 1/4/16 table of
 the decode-step speed-up with the union density of the batch's masks; KV bytes per token of the
-layer-skipping and head-pruning plans. generate(max_latency_ms=...) is benched by bench_sla.py.
+layer-skipping and head-pruning plans. The planner (max_latency_ms and other hints) is benched by
+bench_plan.py.
 Writes bench/results/sparsity.json and bench/results/sparsity_pareto.png.
 """
 

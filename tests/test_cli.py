@@ -32,6 +32,7 @@ OPTIONS = {
         "--repetition-penalty", "--seed", "--stop", "--chat", "--thinking", "--no-thinking",
         "--dtype", "--stream", "--tensor-parallel-size", "--collective-timeout-s",
         "--expert-parallel", "--pipeline-parallel-size",
+        "--max-latency-ms", "--max-quality-loss", "--quality", "--max-kv-bytes",
     ],
     "chat": [
         "--model", "--system", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
@@ -40,6 +41,10 @@ OPTIONS = {
     "info": ["MODEL", "--json"],
     "ppl": ["MODEL", "FILE", "--window", "--stride", "--max-tokens", "--dtype"],
     "hw": ["--refresh", "--json"],
+    "plan": [
+        "MODEL", "--sparsity", "--profile", "--budget", "--max-latency-ms", "--max-quality-loss",
+        "--quality", "--max-kv-bytes", "--per-request-depth", "--batch-size", "--context-len",
+    ],
 }  # fmt: skip
 
 

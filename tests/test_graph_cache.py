@@ -81,16 +81,6 @@ def test_buckets_cover_max_num_seqs():
     assert batch_buckets(64)[-1] == 64
 
 
-def test_sparse_ffn_models_refuse_compilation(tiny_checkpoint):
-    from zcode.sparsity.sparse_mlp import SparseMLP
-
-    net, _ = load_model(tiny_checkpoint("llama").path)
-    layer = net.model.layers[0]
-    layer.mlp = SparseMLP(layer.mlp, thresh_in=0.1, thresh_mid=0.1)
-    with pytest.raises(NotImplementedError, match="sparse FFN"):
-        LLMEngine(net, None, EngineConfig(kv_cache_bytes=1 << 20, compile=True))
-
-
 def test_decode_batch_pads_rows_and_context():
     # Two sequences of 5 and 18 tokens in blocks of 4, padded to a bucket of 4 rows.
     batch = ForwardBatch.build_decode([5, 18], [[7, 3], [0, 1, 2, 5, 6]], 4, 4, pad_block=9)

@@ -253,7 +253,7 @@ def test_engine_salts_keep_prefixes_apart(nets):
 
     assert hits_of() == 0
     assert hits_of("a") == 0 and hits_of("a") == 16
-    engine.kv_salt = "another plan"  # what generate_within and quality variants set
+    engine.kv_salt = "another plan"  # what the plan executor sets
     assert hits_of() == 0 and hits_of("a") == 0 and hits_of() == 16
     engine.kv_salt = ""
     assert hits_of() == 16

@@ -1,12 +1,18 @@
-"""generate(quality=): the variant plan runs, matches transformers running the same dequantized
-weights, is reported, and is undone; the memory cap holds; bad input is a ValidationError."""
+"""Precision variants as the planner's precision levels: each level's plan runs, matches
+transformers running the same dequantized weights, is reported, and is undone; quality presets
+pick the fastest level within their budget; the memory cap holds; bad input is a
+ValidationError."""
 
 import copy
+import dataclasses
+import math
 
 import pytest
 import torch
 
 from zcode.errors import ValidationError
+from zcode.hardware.cost_model import CostModel
+from zcode.harness.planner import QUALITY_BUDGETS_PCT
 from zcode.llm import LLM
 from zcode.quant.apply import UNCHANGED
 from zcode.quant.linear import QuantizedLinear, quantize_weight
@@ -32,7 +38,16 @@ def tiny(tiny_checkpoint):
     assert 8 * base_bytes / num_weights < 8
     # Exactly uniform BASE_FORMAT's bytes: the base plan is that format everywhere.
     report = attach_variants(llm, profile, f"{base_bytes}B", "60kB", kernel="reference")
+    # ms per MB alike for every kind: the faster level is the one reading fewer weight bytes
+    kinds = ("dense-float32", "int8", "int4")
+    coefficients = {f"{k}:{f}": float(f == "MB") for k in kinds for f in ("MB", "calls", "GFLOP")}
+    coefficients |= {"step": 1.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
+    llm.cost_model = CostModel(coefficients, {}, "test")
     return checkpoint, llm, profile, report
+
+
+def level_plan(llm, quality: str):
+    return llm.precision_variants.levels[quality].plan
 
 
 def oracle_logprobs(oracle, unit_formats: dict, profile: dict, token_ids: list[int]):
@@ -57,28 +72,48 @@ def test_each_quality_runs_its_plan_as_transformers_does(tiny):
     formats = {"fast": None, "balanced": "int8", "max": UNCHANGED}
     outputs = {}
     for quality, fmt in formats.items():
-        (out,) = llm.generate(PROMPT, PARAMS, quality=quality)
+        (out,) = llm.generate(PROMPT, PARAMS, plan=level_plan(llm, quality))
         outputs[quality] = out
-        assert out.plan["quality"] == quality
-        assert out.plan["plan"].startswith(f"quality={quality}")
+        assert out.plan.binding == "override"
+        assert out.plan.plan.startswith(f"quality={quality}")
         unit_formats = {**base, **{u: fmt for u in variants.variant_units if fmt is not None}}
         expected = oracle_logprobs(checkpoint.oracle, unit_formats, profile, PROMPT + out.token_ids)
         for i, token in enumerate(out.token_ids):
             step = expected[len(PROMPT) - 1 + i]
             assert token == int(step.argmax()), (quality, i)
             assert out.logprobs[i][token] == pytest.approx(step[token].item(), abs=1e-3)
-    signatures = {out.plan["signature"] for out in outputs.values()}
+    signatures = {out.plan.signature for out in outputs.values()}
     assert len(signatures) == 3  # three different plans ran
     # The variants change what the model computes, and the predictions say "max" loses least.
     assert outputs["max"].logprobs != outputs["fast"].logprobs
-    kl = {q: out.plan["predicted_kl"] for q, out in outputs.items()}
-    assert kl["max"] < kl["fast"]
+    loss = {q: out.plan.predicted_quality_loss_pct for q, out in outputs.items()}
+    assert loss["max"] < loss["fast"]
+    kl = llm.precision_variants.levels["fast"].predicted_kl
+    assert loss["fast"] == pytest.approx(100 * math.expm1(kl))
+
+
+@pytest.mark.parametrize("quality", ["max", "balanced", "fast"])
+def test_a_quality_preset_runs_the_fastest_level_within_its_budget(tiny, quality):
+    _, llm, _, _ = tiny
+    levels = llm.precision_variants.levels
+    loss_pct = {q: 100 * math.expm1(lv.predicted_kl) for q, lv in levels.items()}
+    within = [q for q in levels if loss_pct[q] <= QUALITY_BUDGETS_PCT[quality]]
+    (out,) = llm.generate(PROMPT, PARAMS, quality=quality)
+    if within:  # fewer weight bytes: faster under the test's cost model
+        expected = min(within, key=lambda q: levels[q].weight_bytes)
+        assert out.plan.target_met
+    else:  # nothing within the budget: the level that loses least, and the report says so
+        expected = min(levels, key=lambda q: loss_pct[q])
+        assert not out.plan.target_met and out.plan.binding == "quality"
+    assert out.plan.plan.startswith(f"quality={expected}:")
+    (want,) = llm.generate(PROMPT, PARAMS, plan=level_plan(llm, expected))
+    assert out.token_ids == want.token_ids
 
 
 def test_base_plan_and_prefix_cache_come_back(tiny):
     _, llm, _, report = tiny
     (before,) = llm.generate(PROMPT, PARAMS)
-    llm.generate(PROMPT, PARAMS, quality="max")
+    llm.generate(PROMPT, PARAMS, plan=level_plan(llm, "max"))
     (after,) = llm.generate(PROMPT, PARAMS)
     # A "max" run neither left its modules in nor published KV the base plan then reused.
     assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
@@ -95,7 +130,7 @@ def test_a_variant_shares_prefix_blocks_with_its_own_requests_only(tiny):
 
     def hits_of(quality: str | None) -> int:
         before = stats()["prefix_cache_hits"]
-        llm.generate(prompt, PARAMS, quality=quality)
+        llm.generate(prompt, PARAMS, plan=level_plan(llm, quality) if quality else None)
         return stats()["prefix_cache_hits"] - before
 
     blocks = 2 * llm.engine.config.block_size
@@ -107,16 +142,18 @@ def test_bad_quality_requests(tiny):
     _, llm, _, _ = tiny
     with pytest.raises(ValidationError, match="quality must be one of"):
         llm.generate(PROMPT, PARAMS, quality="best")
-    with pytest.raises(ValidationError, match="not both"):
-        llm.generate(PROMPT, PARAMS, quality="max", max_latency_ms=10)
+    with pytest.raises(ValidationError, match="none of the model's precision variants"):
+        llm.executor().apply(dataclasses.replace(level_plan(llm, "max"), precision=()))
     with pytest.raises(ValidationError, match="memory cap"):
         parse_memory_cap("4.5bits")
 
 
-def test_quality_needs_variants(tiny_checkpoint):
+def test_without_variants_quality_runs_the_model_as_loaded(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("llama").path, dtype="float32")
-    with pytest.raises(ValidationError, match="attach_variants"):
-        llm.generate(PROMPT, PARAMS, quality="max")
+    (plain,) = llm.generate(PROMPT, PARAMS)
+    (out,) = llm.generate(PROMPT, PARAMS, quality="max")
+    assert out.token_ids == plain.token_ids and out.plan.plan == "as loaded"
+    assert out.plan.predicted_quality_loss_pct == 0.0 and out.plan.target_met
 
 
 def test_cap_too_small_for_any_variant(tiny_checkpoint):
@@ -131,7 +168,7 @@ def test_cap_too_small_for_any_variant(tiny_checkpoint):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--quality", "max"], "needs --profile"),
+        (["--profile", "p.json"], "needs --budget"),
         (["--quality", "max", "--profile", "/nonexistent.json", "--budget", "4.5bits"], "no such"),
         (["--quality", "max", "--profile", "p", "--budget", "4.5bits", "--stream"], "--stream"),
     ],

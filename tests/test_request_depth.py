@@ -312,7 +312,8 @@ def test_generate_skip_layers_is_all_or_none(tiny_checkpoint):
     with pytest.raises(ValidationError, match="out of vocabulary"):
         llm.generate([_prompt(5, seed=30), [10**6]], GREEDY, skip_layers=[1])
     assert not llm.engine.has_unfinished()
-    with pytest.raises(ValidationError, match="cannot be combined"):
-        llm.generate(_prompt(5, seed=30), GREEDY, skip_layers=[1], max_latency_ms=5.0)
+    with pytest.raises(ValidationError, match="out of range"):
+        llm.generate(_prompt(5, seed=30), GREEDY, skip_layers=[9], max_quality_loss=5.0)
+    assert not llm.engine.has_unfinished()
     [out] = llm.generate(_prompt(5, seed=30), GREEDY, skip_layers=[1])
     assert len(out.token_ids) == GREEDY.max_tokens

@@ -1,6 +1,7 @@
-"""The server's `max_latency_ms` request field: validated, planned from the --sparsity artifact,
-and reported per choice as `zcode_plan`, with the official client against an in-process server
-on a tiny random llama (token-id prompts: the tiny checkpoint has no tokenizer)."""
+"""The server's planning hint fields (`max_latency_ms`, `max_quality_loss`, `quality`,
+`max_kv_bytes`): validated, planned by the planner from the --sparsity artifact and the cost
+model, and reported per choice as `zcode_plan`, with the official client against an in-process
+server on a tiny random llama (token-id prompts: the tiny checkpoint has no tokenizer)."""
 
 import http.client
 from types import SimpleNamespace
@@ -10,17 +11,22 @@ import pytest
 import torch
 from remote_server import InThreadServer
 
+from zcode.hardware.cost_model import CostModel
+from zcode.harness.planner import Hints
+from zcode.harness.request_plans import RequestPlans
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
 from zcode.server.app import build_app
 from zcode.server.launch import build_state
-from zcode.sparsity.artifact import FFNLevel, LatencyFit, SparsityArtifact, fingerprint
-from zcode.sparsity.planner import predicted_ms
+from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
 from zcode.sparsity.thresholds import ThresholdTable
 
 PROMPT = list(range(3, 11))
 LEVELS = [FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.05)]
 DENSE, SPARSE = "ffn in 0 / mid 0", "ffn in 0 / mid 0.5"
+COEFFICIENTS = {"step": 1.0, "dense-float32:MB": 10.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
+COEFFICIENTS |= {"dense-float32:calls": 0.0, "dense-float32:GFLOP": 0.0}
+COST = CostModel(COEFFICIENTS, COEFFICIENTS, "test")
 
 
 def _artifact(model) -> SparsityArtifact:
@@ -31,8 +37,13 @@ def _artifact(model) -> SparsityArtifact:
         LEVELS,
         torch.zeros(n),
         torch.zeros(n, 2),
-        LatencyFit(1.0, 10.0, 12.0),
     )
+
+
+def _with_cost(llm: LLM) -> LLM:
+    llm.cost_model = COST
+    llm.declare_default_plan()
+    return llm
 
 
 def _serve(state):
@@ -48,10 +59,13 @@ def setup(tiny_checkpoint, tmp_path_factory):
     artifact_path = tmp_path_factory.mktemp("sla") / "artifact.pt"
     _artifact(oracle.model).save(artifact_path)
     oracle.sparsity = SparsityArtifact.load(artifact_path)
+    _with_cost(oracle)
     planned = build_state(str(path), "tiny", {"sparsity": str(artifact_path)})
+    planned.llm.cost_model = COST
+    planned.engine.plans = RequestPlans.for_llm(planned.llm)
     plain = build_state(str(path), "tiny", {})
     servers = [_serve(planned), _serve(plain)]
-    slow = predicted_ms(oracle.model, oracle.sparsity, LEVELS[0])
+    slow = max(c.ms_per_token for c in oracle.planner().candidates())  # the dense level
     yield SimpleNamespace(
         client=servers[0][1],
         address=servers[0][2],
@@ -75,9 +89,9 @@ def _token_ids(completion) -> list[int]:
     return [int(t.removeprefix("token_id:")) for t in completion.choices[0].logprobs.tokens]
 
 
-def _oracle_tokens(setup, max_latency_ms=None) -> list[int]:
+def _oracle_tokens(setup, **hints) -> list[int]:
     params = SamplingParams(max_tokens=6, temperature=0)
-    return setup.oracle.generate(PROMPT, params, max_latency_ms=max_latency_ms)[0].token_ids
+    return setup.oracle.generate(PROMPT, params, **hints)[0].token_ids
 
 
 def test_each_target_runs_and_reports_its_plan(setup):
@@ -88,12 +102,12 @@ def test_each_target_runs_and_reports_its_plan(setup):
     for target, want in ((setup.slow_ms + 1, DENSE), (setup.slow_ms - 0.1, SPARSE)):
         got = _complete(setup.client, max_latency_ms=target)
         plan = got.choices[0].model_extra["zcode_plan"]
-        assert plan["plan"] == want and plan["target_met"] and plan["levels_run"] == [want]
-        assert plan["max_latency_ms"] == target
-        assert plan["predicted_ms_per_step"] <= target
-        assert plan["measured_ms_per_step"] > 0
+        assert plan["plan"] == want and plan["target_met"] and plan["plans_run"] == [want]
+        assert plan["targets"] == {"max_latency_ms": target}
+        assert plan["predicted_ms_per_token"] <= target
+        assert plan["measured_ms_per_token"] > 0
         # the same plan run by generate() on a separate engine gives the same tokens
-        assert _token_ids(got) == _oracle_tokens(setup, target)
+        assert _token_ids(got) == _oracle_tokens(setup, max_latency_ms=target)
     assert _token_ids(got) != _token_ids(dense)  # the sparse level did change the output
 
     # the default level comes back for a request without a target
@@ -159,26 +173,27 @@ def test_a_step_runs_the_least_loss_level_of_its_requests(setup, tiny_checkpoint
     """A planned request batched with one that has no target (the default, dense level) runs
     dense, and its report says so."""
     from zcode.engine.request_output import RequestOutput
-    from zcode.sparsity.request_levels import RequestLevels
     from zcode.sparsity.sparse_mlp import SparseMLP
 
     llm = LLM(tiny_checkpoint("llama").path)
-    levels = RequestLevels(llm.model, setup.oracle.sparsity)
-    plan = levels.plan(setup.slow_ms - 0.1)
-    assert plan.level == LEVELS[1] and plan.target_met
-    levels.admit("a", plan)
-    levels.before_step(["a", "b"])
-    assert levels.current == LEVELS[0]
-    levels.after_step([RequestOutput("a", PROMPT, "", [1], False, delta_token_ids=[1])])
-    levels.before_step(["a"])  # b finished: a's own level
+    llm.sparsity = setup.oracle.sparsity
+    plans = RequestPlans.for_llm(_with_cost(llm))
+    planned = plans.plan(Hints(max_latency_ms=setup.slow_ms - 0.1))
+    assert planned.choice.plan.name == SPARSE and planned.choice.target_met
+    plans.admit("a", planned)
+    plans.before_step(["a", "b"])
+    assert plans.current.name == DENSE
+    plans.after_step([RequestOutput("a", PROMPT, "", [1], False, delta_token_ids=[1])])
+    plans.before_step(["a"])  # b finished: a's own level, declared to the runner
     mlps = [layer.mlp for layer in llm.model.model.layers]
     assert all(isinstance(m, SparseMLP) and m.thresh_mid == pytest.approx(0.05) for m in mlps)
+    assert llm.engine.runner.plan.name == SPARSE
     last = RequestOutput("a", PROMPT, "", [1, 2], True, "length", delta_token_ids=[2])
-    levels.after_step([last])
-    assert last.plan["plan"] == SPARSE and last.plan["levels_run"] == [DENSE, SPARSE]
-    assert last.plan["measured_ms_per_step"] >= 0
-    levels.before_step(["c"])  # a request without a target: back to the default level
-    assert all(m.is_dense for m in mlps)
+    plans.after_step([last])
+    assert last.plan.plan == SPARSE and last.plan.plans_run == (DENSE, SPARSE)
+    assert last.plan.measured_ms_per_token > 0
+    plans.before_step(["c"])  # a request without a target: back to the default level
+    assert all(m.is_dense for m in mlps) and llm.engine.runner.plan.name == DENSE
 
 
 def test_a_plan_level_and_the_default_level_do_not_share_prefix_blocks(setup):
@@ -220,5 +235,32 @@ def test_a_failed_step_fails_its_requests_and_forgets_their_plans(setup, monkeyp
     with pytest.raises(openai.InternalServerError, match="a bug in a kernel"):
         _complete(setup.client, max_latency_ms=setup.slow_ms - 0.1)
     monkeypatch.undo()
-    assert not served.levels._running
+    assert not served.plans._running
     assert _token_ids(_complete(setup.client)) == _oracle_tokens(setup)  # the server carries on
+
+
+def test_hints_combine_in_one_request(setup):
+    hints = {
+        "max_latency_ms": setup.slow_ms - 0.1,
+        "max_quality_loss": 20.0,
+        "quality": "fast",  # 10%: the tighter quality budget
+        "max_kv_bytes": 1 << 20,
+    }
+    got = _complete(setup.client, **hints)
+    plan = got.choices[0].model_extra["zcode_plan"]
+    assert plan["plan"] == SPARSE and plan["target_met"] and plan["binding"] == "latency"
+    targets = {"max_latency_ms": hints["max_latency_ms"], "max_quality_loss": 10.0}
+    assert plan["targets"] == targets | {"max_kv_bytes": 1 << 20}
+    assert _token_ids(got) == _oracle_tokens(setup, **hints)
+    # within 1% only the dense level (the sparse one predicts +5%): the fastest within it
+    plan = _complete(setup.client, max_quality_loss=1.0).choices[0].model_extra["zcode_plan"]
+    assert plan["plan"] == DENSE and plan["binding"] == "quality" and plan["target_met"]
+
+
+@pytest.mark.parametrize(
+    "field, value", [("max_quality_loss", -1), ("quality", "best"), ("max_kv_bytes", 0)]
+)
+def test_bad_hint_values_are_a_400_naming_the_field(setup, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        _complete(setup.client, **{field: value})
+    assert e.value.status_code == 400 and field in str(e.value)

@@ -195,7 +195,7 @@ def test_group_ablation_scores_match_transformers_perplexities(tiny_checkpoint):
 def test_artifact_round_trip_and_wrong_model(tmp_path, tiny_checkpoint):
     from zcode.errors import ValidationError
     from zcode.loader import load_model
-    from zcode.sparsity.artifact import FFNLevel, LatencyFit, SparsityArtifact, fingerprint
+    from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
     from zcode.sparsity.thresholds import ThresholdTable
 
     net, _ = load_model(tiny_checkpoint("llama").path)
@@ -207,12 +207,11 @@ def test_artifact_round_trip_and_wrong_model(tmp_path, tiny_checkpoint):
         levels=[FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.02)],
         layer_scores=torch.rand(num_layers),
         head_scores=torch.rand(num_layers, 2),
-        latency=LatencyFit(3.0, 0.05, 0.08),
     )
     path = tmp_path / "a.pt"
     artifact.save(path)
     loaded = SparsityArtifact.load(path)
-    assert loaded.levels == artifact.levels and loaded.latency == artifact.latency
+    assert loaded.levels == artifact.levels
     torch.testing.assert_close(loaded.table.thresh_mid, table.thresh_mid)
     loaded.check_model(net)
     assert loaded.best_level(1.01) == artifact.levels[0]
@@ -223,81 +222,6 @@ def test_artifact_round_trip_and_wrong_model(tmp_path, tiny_checkpoint):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValidationError, match="not a sparsity artifact"):
         SparsityArtifact.load(tmp_path / "junk.pt")
-
-
-def test_planner_picks_least_loss_level_meeting_the_target(tiny_checkpoint):
-    from zcode.loader import load_model
-    from zcode.sparsity.artifact import FFNLevel, LatencyFit, SparsityArtifact, fingerprint
-    from zcode.sparsity.latency import weight_mb_per_token
-    from zcode.sparsity.planner import choose_level, predicted_ms
-    from zcode.sparsity.sparse_mlp import SparseMLP
-    from zcode.sparsity.thresholds import ThresholdTable
-
-    net, _ = load_model(tiny_checkpoint("llama").path)
-    for layer in net.model.layers:
-        layer.mlp = SparseMLP(layer.mlp, -1, -1)
-    levels = [
-        FFNLevel(0.0, 0.0, 0.0, 1.0),
-        FFNLevel(0.0, 0.5, 1 / 6, 1.02),
-        FFNLevel(0.5, 0.5, 0.5, 1.30),
-    ]
-    n = len(net.model.layers)
-    artifact = SparsityArtifact(
-        fingerprint(net),
-        ThresholdTable("teal", (0.0, 0.5), torch.zeros(n, 2), torch.zeros(n, 2)),
-        levels,
-        torch.zeros(n),
-        torch.zeros(n, 2),
-        LatencyFit(1.0, 10.0, 12.0),
-    )
-    dense_mb = weight_mb_per_token(net, 1.0)
-    ffn_mb = sum(p.nbytes for layer in net.model.layers for p in layer.mlp.parameters()) / 1e6
-    # the density applies to the FFN weights whatever level the modules are at now
-    assert weight_mb_per_token(net, 0.5) == pytest.approx(dense_mb - ffn_mb / 2)
-    ms = [predicted_ms(net, artifact, lv) for lv in levels]
-    assert ms[0] > ms[1] > ms[2]
-    # down at half its rows: gate/up stay on the dense kernel, down's half on the sparse one
-    gate_up_mb = sum(2 * layer.mlp.w_down_t.nbytes for layer in net.model.layers) / 1e6
-    down_mb = ffn_mb - gate_up_mb
-    assert ms[1] == pytest.approx(1.0 + 10.0 * (dense_mb - down_mb) + 12.0 * down_mb / 2)
-    assert choose_level(net, artifact, ms[0] + 1) == (levels[0], True)
-    assert choose_level(net, artifact, (ms[0] + ms[1]) / 2) == (levels[1], True)
-    assert choose_level(net, artifact, ms[2] - 1) == (levels[2], False)
-
-
-def test_kernel_bytes_follow_the_dense_fallback(tiny_checkpoint):
-    """A matrix keeping more than dense_fraction of its rows is read whole by a dense GEMM."""
-    from zcode.loader import load_model
-    from zcode.sparsity.latency import kernel_mb_per_token, weight_mb_per_token
-
-    net, _ = load_model(tiny_checkpoint("llama").path)
-    mlps = [layer.mlp for layer in net.model.layers]
-    gate_up_mb = sum(m.gate_proj.weight.nbytes + m.up_proj.weight.nbytes for m in mlps) / 1e6
-    down_mb = sum(m.down_proj.weight.nbytes for m in mlps) / 1e6
-    total = weight_mb_per_token(net, 1.0)
-    assert kernel_mb_per_token(net, 0.0, 0.0) == (total, 0.0)
-    dense, sparse = kernel_mb_per_token(net, 0.1, 0.3, dense_fraction=0.85)
-    assert dense == pytest.approx(total - down_mb) and sparse == pytest.approx(0.7 * down_mb)
-    dense, sparse = kernel_mb_per_token(net, 0.5, 0.5, dense_fraction=0.85)
-    assert dense == pytest.approx(total - down_mb - gate_up_mb)
-    assert sparse == pytest.approx(0.5 * (down_mb + gate_up_mb))
-
-
-def test_latency_fit_recovers_known_rates_and_refuses_negative_ones():
-    from zcode.sparsity.latency import fit_latency
-
-    truth = (4.0, 0.08, 0.11)  # overhead ms, dense ms/MB, sparse ms/MB
-    mbs = [(540.0, 0.0), (505.0, 24.0), (360.0, 90.0), (360.0, 60.0)]
-    points = [(d, s, truth[0] + truth[1] * d + truth[2] * s) for d, s in mbs]
-    fit = fit_latency(points)
-    got = (fit.overhead_ms, fit.ms_per_mb, fit.sparse_ms_per_mb)
-    assert got == pytest.approx(truth, rel=1e-6)
-    # a noisy dense point slower than everything: lstsq would give a negative slope
-    noisy = [(540.0, 0.0, 300.0), (505.0, 24.0, 33.0), (360.0, 90.0, 34.0), (360.0, 60.0, 32.0)]
-    fit = fit_latency(noisy)
-    assert min(fit.overhead_ms, fit.ms_per_mb, fit.sparse_ms_per_mb) >= 0
-    with pytest.raises(ValueError, match="three levels"):
-        fit_latency(points[:2])
 
 
 def test_predicted_mlp_matches_dense_over_each_tokens_blocks():
@@ -342,47 +266,24 @@ def test_predictor_learns_above_chance():
     assert metrics["recall"] > 0.5  # chance: 0.25
 
 
-def test_generate_with_max_latency_reports_the_plan(tiny_checkpoint):
-    from zcode.errors import ValidationError
-    from zcode.llm import LLM
-    from zcode.sampling_params import SamplingParams
-    from zcode.sparsity.artifact import FFNLevel, LatencyFit, SparsityArtifact, fingerprint
-    from zcode.sparsity.planner import predicted_ms
+def test_old_artifacts_with_a_latency_fit_still_load(tmp_path, tiny_checkpoint):
+    """The artifact's own latency fit is gone (the cost model predicts latency): an artifact
+    written with one loads, the field ignored."""
+    from zcode.loader import load_model
+    from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
     from zcode.sparsity.thresholds import ThresholdTable
 
-    llm = LLM(tiny_checkpoint("llama").path)
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    prompt = list(range(3, 11))
-    with pytest.raises(ValidationError, match="sparsity artifact"):
-        llm.generate(prompt, params, max_latency_ms=5.0)
-    dense = llm.generate(prompt, params)[0].token_ids
-    n = len(llm.model.model.layers)
-    levels = [FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.05)]
-    llm.sparsity = SparsityArtifact(
-        fingerprint(llm.model),
-        ThresholdTable("teal", (0.0, 0.5), -torch.ones(n, 2), torch.full((n, 2), 0.05)),
-        levels,
+    net, _ = load_model(tiny_checkpoint("llama").path)
+    n = len(net.model.layers)
+    artifact = SparsityArtifact(
+        fingerprint(net),
+        ThresholdTable("teal", (0.0,), torch.zeros(n, 1), torch.zeros(n, 1)),
+        [FFNLevel(0.0, 0.0, 0.0, 1.0)],
         torch.zeros(n),
         torch.zeros(n, 2),
-        LatencyFit(1.0, 10.0, 12.0),
     )
-    slow = predicted_ms(llm.model, llm.sparsity, levels[0])
-    out = llm.generate(prompt, params, max_latency_ms=slow + 1)[0]
-    assert out.token_ids == dense  # the dense level meets the target and loses nothing
-    assert out.plan["plan"] == "ffn in 0 / mid 0" and out.plan["target_met"]
-    assert out.plan["measured_ms_per_step"] > 0
-    out = llm.generate(prompt, params, max_latency_ms=slow - 0.1)[0]
-    assert out.plan["plan"] == "ffn in 0 / mid 0.5" and out.plan["target_met"]
-    assert out.plan["predicted_ms_per_step"] < slow
-    assert llm.generate(prompt, params)[0].token_ids == dense  # the level is undone after
-
-    # The prefix cache keeps a sparse level's KV apart from the dense requests' KV.
-    long_prompt = list(range(3, 40))  # full blocks to cache
-    dense_long = llm.generate(long_prompt, params)[0].token_ids
-    stats = llm.engine.stats
-    hits = stats()["prefix_cache_hits"]
-    sparse_long = llm.generate(long_prompt, params, max_latency_ms=slow - 0.1)[0].token_ids
-    assert stats()["prefix_cache_hits"] == hits
-    assert llm.generate(long_prompt, params, max_latency_ms=slow - 0.1)[0].token_ids == sparse_long
-    assert stats()["prefix_cache_hits"] > hits  # shared among the sparse level's requests
-    assert llm.generate(long_prompt, params)[0].token_ids == dense_long
+    artifact.save(tmp_path / "a.pt")
+    blob = torch.load(tmp_path / "a.pt", weights_only=True)
+    blob["latency"] = {"overhead_ms": 1.0, "ms_per_mb": 10.0, "sparse_ms_per_mb": 12.0}
+    torch.save(blob, tmp_path / "old.pt")
+    assert SparsityArtifact.load(tmp_path / "old.pt").levels == artifact.levels

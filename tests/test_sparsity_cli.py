@@ -17,7 +17,9 @@ from zcode import cli
         (["generate", "hi", "--skip-layers", "a"], "--skip-layers takes layer numbers"),
         (["generate", "hi", "--skip-kv-heads", "5"], "layer:head pairs"),
         (["generate", "hi", "--skip-kv-heads", "5:1:2"], "layer:head pairs"),
-        (["generate", "hi", "--skip-layers", "3", "--quality", "fast"], "cannot be combined"),
+        (["generate", "hi", "--quality", "fast", "--stream"], "cannot be combined"),
+        (["generate", "hi", "--profile", "p.json"], "--profile needs --budget"),
+        (["plan", "--profile", "p.json", "--budget", "4bits"], "p.json: no such profile"),
         (["ppl", "f.txt", "--skip-kv-heads", "x:1"], "layer:head pairs"),
     ],
 )

@@ -160,8 +160,8 @@ def test_greedy_outputs_are_those_of_transformers(name, method, tiny_checkpoint)
     outputs = llm.generate(prompts(), GREEDY)
     for prompt, out in zip(prompts(), outputs, strict=True):
         assert out.token_ids == oracle_greedy(checkpoint.oracle, prompt, GREEDY.max_tokens)
-        assert out.plan["speculative"]["method"] == method
-    assert outputs[-1].plan["speculative"]["num_drafts"] > 0  # the prompt that repeats itself
+        assert out.plan.speculative["method"] == method
+    assert outputs[-1].plan.speculative["num_drafts"] > 0  # the prompt that repeats itself
     assert_drafts_were_tested(llm.engine)
     assert_no_blocks_held(llm.engine)
 
@@ -359,5 +359,5 @@ def test_default_model_greedy_outputs_are_those_of_plain_decoding(default_llm):
         got = run(engine, [(p, params) for p in ids] + [(ids[0], plain)])
         assert [o.token_ids for o in got] == want + want[:1], method
         assert engine.spec_totals["num_draft_tokens"] > 0
-        rates = [o.plan["speculative"]["acceptance_rate"] for o in got[:-1]]
+        rates = [o.plan.speculative["acceptance_rate"] for o in got[:-1]]
         print(f"SmolLM2 {method}: acceptance per prompt {rates}")

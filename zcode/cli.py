@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 # Only light modules at the top: `zcode --help` and a Ctrl-C during start-up must not wait on
 # torch; each command imports the engine when it runs.
+from zcode.cli_plan import add_hint_options, add_plan_command, hint_args
 from zcode.config import SPECULATIVE_METHODS
 from zcode.configs import DEFAULT_CONTEXT_LEN, DEFAULT_DISK_GBPS, shipped_configs
 from zcode.distributed.config import ParallelConfig
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of seconds at the first one, so it pays off for long generations only",
     )
     _add_quality_options(generate)
+    add_hint_options(generate)
     _add_skip_options(generate)
     _add_parallel_options(generate, "generate")
     generate.set_defaults(run=_generate)
@@ -391,7 +393,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="calibration tokens whose activations set the thresholds (default: %(default)s)",
     )
     calibrate.set_defaults(run=_calibrate)
+
+    add_plan_command(commands, _add_plan_model_options)
     return parser
+
+
+def _add_plan_model_options(parser: argparse.ArgumentParser) -> None:
+    _add_model_argument(parser)
+    _add_dtype_option(parser)
+    _add_sparsity_option(parser)
+    _add_quality_options(parser)
+    parser.set_defaults(run=_plan)
+
+
+def _plan(args: argparse.Namespace) -> None:
+    from zcode.cli_plan import run_plan
+
+    profile = _quality_profile(args)
+    llm = load_llm(
+        args.model,
+        args.dtype,
+        float_weights=profile is not None,
+        **({"per_request_depth": True} if args.per_request_depth else {}),
+        **_sparsity_args(args),
+    )
+    if profile is not None:
+        from zcode.quant.variants import attach_variants
+
+        attach_variants(llm, profile, args.budget, args.variant_cap)
+    run_plan(args, llm)
 
 
 def _add_model_argument(
@@ -480,7 +510,7 @@ def _add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") ->
         choices=choices,
         default=default,
         help="dtype the weights are computed in; auto runs them as the file stores them (a GGUF "
-        "file's quantized blocks, memory-mapped), float32 where --sparsity or --quality rewrites "
+        "file's quantized blocks, memory-mapped), float32 where --sparsity or --profile rewrites "
         "them (default: %(default)s)",
     )
 
@@ -601,27 +631,28 @@ def _sparsity_args(args: argparse.Namespace) -> dict:
 
 def _add_quality_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--quality",
-        choices=["fast", "balanced", "max"],
-        help="quantize to the --budget plan from --profile, keep int8 and unquantized variants "
-        "of the most sensitive modules under --variant-cap, and run this level's variant "
-        "(the plan that ran is printed to stderr)",
+        "--profile",
+        metavar="PROFILE",
+        help="'zcode profile' JSON: quantize to the --budget plan and keep int8 and unquantized "
+        "variants of the most sensitive modules under --variant-cap, the precision levels the "
+        "planner chooses among",
     )
-    parser.add_argument("--profile", metavar="PROFILE", help="'zcode profile' JSON (--quality)")
-    parser.add_argument("--budget", help="the base plan's budget, e.g. 4.5bits (--quality)")
+    parser.add_argument("--budget", help="the base plan's budget, e.g. 4.5bits (--profile)")
     parser.add_argument(
         "--variant-cap", default="64MB", help="memory for the variants (default: %(default)s)"
     )
 
 
 def _quality_profile(args: argparse.Namespace) -> dict | None:
-    """The profile --quality plans from, checked before the model loads."""
-    if args.quality is None:
+    """The profile the precision variants are built from, checked before the model loads."""
+    if args.profile is None:
         return None
-    if args.profile is None or args.budget is None:
-        raise ValidationError("--quality needs --profile PROFILE.json and --budget (e.g. 4.5bits)")
-    if args.stream or args.sparsity:
-        raise ValidationError("--quality cannot be combined with --stream or --sparsity yet")
+    if args.budget is None:
+        raise ValidationError("--profile needs --budget (e.g. 4.5bits): the base plan's budget")
+    if args.sparsity:
+        raise ValidationError(
+            "--profile cannot be combined with --sparsity yet: sparse FFNs read float weights"
+        )
     if not Path(args.profile).is_file():
         raise ValidationError(f"{args.profile}: no such profile (see zcode profile)")
     try:
@@ -706,8 +737,9 @@ def _generate(args: argparse.Namespace) -> None:
     if args.thinking is not None and not args.chat:
         raise ValidationError("--thinking/--no-thinking apply to the chat template: add --chat")
     skips = _skips(args)
-    if skips and args.quality is not None:
-        raise ValidationError("--skip-layers/--skip-kv-heads cannot be combined with --quality")
+    hints = hint_args(args)
+    if args.stream and hints:
+        raise ValidationError("--stream cannot be combined with planning hints yet")
     profile = _quality_profile(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     # Only a non-default option is passed on, so the default call matches the other commands'.
@@ -727,17 +759,14 @@ def _generate(args: argparse.Namespace) -> None:
         from zcode.quant.variants import attach_variants
 
         attach_variants(llm, profile, args.budget, args.variant_cap)
-        out = llm.generate(prompt, params, args.thinking, quality=args.quality)[0]
-        print(json.dumps(out.plan), file=sys.stderr)
-        print(out.text)
-    elif args.stream:
+    if args.stream:
         for out in llm.stream(prompt, params, args.thinking, **skips):
             _write(out.delta_text)
         _write("\n")
     else:
-        out = llm.generate(prompt, params, args.thinking, **skips)[0]
-        if out.plan is not None:  # --speculative: drafted and accepted tokens
-            print(json.dumps(out.plan), file=sys.stderr)
+        out = llm.generate(prompt, params, args.thinking, **hints, **skips)[0]
+        if out.plan is not None:  # the plan that ran (hints), speculative decoding counts
+            print(json.dumps(out.plan.to_dict()), file=sys.stderr)
         print(out.text)
 
 

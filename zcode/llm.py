@@ -1,5 +1,8 @@
 """The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
+import dataclasses
+import math
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -14,6 +17,10 @@ from zcode.distributed.steps import join, start_rank
 from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.request_output import RequestOutput
 from zcode.errors import ValidationError
+from zcode.harness.executor import PlanExecutor
+from zcode.harness.plan import ExecutionPlan
+from zcode.harness.planner import Hints, Planner
+from zcode.harness.report import PlanReport, plan_report
 from zcode.kernels.cpp_build import build_all
 from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
@@ -78,8 +85,45 @@ class LLM:
         self.engine = LLMEngine(net, self.tokenizer, self.config)
         if group is not None:
             start_rank(self.engine, group)
-        # zcode.quant.variants.attach_variants sets this; generate(quality=) selects among them.
+        # zcode.quant.variants.attach_variants sets this: the planner's precision levels.
         self.precision_variants = None
+        # The hardware cost model the planner predicts ms with (zcode.hardware.cost_model);
+        # None: this machine's cached fit, read when a request first has hints.
+        self.cost_model = None
+        self._cost_model_read = False
+        self._planner: tuple[tuple, Planner] | None = None
+        if self.sparsity is not None:
+            self.declare_default_plan()
+
+    def planner(self) -> Planner:
+        """The planner over what this LLM has: its precision variants, sparsity artifact, KV
+        paging (per_request_depth) and the cost model."""
+        if self.cost_model is None and not self._cost_model_read:
+            from zcode.hardware.cost_model import CostModel
+            from zcode.hardware.probe import probe
+
+            self.cost_model, self._cost_model_read = CostModel.cached(probe()), True
+        key = (id(self.cost_model), id(self.precision_variants), id(self.sparsity))
+        if self._planner is None or self._planner[0] != key:  # its candidates are memoized
+            planner = Planner(
+                self.model,
+                self.cost_model,
+                self.precision_variants,
+                self.sparsity,
+                kv_paged=self.engine.runner.pages is not None,
+            )
+            self._planner = (key, planner)
+        return self._planner[1]
+
+    def executor(self) -> PlanExecutor:
+        default = Planner(self.model, None, self.precision_variants, self.sparsity).default_plan()
+        return PlanExecutor(self.engine, self.precision_variants, self.sparsity, default)
+
+    def declare_default_plan(self) -> None:
+        """Moves the model to the plan it runs without hints and declares it (after loading a
+        sparsity artifact or attaching precision variants)."""
+        executor = self.executor()
+        executor.apply(executor.default)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -91,52 +135,91 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         enable_thinking: bool | None = None,
         max_latency_ms: float | None = None,
+        max_quality_loss: float | None = None,
         quality: str | None = None,
+        max_kv_bytes: int | None = None,
+        plan: ExecutionPlan | None = None,
         skip_layers: Sequence[int] = (),
         skip_kv_heads: Sequence[tuple[int, int]] = (),
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; a prompt is text, token ids or chat messages.
 
-        Always returns a list, one output per prompt, in order. `max_latency_ms` (needs a
-        `sparsity` artifact) runs the FFN sparsity level whose predicted ms per decode step meets
-        the target at the least calibrated quality loss; each output's `plan` reports the plan,
-        predicted and measured ms per step. `quality` ("max", "balanced", "fast"; needs
-        precision variants, zcode.quant.variants.attach_variants) runs the precision variant of
-        that level for the most sensitive units; each output's `plan` names the plan that ran.
-        `skip_layers` and `skip_kv_heads` (need `per_request_depth=True`) name decoder layers and
-        (layer, KV head) pairs these requests never run and keep no KV for.
+        Always returns a list, one output per prompt, in order. Hints, in any combination, pick
+        one plan for the whole batch (zcode.harness.planner): `max_latency_ms` (predicted decode
+        ms per step, by the hardware cost model), `max_quality_loss` (predicted perplexity
+        increase, %), `quality` ("max", "balanced", "fast": shorthand for quality-loss budgets),
+        `max_kv_bytes` (KV cache bytes per token), `plan` (an explicit ExecutionPlan: an
+        override). `skip_layers` and `skip_kv_heads` (need `per_request_depth=True`) fix the
+        decoder layers and (layer, KV head) pairs these requests never run and keep no KV for;
+        the other dimensions are still planned. With any hint, each output's `plan` is a
+        PlanReport: the plan, predicted and measured ms per token, predicted quality loss, KV
+        bytes per token, the binding constraint and whether the targets are met. The plan is
+        model state for the whole batch of this call: per-row plans in one batch are not built
+        yet (issue 17, phase 2), and changing the plan while other requests run raises a
+        ValidationError.
         """
         params = sampling_params or SamplingParams()
+        hints = Hints(
+            max_latency_ms,
+            max_quality_loss,
+            quality,
+            max_kv_bytes,
+            plan,
+            *_skips(skip_layers, skip_kv_heads),
+        )
         token_lists = [self.encode(p, enable_thinking) for p in _as_batch(prompts)]
-        skips = {"skip_layers": skip_layers, "skip_kv_heads": skip_kv_heads}
-        if any(skips.values()) and (quality is not None or max_latency_ms is not None):
-            raise ValidationError(
-                "skip_layers and skip_kv_heads cannot be combined with quality or max_latency_ms"
+        self.engine.validate_skips(hints.skip_layers, hints.skip_kv_heads)
+        if hints.plan is not None:
+            self.engine.validate_skips(hints.plan.skip_layers, hints.plan.skip_kv_heads)
+        if hints == Hints():  # the model as it is
+            return self._run(token_lists, params, (), ())[0]
+        # Predicted at the batch's mean context halfway through, up to a power of two (so the
+        # planner's memoized candidates serve many requests).
+        mean_len = sum(map(len, token_lists)) / len(token_lists) + params.max_tokens / 2
+        context_len = 1 << math.ceil(math.log2(max(mean_len, 1)))
+        choice = self.planner().choose(hints, len(token_lists), context_len)
+        with self.executor().running(choice.plan):
+            outputs, step_ms = self._run(
+                token_lists, params, choice.plan.skip_layers, choice.plan.skip_kv_heads
             )
-        if quality is not None:
-            if max_latency_ms is not None:
-                raise ValidationError("pass quality or max_latency_ms, not both")
-            from zcode.quant.variants import generate_with_quality
+        report = plan_report(choice, hints, step_ms)
+        for out in outputs:
+            out.plan = report if out.plan is None else replace_speculative(report, out.plan)
+        return outputs
 
-            return generate_with_quality(self, token_lists, params, quality)
-        if max_latency_ms is not None:
-            from zcode.sparsity.planner import generate_within
-
-            return generate_within(self, token_lists, params, max_latency_ms)
+    def _run(
+        self,
+        token_lists: list[list[int]],
+        params: SamplingParams,
+        skip_layers: Sequence[int],
+        skip_kv_heads: Sequence[tuple[int, int]],
+    ) -> tuple[list[RequestOutput], list[float]]:
+        """The one generate loop: all requests or none added, stepped to the end. Returns the
+        outputs in order and the wall ms of each decode step (every prompt in the cache)."""
         seqs = []
         try:
             for ids in token_lists:
-                seqs.append(self.engine.add_request(ids, params, **skips))
+                seqs.append(
+                    self.engine.add_request(
+                        ids, params, skip_layers=skip_layers, skip_kv_heads=skip_kv_heads
+                    )
+                )
         except ValidationError:
             for seq in seqs:  # all or none: a bad prompt leaves no request behind
                 self.engine.abort(seq.request_id)
             raise
         finished: dict[str, RequestOutput] = {}
+        step_ms, prefilled = [], False
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            start = time.perf_counter()
+            outs = self.engine.step()
+            if prefilled:
+                step_ms.append(1e3 * (time.perf_counter() - start))
+            prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in seqs)
+            for out in outs:
                 if out.finished:
                     finished[out.request_id] = out
-        return [finished[seq.request_id] for seq in seqs]
+        return [finished[seq.request_id] for seq in seqs], step_ms
 
     def stream(
         self,
@@ -174,6 +257,22 @@ class LLM:
             raise ValidationError("this model has no chat template")
         special = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
         return render_chat(template, messages, special_tokens=special, **kwargs)
+
+
+def _skips(skip_layers, skip_kv_heads) -> tuple[tuple, tuple]:
+    for name, value in (("skip_layers", skip_layers), ("skip_kv_heads", skip_kv_heads)):
+        if isinstance(value, (str, bytes)):
+            raise ValidationError(f"{name} must be a list, not a string")
+    try:
+        heads = tuple(tuple(pair) for pair in skip_kv_heads)
+    except TypeError:
+        raise ValidationError("skip_kv_heads must be [layer, KV head] pairs") from None
+    return tuple(skip_layers), heads
+
+
+def replace_speculative(report: PlanReport, engine_report: PlanReport) -> PlanReport:
+    """The planner's report with the engine's speculative decoding counts."""
+    return dataclasses.replace(report, speculative=engine_report.speculative)
 
 
 def _as_batch(prompts) -> list[Prompt]:

@@ -19,6 +19,7 @@ from zcode.engine.scheduler import ScheduledSeq, Scheduler
 from zcode.engine.sequence import Sequence
 from zcode.engine.structured_output import GrammarCompiler
 from zcode.errors import RankFailure, ValidationError
+from zcode.harness.report import PlanReport
 from zcode.sampling_params import SamplingParams
 from zcode.spec.drafter import make_drafter
 
@@ -59,9 +60,9 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer)
         self.eos_token_ids = _eos_ids(hf, tokenizer)
         self.sequences: dict[str, Sequence] = {}
-        # What computes KV differently from the model this engine was built with (an FFN level
-        # of generate_within, a precision variant): salts the prefix cache of requests added while
-        # it is set, so they neither reuse other KV nor publish theirs to other requests.
+        # What computes KV differently from the model's default plan (set by the plan executor,
+        # zcode.harness.executor): salts the prefix cache of requests added while it is set, so
+        # they neither reuse other KV nor publish theirs to other requests.
         self.kv_salt = ""
         self.drafter = None
         if config.speculative is not None:
@@ -88,7 +89,7 @@ class LLMEngine:
         self._validate(prompt_token_ids, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValidationError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-        layers, heads = self._validate_skips(skip_layers, skip_kv_heads)
+        layers, heads = self.validate_skips(skip_layers, skip_kv_heads)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.matcher(params.structured_outputs)
@@ -148,7 +149,7 @@ class LLMEngine:
             )
         return params.num_draft_tokens
 
-    def _validate_skips(
+    def validate_skips(
         self, skip_layers: Iterable[int], skip_kv_heads: Iterable[tuple[int, int]]
     ) -> tuple[frozenset[int], frozenset[tuple[int, int]]]:
         for name, value in (("skip_layers", skip_layers), ("skip_kv_heads", skip_kv_heads)):
@@ -416,19 +417,22 @@ class LLMEngine:
             plan=self._spec_report(seq) if seq.num_lookahead_tokens else None,
         )
 
-    def _spec_report(self, seq: Sequence) -> dict:
+    def _spec_report(self, seq: Sequence) -> PlanReport:
         """Speculation so far; mean accepted length as vLLM's: 1 + accepted per verify step."""
         drafted, accepted, steps = seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_spec_steps
-        return {
-            "speculative": {
+        plan = self.runner.plan
+        return PlanReport(
+            plan=plan.name,
+            signature=plan.signature(),
+            speculative={
                 "method": self.config.speculative,
                 "num_drafts": steps,
                 "num_draft_tokens": drafted,
                 "num_accepted_tokens": accepted,
                 "acceptance_rate": accepted / drafted if drafted else None,
                 "mean_accepted_length": 1 + accepted / steps if steps else None,
-            }
-        }
+            },
+        )
 
 
 def _isolating_failures(fn: Callable[[list], list], items: list, seq_of: Callable) -> tuple:

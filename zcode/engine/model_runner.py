@@ -58,11 +58,6 @@ class ModelRunner:
                 "compiled decode with adaptive expert counts (moe_mass): its expert loop is not "
                 "a torch op yet"
             )
-        if compile and any(isinstance(m, SparseMLP) for m in model.modules()):
-            raise NotImplementedError(
-                "compiled decode with sparse FFNs: the row-skipping kernel is not a torch op "
-                "yet, and max_latency_ms changes FFN levels without a new plan signature"
-            )
         self.graphs = GraphCache(model, max_num_seqs) if compile else None
         self.set_plan(ExecutionPlan())
 
@@ -74,11 +69,15 @@ class ModelRunner:
             )
 
     def set_plan(self, plan: ExecutionPlan) -> None:
-        """Declares the plan the model now runs (after its modules were changed to follow it);
-        compiled decode steps are looked up by its signature."""
+        """Declares the plan the model now runs (after its modules were changed to follow it,
+        by zcode.harness.executor); compiled decode steps are looked up by its signature. A plan
+        with sparse FFN levels decodes eagerly: the row-skipping kernel is not a torch op yet."""
         self.plan, self.plan_signature = plan, plan.signature()
         if self.graphs is not None:
             self.graphs.model_changed()
+        self.compiles_plan = self.graphs is not None and not any(
+            isinstance(m, SparseMLP) and not m.is_dense for m in self.model.modules()
+        )
 
     @property
     def num_graph_compiles(self) -> int:
@@ -95,7 +94,7 @@ class ModelRunner:
         logits: [1 + num_drafts, V] to verify them.
         """
         if (
-            self.graphs is not None
+            self.compiles_plan
             and all(_is_last_token(s) for s in scheduled)
             and len({_skips(s.seq) for s in scheduled}) == 1  # one graph runs one plan
         ):

@@ -1,5 +1,7 @@
 from dataclasses import dataclass
 
+from zcode.harness.report import PlanReport
+
 
 @dataclass
 class RequestOutput:
@@ -17,8 +19,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None  # per output token
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token
     ttft_s: float | None = None
-    # max_latency_ms: the sparsity plan run, predicted/measured ms/step; speculative decoding:
-    # {"speculative": drafted and accepted tokens, acceptance rate, mean accepted length}
-    plan: dict | None = None
+    # the plan that ran, predicted vs measured (with planning hints or speculative decoding)
+    plan: PlanReport | None = None
     # expert offload: this request's share of expert hit rate and disk bytes per token
     expert_cache: dict | None = None

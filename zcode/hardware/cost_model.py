@@ -111,10 +111,16 @@ def _plan_formats(plan: Plan) -> tuple[dict[str, str], ExecutionPlan]:
 
 
 def step_features(
-    model: nn.Module, plan: Plan, num_tokens: int, context_len: int, num_seqs: int = 1
+    model: nn.Module,
+    plan: Plan,
+    num_tokens: int,
+    context_len: int,
+    num_seqs: int = 1,
+    modules: Mapping[str, nn.Module] | None = None,
 ) -> dict[str, float]:
     """The work of one forward step of `num_tokens` new tokens over `num_seqs` sequences of
-    `context_len` tokens of context each, as named features (MB, GFLOP, call counts)."""
+    `context_len` tokens of context each, as named features (MB, GFLOP, call counts).
+    `modules`: {name: module} run instead of the model's own there (a precision variant's)."""
     formats, exec_plan = _plan_formats(plan)
     skipped = {f"model.layers.{i}." for i in exec_plan.skip_layers}
     routed = _routed_experts(model, num_tokens)
@@ -123,12 +129,12 @@ def step_features(
     def add(name: str, value: float) -> None:
         features[name] = features.get(name, 0.0) + value
 
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear | QuantizedLinear) or name.endswith("mlp.gate"):
+    for name, module in _linears(model, modules or {}):
+        if name.endswith("mlp.gate"):
             continue  # the MoE router is a Parameter product, not counted among linears
         if any(name.startswith(prefix) for prefix in skipped):
             continue
-        fmt = formats.get(name)
+        fmt = None if modules and name in modules else formats.get(name)
         kind = kernel_kind(module, fmt)
         n, k = module.out_features, module.in_features
         if fmt is not None and fmt != "fp32":
@@ -154,6 +160,34 @@ def step_features(
     add("kv:MB", num_seqs * context_len * kv_bytes_per_token / 1e6)
     add("attn:GFLOP", num_tokens * context_len * attn_flops_per_pair / 1e9)
     return features
+
+
+def _linears(model: nn.Module, modules: Mapping[str, nn.Module]):
+    """(name, linear) of every linear the model runs, `modules` in place of its own; a sparse
+    FFN (zcode.sparsity.SparseMLP, whose weights are transposed rows, not linears) as its three
+    dense linears, whose bytes the plan's ffn_density scales."""
+    from zcode.sparsity.sparse_mlp import SparseMLP
+
+    for name, module in model.named_modules():
+        module = modules.get(name, module)
+        if isinstance(module, SparseMLP):
+            yield from ((f"{name}.{n}", linear) for n, linear in _ffn_linears(module))
+        elif isinstance(module, nn.Linear | QuantizedLinear):
+            yield name, module
+
+
+def _ffn_linears(mlp) -> list[tuple[str, nn.Linear]]:
+    """Weightless stand-ins of a SparseMLP's gate, up and down projections: shapes and dtype."""
+    hidden, inter = mlp.w_down_t.shape[1], mlp.intermediate_size
+    dtype = mlp.w_down_t.dtype
+    shapes = {
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    return [
+        (n, nn.Linear(k, m, bias=False, device="meta", dtype=dtype)) for n, (k, m) in shapes.items()
+    ]
 
 
 def _routed_experts(model: nn.Module, num_tokens: int) -> dict[str, tuple[float, float]]:
@@ -247,9 +281,19 @@ class CostModel:
         return cached if cached is not None and cached.fingerprint == key else None
 
     def predict_decode_ms(
-        self, model: nn.Module, plan: Plan = None, *, batch_size: int = 1, context_len: int = 512
+        self,
+        model: nn.Module,
+        plan: Plan = None,
+        *,
+        batch_size: int = 1,
+        context_len: int = 512,
+        modules: Mapping[str, nn.Module] | None = None,
     ) -> float:
-        features = step_features(model, plan, batch_size, context_len, num_seqs=batch_size)
+        """`modules`: {name: module} predicted in place of the model's own (a precision
+        variant's modules, without swapping them in)."""
+        features = step_features(
+            model, plan, batch_size, context_len, num_seqs=batch_size, modules=modules
+        )
         return predict(self.decode, features)
 
     def predict_prefill_ms(

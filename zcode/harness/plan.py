@@ -6,7 +6,7 @@ same signature whatever their `name`.
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class ExecutionPlan:
     ffn_density: float = 1.0
     # Decoder layers this plan does not run (and for which it keeps no KV cache).
     skip_layers: tuple[int, ...] = ()
+    # (layer, KV head) pairs this plan does not attend with (and keeps no KV for), sorted.
+    skip_kv_heads: tuple[tuple[int, int], ...] = ()
     # Extra knobs a planner sets (heads kept per layer, experts per token, ...), as sorted pairs.
     extras: tuple[tuple[str, str], ...] = field(default=())
 
@@ -29,9 +31,29 @@ class ExecutionPlan:
         """A short stable hash of everything that changes the computation (not the name)."""
         fields = asdict(self)
         fields.pop("name")
-        blob = json.dumps(fields, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return _digest(fields)
+
+    def kv_signature(self) -> str:
+        """A hash of what changes the KV of the layers and heads a request keeps: everything but
+        the name and the skips (requests that skip are salted by what they skip)."""
+        fields = asdict(self)
+        for name in ("name", "skip_layers", "skip_kv_heads"):
+            fields.pop(name)
+        return _digest(fields)
+
+    def without_skips(self) -> "ExecutionPlan":
+        """The part of the plan that is model state (skips are per request)."""
+        return replace(self, skip_layers=(), skip_kv_heads=())
 
     @property
     def is_dense(self) -> bool:
-        return not self.precision and self.ffn_density == 1.0 and not self.skip_layers
+        return (
+            not self.precision
+            and self.ffn_density == 1.0
+            and not self.skip_layers
+            and not self.skip_kv_heads
+        )
+
+
+def _digest(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,5 +1,5 @@
-"""Per-request precision: `generate(..., quality="max" | "balanced" | "fast")` selects among up to
-two higher-precision variants kept in memory for a model's most sensitive units.
+"""Precision variants: up to two higher-precision variants kept in memory for a model's most
+sensitive units, the precision levels the planner (zcode.harness.planner) chooses among.
 
 Built from the unquantized model and a sensitivity profile (zcode.quant.sensitivity):
 
@@ -12,20 +12,16 @@ Which units get variants is a 0/1 knapsack solved exactly by the planner's DP: k
 whose KL saved by the "max" variant (base KL - max KL, from the profile) sums highest, subject
 to the memory the variant weights take (both variants of each kept unit, as stored) <= the cap.
 
-A request with a quality swaps the variant modules in (a module swap, as sparsity does), declares
-the variant's ExecutionPlan to the model runner (so the plan cache keys its compiled graphs), and
-puts the base back afterwards. KV computed under one plan is not another plan's KV: while a
-variant runs, the engine's `kv_salt` names it, so its requests reuse and publish prefix-cache
-blocks among themselves only. Each output's `plan` names the plan that ran.
+A plan with a variant's precision is applied by the plan executor (zcode.harness.executor): it
+swaps the variant modules in, declares the plan to the model runner and puts the base back
+afterwards; KV computed under a variant is salted by the plan, so its requests reuse and publish
+prefix-cache blocks among themselves only.
 """
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import nn
 
-from zcode.engine.request_output import RequestOutput
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.quant.apply import UNCHANGED, apply_precision, quantizable_modules
@@ -37,9 +33,7 @@ from zcode.quant.planner import (
     plan,
     solve_knapsack,
 )
-from zcode.sampling_params import SamplingParams
 
-QUALITIES = ("fast", "balanced", "max")
 DEFAULT_VARIANT_FORMATS = ("int8", UNCHANGED)  # "balanced", "max"
 
 
@@ -216,43 +210,6 @@ class PrecisionVariants:
             weight_bytes=weight_bytes,
         )
 
-    def report(self, quality: str) -> dict:
-        level = self.levels[quality]
-        return {
-            "quality": quality,
-            "plan": level.plan.name,
-            "signature": level.plan.signature(),
-            "variant_units": list(self.variant_units) if quality != "fast" else [],
-            "predicted_kl": round(level.predicted_kl, 6),
-            "weight_bytes": level.weight_bytes,
-            "variant_memory_bytes": self.memory_bytes,
-            "memory_cap_bytes": self.memory_cap_bytes,
-        }
-
-    @contextmanager
-    def running(self, engine, quality: str) -> Iterator[None]:
-        """`quality`'s modules swapped into the engine's model and its plan declared; the base
-        put back on exit. The prefix cache is salted in between (see the module docstring)."""
-        if quality not in QUALITIES:
-            raise ValidationError(f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
-        if quality == "fast":
-            yield
-            return
-        if engine.has_unfinished():
-            raise ValidationError(
-                "quality= switches the model's precision: finish or abort running requests first"
-            )
-        model, runner, salt = engine.model, engine.runner, engine.kv_salt
-        swap(model, self.levels[quality].modules)
-        runner.set_plan(self.levels[quality].plan)
-        engine.kv_salt = f"precision plan: {runner.plan_signature}"
-        try:
-            yield
-        finally:
-            engine.kv_salt = salt
-            swap(model, self.levels["fast"].modules)
-            runner.set_plan(self.levels["fast"].plan)
-
 
 def swap(model: nn.Module, modules: dict[str, nn.Module]) -> None:
     for name, module in modules.items():
@@ -262,35 +219,18 @@ def swap(model: nn.Module, modules: dict[str, nn.Module]) -> None:
 
 def attach_variants(llm, profile: dict, budget: str, memory_cap: str | int, **options) -> dict:
     """Builds PrecisionVariants on `llm` (see PrecisionVariants.build), installs the base plan and
-    declares it to the engine; `llm.generate(..., quality=)` then selects among them. Returns
-    the fast plan's report."""
+    declares it; the planner (zcode.harness.planner) then chooses among the levels. Returns the
+    base plan's summary."""
     variants = PrecisionVariants.build(llm.model, profile, budget, memory_cap, **options)
-    llm.engine.runner.set_plan(variants.levels["fast"].plan)
     llm.precision_variants = variants
-    return variants.report("fast")
-
-
-def generate_with_quality(
-    llm, token_lists: list[list[int]], params: SamplingParams, quality: str
-) -> list[RequestOutput]:
-    variants = llm.precision_variants
-    if quality not in QUALITIES:
-        raise ValidationError(f"quality must be one of {', '.join(QUALITIES)}, got {quality!r}")
-    if variants is None:
-        raise ValidationError(
-            "quality= selects among precision variants: build them first with "
-            "zcode.quant.variants.attach_variants(llm, profile, budget, memory_cap)"
-        )
-    engine = llm.engine
-    with variants.running(engine, quality):
-        seqs = [engine.add_request(ids, params) for ids in token_lists]
-        finished: dict[str, RequestOutput] = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-    report = variants.report(quality)
-    results = [finished[seq.request_id] for seq in seqs]
-    for out in results:
-        out.plan = report
-    return results
+    llm.declare_default_plan()
+    fast = variants.levels["fast"]
+    return {
+        "plan": fast.plan.name,
+        "signature": fast.plan.signature(),
+        "variant_units": list(variants.variant_units),
+        "predicted_kl": round(fast.predicted_kl, 6),
+        "weight_bytes": fast.weight_bytes,
+        "variant_memory_bytes": variants.memory_bytes,
+        "memory_cap_bytes": variants.memory_cap_bytes,
+    }

@@ -25,7 +25,6 @@ from zcode.engine.request_output import RequestOutput
 from zcode.errors import RankFailure
 from zcode.sampling_params import SamplingParams
 from zcode.server.metrics import Metrics
-from zcode.sparsity.planner import level_salt
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +40,8 @@ class RequestStream:
     request_id: str
     num_prompt_tokens: int
     loop: asyncio.AbstractEventLoop
-    ffn_plan: object = None  # a sparsity RequestPlan (max_latency_ms), run by `levels`
-    cache_salt: str | None = None  # of the prefix cache: the client's, and the FFN plan's
+    planned: object = None  # a harness.request_plans.Planned (planning hints), run by `plans`
+    cache_salt: str | None = None  # of the prefix cache: the client's, and the plan's
     skip_layers: tuple[int, ...] = ()  # decoder layers the request never runs
     skip_kv_heads: tuple[tuple[int, int], ...] = ()  # (layer, KV head) pairs it never reads
     arrival_time: float = field(default_factory=time.monotonic)
@@ -95,7 +94,7 @@ class AsyncEngine:
             target=self._run, name="zcode-engine", daemon=True
         )
         self._running = False
-        self.levels = None  # sparsity.RequestLevels when serving with --sparsity
+        self.plans = None  # harness.request_plans.RequestPlans when serving with --sparsity
 
     @property
     def is_alive(self) -> bool:
@@ -131,16 +130,15 @@ class AsyncEngine:
     async def requests(
         self,
         jobs: list[tuple[list[int], SamplingParams, str]],
-        ffn_plan=None,
+        planned=None,
         cache_salt: str | None = None,
         skip_layers: tuple[int, ...] = (),
         skip_kv_heads: tuple[tuple[int, int], ...] = (),
     ) -> AsyncIterator[list[RequestStream]]:
         """Admits (prompt_token_ids, params, request_id) jobs together and yields their streams.
 
-        Requests share prefix-cache blocks only with requests of the same `cache_salt` and FFN
-        plan level: `levels` runs a planned request at its level or a denser one, so KV cached
-        under a level is at least as good as that level's own.
+        Requests share prefix-cache blocks only with requests of the same `cache_salt` and plan
+        (RequestPlans.kv_salt).
 
         Raises the first error `LLMEngine.add_request` raised (a ValidationError for bad input),
         after aborting the others; leaving the block early aborts every unfinished request.
@@ -149,14 +147,14 @@ class AsyncEngine:
             raise EngineError("the engine is not running")
         loop = asyncio.get_running_loop()
         streams = []
-        if ffn_plan is not None:
-            cache_salt = join_salts(cache_salt, level_salt(ffn_plan.level))
+        if planned is not None and (plan_salt := self.plans.kv_salt(planned)) is not None:
+            cache_salt = join_salts(cache_salt, plan_salt)
         for prompt_token_ids, params, request_id in jobs:
             stream = RequestStream(
                 request_id,
                 len(prompt_token_ids),
                 loop,
-                ffn_plan,
+                planned,
                 cache_salt,
                 skip_layers,
                 skip_kv_heads,
@@ -235,14 +233,14 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(_resolve, stream.admitted, e)
             return
         self._streams[stream.request_id] = stream
-        if stream.ffn_plan is not None:
-            self.levels.admit(stream.request_id, stream.ffn_plan)
+        if stream.planned is not None:
+            self.plans.admit(stream.request_id, stream.planned)
         stream.loop.call_soon_threadsafe(_resolve, stream.admitted, None)
 
     def _abort(self, request_id: str, notify: bool) -> None:
         self.engine.abort(request_id)
-        if self.levels is not None:
-            self.levels.forget(request_id)
+        if self.plans is not None:
+            self.plans.forget(request_id)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             if notify:
@@ -252,11 +250,11 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            if self.levels is not None:
-                self.levels.before_step(list(self._streams))
+            if self.plans is not None:
+                self.plans.before_step(list(self._streams))
             outputs = self.engine.step()
-            if self.levels is not None:
-                self.levels.after_step(outputs)
+            if self.plans is not None:
+                self.plans.after_step(outputs)
         except RankFailure:  # the ranks no longer agree: no request can run, the loop ends
             raise
         except Exception as e:
@@ -267,8 +265,8 @@ class AsyncEngine:
             failed = [seq.request_id for seq in scheduler.running or scheduler.waiting]
             for request_id in failed:
                 self.engine.abort(request_id)
-                if self.levels is not None:
-                    self.levels.forget(request_id)
+                if self.plans is not None:
+                    self.plans.forget(request_id)
                 stream = self._streams.pop(request_id, None)
                 if stream is not None:
                     self._send(stream, EngineError(f"the engine failed on this request: {e}"))

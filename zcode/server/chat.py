@@ -111,7 +111,7 @@ class Chat:
         state.check_model(req.model)
         req.check()
         state.check_logit_bias(req.logit_bias)
-        ffn_plan = state.ffn_plan(req.max_latency_ms)
+        planned = state.plan(req)
         use_tools = bool(req.tools) and req.tool_choice != "none"
         if use_tools and not self.glm_tools:
             raise ApiError(
@@ -146,7 +146,9 @@ class Chat:
 
         stack = AsyncExitStack()
         streams = await stack.enter_async_context(
-            state.engine.requests(jobs, ffn_plan, req.cache_salt, **req.skips())
+            state.engine.requests(
+                jobs, planned, req.cache_salt, **(planned.skips() if planned else req.skips())
+            )
         )
         view = _View(state, req, request_id, len(prompt_ids), parser)
         if req.stream:
@@ -183,8 +185,8 @@ class _View:
                     "stop_reason": out.stop_reason,
                 }
             )
-            if out.plan is not None:  # max_latency_ms: the sparsity plan this choice ran
-                choices[-1]["zcode_plan"] = out.plan
+            if out.plan is not None:  # the plan this choice ran (hints, speculative decoding)
+                choices[-1]["zcode_plan"] = out.plan.to_dict()
         return openai_object(
             "chat.completion",
             self.id,
@@ -259,7 +261,7 @@ async def _stream(view: _View, streams, stack: AsyncExitStack) -> AsyncIterator[
                 if out.finished:
                     choice["stop_reason"] = out.stop_reason
                     if out.plan is not None:
-                        choice["zcode_plan"] = out.plan
+                        choice["zcode_plan"] = out.plan.to_dict()
                 running_usage = None
                 if req.continuous_usage:
                     running_usage = usage(view.num_prompt_tokens, sum(num_output))

@@ -59,7 +59,7 @@ class Completions:
         state.check_model(req.model)
         req.check()
         state.check_logit_bias(req.logit_bias)
-        ffn_plan = state.ffn_plan(req.max_latency_ms)
+        planned = state.plan(req)
         prompts = await asyncio.to_thread(self._prompts, req)  # tokenizing 1 MiB takes a while
         num_logprobs = req.logprobs
         prompt_logprobs = req.prompt_logprobs
@@ -77,7 +77,9 @@ class Completions:
                 jobs.append((prompt.token_ids, params, f"{request_id}-{p_index}-{i}"))
         stack = AsyncExitStack()
         streams = await stack.enter_async_context(
-            state.engine.requests(jobs, ffn_plan, req.cache_salt, **req.skips())
+            state.engine.requests(
+                jobs, planned, req.cache_salt, **(planned.skips() if planned else req.skips())
+            )
         )
         view = _View(state, req, request_id, prompts)
         if req.stream:
@@ -115,8 +117,8 @@ class _View:
             if self.req.echo:
                 text = prompt.text + text
             choices.append(self._choice(index, text, lp, out.finish_reason, out.stop_reason))
-            if out.plan is not None:  # max_latency_ms: the sparsity plan this choice ran
-                choices[-1]["zcode_plan"] = out.plan
+            if out.plan is not None:  # the plan this choice ran (hints, speculative decoding)
+                choices[-1]["zcode_plan"] = out.plan.to_dict()
         num_prompt = sum(len(p.token_ids) for p in self.prompts)
         num_output = sum(len(self.output(out)[1]) for out in finals)
         return openai_object(
@@ -215,7 +217,7 @@ async def _stream(view: _View, streams, stack: AsyncExitStack) -> AsyncIterator[
                     out.stop_reason if out.finished else None,
                 )
                 if out.finished and out.plan is not None:
-                    choice["zcode_plan"] = out.plan
+                    choice["zcode_plan"] = out.plan.to_dict()
                 running_usage = None
                 if req.continuous_usage:
                     running_usage = usage(_num_prompt(view), sum(num_output))

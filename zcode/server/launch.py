@@ -67,9 +67,9 @@ def build_state(
     name = served_model_name or default_model_name(model)
     engine = AsyncEngine(llm.engine, Metrics(name))
     if llm.sparsity is not None:
-        from zcode.sparsity.request_levels import RequestLevels
+        from zcode.harness.request_plans import RequestPlans
 
-        engine.levels = RequestLevels(llm.model, llm.sparsity)
+        engine.plans = RequestPlans.for_llm(llm)
     root = str(Path(resolve_model_path(model)).resolve())
     return ServerState(llm, engine, name, root, int(time.time()))
 

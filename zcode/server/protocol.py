@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
 
 from zcode.errors import ValidationError
+from zcode.harness.planner import Hints
 from zcode.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -90,14 +91,29 @@ class _GenerateRequest(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
-    # zcode: the FFN sparsity level whose predicted decode ms/token meets this (needs --sparsity)
+    # zcode planning hints, any combination (needs --sparsity): predicted decode ms/token,
+    # predicted perplexity increase %, its presets, KV cache bytes per token
     max_latency_ms: float | None = Field(None, gt=0, allow_inf_nan=False)
+    max_quality_loss: float | None = Field(None, ge=0, allow_inf_nan=False)
+    quality: Literal["max", "balanced", "fast"] | None = None
+    max_kv_bytes: StrictInt | None = Field(None, gt=0)
     # vLLM's: prefix-cache blocks are shared only among requests with the same salt
     cache_salt: str | None = Field(None, min_length=1)
     # zcode: decoder layers, and [layer, KV head] pairs, this request never runs and keeps no KV
     # for (needs --per-request-depth)
     skip_layers: list[StrictInt] | None = Field(None, max_length=1024)
     skip_kv_heads: list[tuple[StrictInt, StrictInt]] | None = Field(None, max_length=65536)
+
+    def hints(self) -> Hints:
+        """The request's planning hints; its skips fix its depth."""
+        return Hints(
+            max_latency_ms=self.max_latency_ms,
+            max_quality_loss=self.max_quality_loss,
+            quality=self.quality,
+            max_kv_bytes=self.max_kv_bytes,
+            skip_layers=tuple(self.skip_layers or ()),
+            skip_kv_heads=tuple(tuple(p) for p in self.skip_kv_heads or ()),
+        )
 
     def skips(self) -> dict:
         """The layers and KV heads the request skips, as AsyncEngine.requests takes them."""

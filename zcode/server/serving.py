@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from zcode.engine.request_output import RequestOutput
+from zcode.errors import ValidationError
 from zcode.llm import LLM
 from zcode.server.async_engine import AsyncEngine, EngineError, RequestStream
 from zcode.server.protocol import ApiError
 
 logger = logging.getLogger(__name__)
+
+
+PLAN_FIELDS = ("max_latency_ms", "max_quality_loss", "quality", "max_kv_bytes")
 
 
 @dataclass
@@ -49,16 +53,22 @@ class ServerState:
                 f"The model `{model}` does not exist.", 404, "NotFoundError", param="model"
             )
 
-    def ffn_plan(self, max_latency_ms: float | None):
-        """The sparsity plan for a request's max_latency_ms: a RequestPlan, None without one."""
-        if max_latency_ms is None:
+    def plan(self, req):
+        """The plan for a request's planning hints (a harness.request_plans.Planned), None
+        without any: it then runs the default plan with its own skips."""
+        hints = req.hints()
+        if not hints.limits():
             return None
-        if self.engine.levels is None:
+        param = next(name for name in PLAN_FIELDS if getattr(req, name) is not None)
+        if self.engine.plans is None:
             raise ApiError(
-                "max_latency_ms needs a server started with --sparsity ARTIFACT (zcode calibrate)",
-                param="max_latency_ms",
+                f"{param} needs a server started with --sparsity ARTIFACT (zcode calibrate)",
+                param=param,
             )
-        return self.engine.levels.plan(max_latency_ms)
+        try:
+            return self.engine.plans.plan(hints)
+        except ValidationError as e:
+            raise ApiError(str(e), param=param) from None
 
     def require_tokenizer(self) -> None:
         if self.tokenizer is None:

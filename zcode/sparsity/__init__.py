@@ -1,3 +1,3 @@
 """Dynamic sparsity (issue 6): TEAL-style FFN activation thresholds with a kernel that skips the
 weight rows of dropped inputs, static layer and KV-head skipping, the calibration artifact that
-holds them, and the latency planner behind `generate(max_latency_ms=...)`."""
+holds them; the planner (zcode.harness.planner) chooses among its levels."""

@@ -1,6 +1,7 @@
 """The calibration artifact `zcode calibrate` writes and generate/ppl/serve load: thresholds,
-layer and head importance, the candidate plans' measured quality, the fitted latency model and
-the FFN block predictors, for one model.
+layer and head importance, the candidate plans' measured quality and the FFN block predictors,
+for one model. Latency is the hardware cost model's (zcode.hardware.cost_model): an older
+artifact's "latency" fit is ignored.
 
 Stored with torch.save as plain tensors and builtins, read back with weights_only=True.
 """
@@ -29,20 +30,6 @@ class FFNLevel:
     ppl_ratio: float  # perplexity / dense perplexity on calibration text
 
 
-@dataclass(frozen=True)
-class LatencyFit:
-    """Batch-1 decode ms/token = overhead_ms + ms_per_mb * MB of weights read by dense kernels
-    + sparse_ms_per_mb * MB of FFN weight rows read by the row-skipping kernel (the two stream
-    at different rates, so one slope over all bytes mispredicts the sparse levels)."""
-
-    overhead_ms: float
-    ms_per_mb: float
-    sparse_ms_per_mb: float
-
-    def predict_ms(self, dense_mb: float, sparse_mb: float) -> float:
-        return self.overhead_ms + self.ms_per_mb * dense_mb + self.sparse_ms_per_mb * sparse_mb
-
-
 @dataclass
 class SparsityArtifact:
     fingerprint: str
@@ -50,7 +37,6 @@ class SparsityArtifact:
     levels: list[FFNLevel]
     layer_scores: torch.Tensor  # [L] block influence
     head_scores: torch.Tensor  # [L, KVH] perplexity ratio with each KV group removed
-    latency: LatencyFit | None = None
     predictor: dict | None = None  # FFNPredictor.state() and its held-out metrics
     notes: dict = field(default_factory=dict)
 
@@ -82,7 +68,6 @@ class SparsityArtifact:
             "levels": [asdict(lv) for lv in self.levels],
             "layer_scores": self.layer_scores,
             "head_scores": self.head_scores,
-            "latency": asdict(self.latency) if self.latency else None,
             "predictor": self.predictor,
             "notes": self.notes,
         }
@@ -99,11 +84,6 @@ class SparsityArtifact:
             raise ValidationError(f"{path}: not a sparsity artifact ({e})") from e
         if not isinstance(blob, dict) or blob.get("format") != FORMAT:
             raise ValidationError(f"{path}: not a {FORMAT} artifact")
-        if blob["latency"] and "sparse_ms_per_mb" not in blob["latency"]:
-            raise ValidationError(
-                f"{path}: its latency fit has one slope for all weight bytes (an older zcode "
-                "calibrate): run zcode calibrate again"
-            )
         t = blob["table"]
         return cls(
             fingerprint=blob["fingerprint"],
@@ -111,7 +91,6 @@ class SparsityArtifact:
             levels=[FFNLevel(**lv) for lv in blob["levels"]],
             layer_scores=blob["layer_scores"],
             head_scores=blob["head_scores"],
-            latency=LatencyFit(**blob["latency"]) if blob["latency"] else None,
             predictor=blob["predictor"],
             notes=blob["notes"],
         )

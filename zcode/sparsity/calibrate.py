@@ -1,7 +1,7 @@
 """`zcode calibrate`: one pass over calibration text records activation thresholds and layer
 importance, then KV-group importance (by ablation) and every candidate FFN level are scored on a
-separate calibration slice and batch-1 decode latency is fitted; the result is a
-SparsityArtifact.
+separate calibration slice; the result is a SparsityArtifact. (Latency is the hardware cost
+model's: `zcode hw --fit-cost`.)
 
 Held-out text is never touched here: quality claims are made on it by the bench.
 """
@@ -15,7 +15,6 @@ from zcode.sampling_params import SamplingParams
 from zcode.sparsity.apply import remove_sparsity, set_ffn_level
 from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
 from zcode.sparsity.head_skip import ablation_scores, gqa_attentions
-from zcode.sparsity.latency import fit_latency, measure_latency_points
 from zcode.sparsity.layer_skip import BlockInfluence
 from zcode.sparsity.predictor import FFNInputRecorder, predictor_state, train_predictors
 from zcode.sparsity.thresholds import ActivationRecorder
@@ -35,8 +34,6 @@ CANDIDATE_LEVELS = (
     (0.5, 0.7),
     (0.6, 0.8),
 )
-# Levels timed for the latency fit: dense, down-only sparse (gate/up stay dense), both sparse.
-LATENCY_LEVELS = ((0.0, 0.0), (0.0, 0.3), (0.3, 0.5), (0.6, 0.8))
 WINDOW = 512
 PREDICTOR_KEEPS = (0.75, 0.5)  # fractions of FFN neuron blocks the trained predictors keep
 PREDICTOR_RANK = 4  # 30 layers x (576 x 4 + 4 x 25) = 72,720 parameters for SmolLM2-135M
@@ -55,19 +52,22 @@ def calibrate(
     levels: tuple[tuple[float, float], ...] = CANDIDATE_LEVELS,
     score: str = "teal",
     progress: bool = True,
+    tokens: list[int] | None = None,
 ) -> SparsityArtifact:
-    if llm.tokenizer is None:
-        raise ValueError("calibration needs the model's tokenizer to read calibration text")
+    """`tokens`: the calibration token ids (default: the calibration split, tokenized)."""
+    if tokens is None:
+        if llm.tokenizer is None:
+            raise ValueError("calibration needs the model's tokenizer to read calibration text")
+        tokens = corpus_tokens(llm.tokenizer, "calibration", num_tokens + num_eval_tokens)
     model = llm.model
     remove_sparsity(model)
-    tokens = corpus_tokens(llm.tokenizer, "calibration", num_tokens + num_eval_tokens)
     if len(tokens) < num_tokens + num_eval_tokens:
-        raise ValueError(f"the calibration split has only {len(tokens)} tokens")
+        raise ValueError(f"the calibration text has only {len(tokens)} tokens")
     record, evaluate = tokens[:num_tokens], tokens[num_tokens:]
     windows = [record[i : i + WINDOW] for i in range(0, len(record) - 1, WINDOW)]
     num_groups = sum(a.num_kv_heads for a in gqa_attentions(model).values())
     bar = tqdm(
-        total=len(windows) + num_groups + len(levels) + 3 + len(PREDICTOR_KEEPS),
+        total=len(windows) + num_groups + len(levels) + len(PREDICTOR_KEEPS),
         desc="calibrate",
         disable=not progress,
     )
@@ -100,13 +100,6 @@ def calibrate(
         dense_ppl = dense_ppl or ppl  # the first level is dense
         artifact.levels.append(FFNLevel(s_in, s_mid, flops_skipped(s_in, s_mid), ppl / dense_ppl))
         bar.update()
-    fit_levels = [
-        lv for lv in artifact.levels if (lv.sparsity_in, lv.sparsity_mid) in LATENCY_LEVELS
-    ]
-    points = measure_latency_points(llm, artifact, fit_levels, evaluate[:64])
-    bar.update(3)
-    artifact.latency = fit_latency(points)
-    artifact.notes["latency_points"] = points
     set_ffn_level(model, artifact, 0.0, 0.0)
     bar.close()
     return artifact

@@ -1,0 +1,185 @@
+"""The planner: hint validation, the joint search on synthetic candidates (expected choices worked
+out by hand), and the candidates it builds from a model, a sparsity artifact and a cost model
+(predictions checked against the formulas computed here from the model's sizes)."""
+
+import math
+
+import pytest
+import torch
+
+from zcode.errors import ValidationError
+from zcode.harness.plan import ExecutionPlan
+from zcode.harness.planner import Candidate, Hints, Planner, ffn_read_fraction, search
+
+# name: (ms per token, quality loss %, KV bytes per token)
+TABLE = {
+    "A": (30.0, 0.0, 100),
+    "B": (20.0, 1.0, 100),
+    "C": (12.0, 5.0, 100),
+    "D": (25.0, 0.5, 50),
+    "E": (10.0, 20.0, 50),
+}
+CANDIDATES = [
+    Candidate(ExecutionPlan(name=name, ffn_density=1 - i / 10), ms, loss, kv)
+    for i, (name, (ms, loss, kv)) in enumerate(TABLE.items())
+]
+
+
+@pytest.mark.parametrize(
+    "hints, name, binding, met",
+    [
+        (Hints(), "A", "none", True),  # no target: the least loss
+        (Hints(max_latency_ms=22), "B", "latency", True),  # B C E meet it; B loses least
+        (Hints(max_latency_ms=26), "D", "latency", True),
+        (Hints(max_latency_ms=40), "A", "none", True),  # everything meets it
+        (Hints(max_quality_loss=2.0), "B", "quality", True),  # A B D within; B fastest
+        (Hints(quality="balanced"), "B", "quality", True),  # balanced = 2%
+        (Hints(quality="max", max_quality_loss=5.0), "D", "quality", True),  # the tighter: 0.5%
+        (Hints(max_kv_bytes=60), "D", "memory", True),  # D E fit; D loses least
+        # only E meets both; without the latency target D would lose less
+        (Hints(max_latency_ms=22, max_kv_bytes=60), "E", "latency", True),
+        (Hints(max_latency_ms=5), "E", "latency", False),  # nothing meets it: the fastest
+        # nothing within 0.1% at 11 ms: E meets the latency, nears the loss least of those that do
+        (Hints(max_latency_ms=11, max_quality_loss=0.1), "E", "quality", False),
+        (Hints(max_kv_bytes=10, max_latency_ms=11), "E", "memory", False),
+    ],
+)
+def test_search_obeys_each_constraint(hints, name, binding, met):
+    choice = search(CANDIDATES, hints)
+    assert (choice.plan.name, choice.binding, choice.target_met) == (name, binding, met)
+    ms, loss, kv = TABLE[name]
+    assert (choice.predicted_ms_per_token, choice.predicted_quality_loss_pct) == (ms, loss)
+    assert choice.kv_bytes_per_token == kv
+
+
+def test_an_unknown_loss_never_meets_a_quality_budget():
+    unknown = Candidate(ExecutionPlan(name="U", ffn_density=0.1), 1.0, None, 10)
+    assert search([*CANDIDATES, unknown], Hints(max_quality_loss=50)).plan.name == "E"
+    assert search([*CANDIDATES, unknown], Hints(max_latency_ms=5)).plan.name == "U"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_latency_ms": 0}, "max_latency_ms"),
+        ({"max_latency_ms": math.inf}, "max_latency_ms"),
+        ({"max_latency_ms": "fast"}, "max_latency_ms"),
+        ({"max_quality_loss": -1}, "max_quality_loss"),
+        ({"max_quality_loss": True}, "max_quality_loss"),
+        ({"quality": "best"}, "quality must be one of max, balanced, fast"),
+        ({"max_kv_bytes": 0}, "max_kv_bytes"),
+        ({"max_kv_bytes": 1.5}, "max_kv_bytes"),
+        ({"plan": "dense"}, "ExecutionPlan"),
+        ({"plan": ExecutionPlan(skip_layers=(0,)), "skip_layers": (1,)}, "not both"),
+    ],
+)
+def test_bad_hints_are_validation_errors(kwargs, match):
+    with pytest.raises(ValidationError, match=match):
+        Hints(**kwargs)
+
+
+def test_ffn_read_fraction_counts_the_dense_fallback():
+    # gate/up keep 90% > 85%: read whole; down keeps 70%
+    assert ffn_read_fraction(0.1, 0.3, 0.85) == pytest.approx((2 * 1.0 + 0.7) / 3)
+    assert ffn_read_fraction(0.5, 0.5, 0.85) == pytest.approx(0.5)
+    assert ffn_read_fraction(0.0, 0.0, 0.85) == 1.0
+
+
+# --- candidates from a model ---------------------------------------------------------------
+
+LEVELS = ((0.0, 0.0, 1.0), (0.0, 0.5, 1.05), (0.5, 0.7, 1.30))  # (in, mid, ppl ratio)
+# [L=2, KVH=2] ablation ratios: (0, 1) and (1, 0) are each layer's least important group
+HEAD_SCORES = torch.tensor([[1.20, 1.02], [1.01, 1.50]])
+COEFFICIENTS = {
+    "step": 1.0,
+    "dense-float32:MB": 2.0,
+    "dense-float32:calls": 0.0,
+    "dense-float32:GFLOP": 0.0,
+    "kv:MB": 0.0,
+    "attn:GFLOP": 0.0,
+}
+
+
+def synthetic_cost_model():
+    from zcode.hardware.cost_model import CostModel
+
+    return CostModel(COEFFICIENTS, COEFFICIENTS, "test")
+
+
+def synthetic_artifact(model):
+    from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
+    from zcode.sparsity.calibrate import flops_skipped
+    from zcode.sparsity.thresholds import ThresholdTable
+
+    n = len(model.model.layers)
+    table = ThresholdTable("teal", (0.0, 0.5, 0.7), torch.zeros(n, 3), torch.zeros(n, 3))
+    levels = [FFNLevel(i, m, flops_skipped(i, m), ratio) for i, m, ratio in LEVELS]
+    return SparsityArtifact(fingerprint(model), table, levels, torch.zeros(n), HEAD_SCORES)
+
+
+@pytest.fixture(scope="module")
+def tiny_net(tiny_checkpoint):
+    from zcode.loader import load_model
+
+    net, _ = load_model(tiny_checkpoint("llama").path)
+    return net
+
+
+def test_candidates_predict_ms_loss_and_kv_bytes(tiny_net):
+    planner = Planner(tiny_net, synthetic_cost_model(), None, synthetic_artifact(tiny_net), True)
+    mlp_mb = sum(p.nbytes for layer in tiny_net.model.layers for p in layer.mlp.parameters()) / 1e6
+    linear_mb = (
+        sum(m.weight.nbytes for m in tiny_net.modules() if isinstance(m, torch.nn.Linear)) / 1e6
+    )
+    # fp32 K and V of 16 dims per KV head: 128 bytes per token; 2 layers x 2 KV heads
+    per_head = 2 * 16 * 4
+    by_name = {c.plan.name: c for c in planner.candidates()}
+    assert len(by_name) == 3 * 3  # FFN levels x (no skip, 1 group, 2 groups)
+
+    mid = by_name["ffn in 0 / mid 0.5"]
+    read = (2 * 1.0 + 0.5) / 3  # gate/up dense, half of down
+    assert mid.ms_per_token == pytest.approx(1.0 + 2.0 * (linear_mb - mlp_mb * (1 - read)))
+    assert mid.quality_loss_pct == pytest.approx(5.0)
+    assert mid.kv_bytes_per_token == 4 * per_head
+
+    both = by_name["ffn in 0.5 / mid 0.7, skip 2 KV heads"]
+    assert both.plan.skip_kv_heads == ((0, 1), (1, 0))
+    assert both.quality_loss_pct == pytest.approx(100 * (1.30 * 1.02 * 1.01 - 1))
+    assert both.kv_bytes_per_token == 2 * per_head
+    one = by_name["ffn in 0 / mid 0, skip 1 KV heads"]
+    assert one.plan.skip_kv_heads == ((1, 0),)  # the least important group
+    assert one.quality_loss_pct == pytest.approx(1.0)
+
+    dense_ms = 1.0 + 2.0 * linear_mb
+    choice = planner.choose(Hints(max_latency_ms=dense_ms - 1e-6))
+    assert choice.plan.name == "ffn in 0 / mid 0.5" and choice.binding == "latency"
+    # at most 3 heads' KV: skip the one group costing 1%
+    choice = planner.choose(Hints(max_kv_bytes=3 * per_head))
+    assert choice.plan.name == "ffn in 0 / mid 0, skip 1 KV heads"
+    assert choice.binding == "memory" and choice.target_met
+    # within 6%: mid 0.5 (5%) is the fastest; with the 1% group skipped too it would cost 6.05%
+    choice = planner.choose(Hints(max_quality_loss=6.0))
+    assert choice.plan.name == "ffn in 0 / mid 0.5" and choice.binding == "quality"
+
+
+def test_explicit_plans_and_skips(tiny_net):
+    planner = Planner(tiny_net, synthetic_cost_model(), None, synthetic_artifact(tiny_net), True)
+    sparse = next(c.plan for c in planner.candidates() if c.plan.name == "ffn in 0.5 / mid 0.7")
+    choice = planner.choose(Hints(plan=sparse, max_quality_loss=1.0))
+    assert choice.plan == sparse and choice.binding == "override" and not choice.target_met
+    with pytest.raises(ValidationError, match="not one this model can run"):
+        planner.choose(Hints(plan=ExecutionPlan(precision=(("lm_head", "int8"),))))
+    # a skipped layer has no calibrated loss: a quality budget cannot be met with it
+    choice = planner.choose(Hints(skip_layers=(1,), max_quality_loss=50.0))
+    assert choice.plan.skip_layers == (1,) and choice.predicted_quality_loss_pct is None
+    assert not choice.target_met
+    choice = planner.choose(Hints(skip_kv_heads=((0, 1),), max_quality_loss=4.0))
+    assert choice.plan.skip_kv_heads == ((0, 1),) and choice.target_met
+    assert choice.predicted_quality_loss_pct == pytest.approx(2.0)
+
+
+def test_latency_needs_a_cost_model(tiny_net):
+    planner = Planner(tiny_net, None, None, synthetic_artifact(tiny_net))
+    with pytest.raises(ValidationError, match="zcode hw --fit-cost"):
+        planner.choose(Hints(max_latency_ms=10))
+    assert planner.choose(Hints(max_quality_loss=10)).predicted_ms_per_token is None

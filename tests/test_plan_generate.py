@@ -1,0 +1,242 @@
+"""generate() with planning hints on a tiny llama calibrated for real (zcode calibrate on random
+token ids): every combination of hints in one call, each request's tokens against the same plan
+applied statically (modules swapped before the engine is built: another code path), reports, and
+compiled decode following every plan change."""
+
+import itertools
+import random
+
+import pytest
+
+from zcode.engine.request_output import RequestOutput
+from zcode.harness.plan import ExecutionPlan
+from zcode.harness.planner import Hints
+from zcode.harness.report import PlanReport
+from zcode.llm import LLM
+from zcode.sampling_params import SamplingParams
+from zcode.sparsity.calibrate import calibrate
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+PROMPT = [5, 17, 200, 3, 99, 42, 7, 7, 130, 250, 11]
+COEFFICIENTS = {
+    "step": 1.0,
+    "dense-float32:MB": 20.0,
+    "dense-float32:calls": 0.0,
+    "dense-float32:GFLOP": 0.0,
+    "kv:MB": 0.0,
+    "attn:GFLOP": 0.0,
+}
+LEVELS = ((0.0, 0.0), (0.0, 0.5), (0.3, 0.5), (0.5, 0.7))
+
+
+def cost_model():
+    from zcode.hardware.cost_model import CostModel
+
+    return CostModel(COEFFICIENTS, COEFFICIENTS, "test")
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_checkpoint):
+    """A real calibration of the tiny llama on random token ids."""
+    llm = LLM(tiny_checkpoint("llama").path, dtype="float32")
+    rng = random.Random(0)
+    tokens = [rng.randrange(3, 256) for _ in range(384 + 128)]
+    return calibrate(
+        llm, num_tokens=384, num_eval_tokens=128, levels=LEVELS, progress=False, tokens=tokens
+    )
+
+
+def planned_llm(path, artifact, **engine_args) -> LLM:
+    llm = LLM(path, dtype="float32", kv_cache_bytes=1 << 20, **engine_args)
+    llm.sparsity, llm.cost_model = artifact, cost_model()
+    llm.declare_default_plan()
+    return llm
+
+
+@pytest.fixture(scope="module")
+def paged(tiny_checkpoint, artifact):
+    return planned_llm(tiny_checkpoint("llama").path, artifact, per_request_depth=True)
+
+
+def static_tokens(path, artifact, report: PlanReport, plan: ExecutionPlan) -> list[int]:
+    """The oracle: the plan's FFN level, skipped layers and pruned KV groups swapped into the
+    modules before the engine is built (zcode.sparsity.apply), no planner or executor."""
+    from zcode.sparsity.apply import apply_to_llm
+
+    assert report.signature == plan.signature()
+    llm = LLM(path, dtype="float32", kv_cache_bytes=1 << 20)
+    extras = dict(plan.extras)
+    static = ExecutionPlan(
+        skip_layers=plan.skip_layers,
+        extras=(
+            ("drop_heads", ",".join(f"{i}:{g}" for i, g in plan.skip_kv_heads)),
+            ("ffn_sparsity_in", extras["ffn_sparsity_in"]),
+            ("ffn_sparsity_mid", extras["ffn_sparsity_mid"]),
+        ),
+    )
+    apply_to_llm(llm, artifact, static)
+    return llm.generate(PROMPT, GREEDY)[0].token_ids
+
+
+def hint_values(llm: LLM) -> dict:
+    planner = llm.planner()
+    candidates = planner.candidates()
+    dense_ms = max(c.ms_per_token for c in candidates)
+    sparse = next(c.plan for c in candidates if c.plan.ffn_density < 1 and not c.plan.skip_kv_heads)
+    kv_all = max(c.kv_bytes_per_token for c in candidates)
+    return {
+        "max_latency_ms": dense_ms - 1e-6,  # some sparse FFN level must run
+        "max_quality_loss": 30.0,
+        "quality": "balanced",
+        "max_kv_bytes": kv_all - 1,  # some KV head must go
+        "plan": sparse,
+        "skip_layers": [1],
+    }
+
+
+COMBINATIONS = [
+    combo
+    for n in range(1, 7)
+    for combo in itertools.combinations(
+        ["max_latency_ms", "max_quality_loss", "quality", "max_kv_bytes", "plan", "skip_layers"], n
+    )
+]
+
+
+def test_every_combination_of_hints_runs_its_plan(paged, tiny_checkpoint, artifact):
+    values = hint_values(paged)
+    planner = paged.planner()
+    oracle: dict[str, list[int]] = {}
+    for combo in COMBINATIONS:
+        kwargs = {name: values[name] for name in combo}
+        (out,) = paged.generate(PROMPT, GREEDY, **kwargs)
+        report = out.plan
+        assert isinstance(report, PlanReport), combo
+        hints = Hints(**{**kwargs, "skip_layers": tuple(kwargs.get("skip_layers", ()))})
+        choice = planner.choose(hints, batch_size=1, context_len=16)  # len(PROMPT) + 2.5, up
+        assert report.signature == choice.plan.signature(), combo
+        assert report.binding == ("override" if "plan" in combo else choice.binding), combo
+        met = all(
+            value is not None and value <= limit
+            for value, limit in (
+                (report.predicted_ms_per_token, kwargs.get("max_latency_ms")),
+                (report.predicted_quality_loss_pct, hints.quality_budget_pct),
+                (report.kv_bytes_per_token, kwargs.get("max_kv_bytes")),
+            )
+            if limit is not None
+        )
+        assert report.target_met == met, combo
+        assert report.measured_ms_per_token > 0
+        if "skip_layers" in combo:
+            assert choice.plan.skip_layers == (1,)
+        if report.signature not in oracle:
+            path = tiny_checkpoint("llama").path
+            oracle[report.signature] = static_tokens(path, artifact, report, choice.plan)
+        assert out.token_ids == oracle[report.signature], combo
+    assert len(oracle) >= 4  # the hints did choose different plans
+    # the default plan is back: a request without hints runs as before any of them
+    assert (
+        paged.generate(PROMPT, GREEDY)[0].token_ids
+        == oracle[planner.choose(Hints()).plan.signature()]
+    )
+
+
+def other_plan(llm: LLM) -> ExecutionPlan:
+    """A plan whose KV differs from the default plan's."""
+    planner = llm.planner()
+    default = planner.default_plan().kv_signature()
+    return next(c.plan for c in planner.candidates() if c.plan.kv_signature() != default)
+
+
+def test_another_plans_kv_is_salted(paged):
+    prompt = list(range(3, 40))  # full blocks to cache
+    stats = paged.engine.stats
+    dense = paged.generate(prompt, GREEDY)[0].token_ids
+    hits = stats()["prefix_cache_hits"]
+    other = paged.generate(prompt, GREEDY, plan=other_plan(paged))[0]
+    assert stats()["prefix_cache_hits"] == hits  # the default plan's KV was not reused
+    again = paged.generate(prompt, GREEDY, plan=other_plan(paged))[0]
+    assert stats()["prefix_cache_hits"] > hits and again.token_ids == other.token_ids
+    assert paged.generate(prompt, GREEDY)[0].token_ids == dense
+
+
+def test_a_plan_does_not_change_under_running_requests(paged):
+    from zcode.errors import ValidationError
+
+    seq = paged.engine.add_request(PROMPT, GREEDY)
+    try:
+        with pytest.raises(ValidationError, match="phase 2"):
+            paged.generate(PROMPT, GREEDY, plan=other_plan(paged))
+    finally:
+        paged.engine.abort(seq.request_id)
+    assert not paged.engine.has_unfinished()
+
+
+def test_bad_hints_leave_no_request(paged):
+    from zcode.errors import ValidationError
+
+    for kwargs, match in (
+        ({"max_latency_ms": -1}, "max_latency_ms"),
+        ({"quality": "best"}, "quality"),
+        ({"skip_layers": [9], "max_quality_loss": 1.0}, "out of range"),
+        ({"plan": ExecutionPlan(precision=(("lm_head", "int8"),))}, "not one this model"),
+    ):
+        with pytest.raises(ValidationError, match=match):
+            paged.generate(PROMPT, GREEDY, **kwargs)
+    assert not paged.engine.has_unfinished()
+
+
+def test_compiled_decode_follows_every_plan_change(tiny_checkpoint, artifact):
+    """Before the executor, generate(max_latency_ms=) swapped sparse FFNs in without declaring a
+    plan, and a compiled engine kept running its cached dense graph (tokens neither dense nor
+    sparse) while the report named the sparse level."""
+    path = tiny_checkpoint("llama").path
+    eager, compiled = planned_llm(path, artifact), planned_llm(path, artifact, compile=True)
+    values = hint_values(eager)
+    by_level = {
+        dict(c.plan.extras)["ffn_sparsity_mid"]: c.plan for c in eager.planner().candidates()
+    }
+    dense, sparsest = by_level["0"], by_level["0.7"]
+    sequence = [
+        {},
+        {"plan": sparsest},
+        {"plan": dense},
+        {"max_latency_ms": values["max_latency_ms"]},
+        {},
+        {"plan": sparsest},
+        {"max_quality_loss": 0.0},
+        {},
+    ]
+    outputs: list[tuple[RequestOutput, RequestOutput]] = []
+    for kwargs in sequence:
+        want, got = (llm.generate(PROMPT, GREEDY, **kwargs)[0] for llm in (eager, compiled))
+        assert got.token_ids == want.token_ids, kwargs
+        outputs.append((want, got))
+    assert outputs[1][0].token_ids != outputs[2][0].token_ids  # the sparse level did differ
+    assert compiled.engine.runner.num_graph_compiles > 0  # dense plans ran compiled
+    assert outputs[-1][1].token_ids == outputs[0][1].token_ids
+
+
+def test_zcode_plan_prints_the_choice(tiny_checkpoint, artifact, tmp_path, capsys, monkeypatch):
+    import json
+
+    from zcode import cli
+    from zcode.hardware.cost_model import CostModel
+
+    path = tmp_path / "artifact.pt"
+    artifact.save(path)
+    model = str(tiny_checkpoint("llama").path)
+    argv = ["plan", model, "--sparsity", str(path), "--per-request-depth", "--json"]
+    monkeypatch.setattr(CostModel, "cached", classmethod(lambda cls, info, cache_dir=None: None))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--max-latency-ms", "5"])
+    assert exit_info.value.code == 2 and "zcode hw --fit-cost" in capsys.readouterr().err
+    # fp32 K and V of 16 dims per KV head (128 bytes a token), 2 layers x 2 KV heads: at most 3
+    monkeypatch.setattr(
+        CostModel, "cached", classmethod(lambda cls, info, cache_dir=None: cost_model())
+    )
+    cli.main([*argv, "--max-quality-loss", "50", "--max-kv-bytes", str(3 * 128)])
+    row = json.loads(capsys.readouterr().out)
+    assert row["kv_bytes_per_token"] <= 3 * 128 and row["target_met"]
+    assert row["predicted_quality_loss_pct"] <= 50 and row["predicted_ms_per_token"] > 0
+    assert "skip 1 KV heads" in row["plan"] or "skip 2 KV heads" in row["plan"]

@@ -1,0 +1,448 @@
+"""The planner: a request's hints in, one ExecutionPlan out. The one place plans are made.
+
+Dimensions searched jointly (their product), each where its calibration data exists:
+
+- precision: the precision variants attached to the LLM (zcode.quant.variants: "fast", the base
+  plan installed in the model, and the "balanced" / "max" variants of its most sensitive units),
+  else the weights as loaded;
+- FFN level: the sparsity artifact's calibrated levels (zcode calibrate), when no precision level
+  quantizes an FFN (the row-skipping kernel reads float rows);
+- KV heads: the artifact's least important KV groups skipped per request (needs an engine with
+  `per_request_depth`): the k least important for k in HEAD_COUNTS.
+
+Skipped layers are not searched: the artifact's layer scores are block influence, not a quality
+loss; an explicit `skip_layers` runs as given, with an unknown predicted loss.
+
+Quality model (an assumption, to be checked on held-out text: bench/bench_plan.py prints the
+Spearman correlation of predicted and measured increases over combined plans): each dimension's
+calibrated loss is an increase of log-perplexity (nats per token), and these add across
+dimensions and units:
+
+- a precision level: the sensitivity profile's KL(dense || quantized) summed over its units
+  (the expected increase of next-token cross-entropy when the dense model's distribution is the
+  text's; the precision planner already adds it across units);
+- an FFN level: log(ppl_ratio) measured for the level on calibration text;
+- a skipped KV group: log of the perplexity ratio of ablating it alone;
+
+the last two clamped at 0: dropping work is never predicted to help (a ratio under 1 is
+calibration noise).
+
+Predicted quality loss % = 100 * (exp(sum) - 1): a perplexity increase in percent.
+
+Latency: the one hardware cost model (zcode.hardware.cost_model) predicts every candidate's
+decode ms per step. An FFN level is the fraction of FFN weight rows a step reads, counting the
+row-skipping kernel's dense fallback (`ffn_read_fraction`); skipped KV heads are not in the cost
+model's features yet (their saved KV reads are not predicted: a conservative prediction).
+
+Search: with a latency target the least predicted loss among the plans meeting every target
+(latency, memory, quality), else the fastest; when no plan meets them all, the plan nearest to
+them, in the order memory, latency, quality (with a latency target alone: the fastest plan),
+with `target_met` False. The binding constraint is the first target whose removal would give
+a better plan by the same objective ("none" when none would).
+"""
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from torch import nn
+
+from zcode.errors import ValidationError
+from zcode.harness.plan import ExecutionPlan
+
+# quality= presets as budgets of predicted perplexity increase, %.
+QUALITY_BUDGETS_PCT = {"max": 0.5, "balanced": 2.0, "fast": 10.0}
+HEAD_COUNTS = (1, 2, 4, 8, 16)  # KV groups skipped, least important first
+TARGETS = ("latency", "memory", "quality")
+FALLBACK_ORDER = ("memory", "latency", "quality")  # which unmet target a fallback nears first
+
+
+@dataclass(frozen=True)
+class Hints:
+    """What a request asks of its plan; all optional, any combination."""
+
+    max_latency_ms: float | None = None  # predicted decode ms per step
+    max_quality_loss: float | None = None  # predicted perplexity increase, %
+    quality: str | None = None  # shorthand for a max_quality_loss (QUALITY_BUDGETS_PCT)
+    max_kv_bytes: int | None = None  # KV cache bytes per token
+    plan: ExecutionPlan | None = None  # an explicit plan: runs as given, targets only reported
+    # Explicit depth: the other dimensions are still searched (or `plan` runs with it).
+    skip_layers: tuple[int, ...] = ()
+    skip_kv_heads: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_latency_ms", "max_quality_loss"):
+            value = getattr(self, name)
+            if value is not None and not _positive(value, allow_zero=name == "max_quality_loss"):
+                raise ValidationError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.max_kv_bytes is not None and not (
+            isinstance(self.max_kv_bytes, int)
+            and not isinstance(self.max_kv_bytes, bool)
+            and self.max_kv_bytes > 0
+        ):
+            raise ValidationError(f"max_kv_bytes must be a positive int, got {self.max_kv_bytes!r}")
+        if self.quality is not None and self.quality not in QUALITY_BUDGETS_PCT:
+            raise ValidationError(
+                f"quality must be one of {', '.join(QUALITY_BUDGETS_PCT)}, got {self.quality!r}"
+            )
+        if self.plan is not None and not isinstance(self.plan, ExecutionPlan):
+            raise ValidationError(f"plan must be an ExecutionPlan, got {type(self.plan).__name__}")
+        plan_skips = self.plan is not None and (self.plan.skip_layers or self.plan.skip_kv_heads)
+        if plan_skips and (self.skip_layers or self.skip_kv_heads):
+            raise ValidationError(
+                "pass skips in the plan or as skip_layers / skip_kv_heads, not both"
+            )
+
+    @property
+    def quality_budget_pct(self) -> float | None:
+        """The tighter of max_quality_loss and the quality preset's budget."""
+        budgets = [self.max_quality_loss]
+        if self.quality is not None:
+            budgets.append(QUALITY_BUDGETS_PCT[self.quality])
+        return min((b for b in budgets if b is not None), default=None)
+
+    def limits(self) -> dict[str, float]:
+        """{target: limit} of the targets given, in TARGETS order."""
+        limits = {
+            "latency": self.max_latency_ms,
+            "memory": self.max_kv_bytes,
+            "quality": self.quality_budget_pct,
+        }
+        return {name: limit for name, limit in limits.items() if limit is not None}
+
+
+def _positive(value, allow_zero: bool) -> bool:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return ok and (value > 0 or (allow_zero and value == 0))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan the model can run, with its predictions."""
+
+    plan: ExecutionPlan
+    ms_per_token: float | None  # cost model's decode ms per step; None without a cost model
+    quality_loss_pct: float | None  # None where a dimension has no calibrated loss
+    kv_bytes_per_token: int
+
+    def value(self, target: str) -> float:
+        value = {
+            "latency": self.ms_per_token,
+            "memory": self.kv_bytes_per_token,
+            "quality": self.quality_loss_pct,
+        }[target]
+        return math.inf if value is None else value
+
+
+@dataclass(frozen=True)
+class PlanChoice:
+    plan: ExecutionPlan
+    predicted_ms_per_token: float | None
+    predicted_quality_loss_pct: float | None
+    kv_bytes_per_token: int
+    binding: str  # "latency", "quality", "memory", "override" or "none"
+    target_met: bool  # every target given is met by the predictions
+
+
+def search(candidates: list[Candidate], hints: Hints) -> PlanChoice:
+    """The candidate the hints ask for (see the module docstring); `hints.plan` and skips are
+    handled by the planner, which narrows `candidates` before."""
+    if not candidates:
+        raise ValidationError("no plan to choose from")
+    limits = hints.limits()
+    if "latency" in limits or "quality" not in limits:
+        objective = ("quality", "latency")  # the least loss, then the fastest
+    else:
+        objective = ("latency", "quality")  # the fastest within the quality budget
+
+    def key(c: Candidate) -> tuple:
+        return tuple(c.value(t) for t in objective)
+
+    def meeting(targets: Iterable[str]) -> list[Candidate]:
+        return [c for c in candidates if all(c.value(t) <= limits[t] for t in targets)]
+
+    feasible = meeting(limits)
+    if feasible:
+        best = min(feasible, key=key)
+        binding = next(
+            (t for t in limits if key(min(meeting(set(limits) - {t}), key=key)) < key(best)),
+            "none",
+        )
+        return _choice(best, binding, True)
+
+    def excess(c: Candidate) -> tuple:
+        return tuple(max(0.0, c.value(t) - limits[t]) for t in FALLBACK_ORDER if t in limits)
+
+    best = min(candidates, key=lambda c: (*excess(c), *key(c)))
+    binding = next(t for t in FALLBACK_ORDER if t in limits and best.value(t) > limits[t])
+    return _choice(best, binding, False)
+
+
+def _choice(c: Candidate, binding: str, target_met: bool) -> PlanChoice:
+    return PlanChoice(
+        c.plan, c.ms_per_token, c.quality_loss_pct, c.kv_bytes_per_token, binding, target_met
+    )
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting of one dimension: what it puts in the plan and its calibrated loss."""
+
+    label: str  # its part of the plan's name
+    log_loss: float | None  # predicted log-perplexity increase, nats/token; None: uncalibrated
+    precision: tuple[tuple[str, str], ...] = ()
+    modules: dict = field(default_factory=dict, compare=False)  # name -> module it runs there
+    touches_ffn: bool = False  # quantizes an FFN linear (no FFN sparsity on top)
+    ffn_level: tuple[float, float] | None = None  # (sparsity_in, sparsity_mid)
+    ffn_density: float = 1.0  # fraction of FFN weight rows a step reads
+    skip_layers: tuple[int, ...] = ()
+    skip_kv_heads: tuple[tuple[int, int], ...] = ()
+
+
+class Planner:
+    """Candidates from the model's calibration data and the one cost model; `choose(hints)`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cost=None,  # zcode.hardware.cost_model.CostModel, or None: no latency predictions
+        variants=None,  # zcode.quant.variants.PrecisionVariants
+        sparsity=None,  # zcode.sparsity.artifact.SparsityArtifact
+        kv_paged: bool = False,  # the engine keeps KV per head (per_request_depth)
+    ) -> None:
+        self.model, self.cost, self.kv_paged = model, cost, kv_paged
+        self.kv_bytes_per_head = kv_bytes_per_head(model)
+        self.precisions = precision_options(variants)
+        self.ffn_levels = ffn_options(sparsity, any(p.touches_ffn for p in self.precisions))
+        self.head_log_loss = head_log_losses(sparsity) if sparsity is not None else {}
+        self.depths = [Option("", 0.0)]
+        if kv_paged:
+            self.depths += head_options(sparsity, self.head_log_loss)
+        self.default_ffn = self.ffn_levels[0]
+        if sparsity is not None:
+            from zcode.sparsity.apply import DEFAULT_MAX_PPL_RATIO
+
+            level = sparsity.best_level(DEFAULT_MAX_PPL_RATIO)  # what LLM(sparsity=) installs
+            self.default_ffn = next(
+                f for f in self.ffn_levels if f.ffn_level == (level.sparsity_in, level.sparsity_mid)
+            )
+        self._memo: dict[tuple, list[Candidate]] = {}
+
+    def default_plan(self) -> ExecutionPlan:
+        """The plan the model runs as loaded: the base precision, the default FFN level."""
+        return self.plan_of(self.precisions[0], self.default_ffn, self.depths[0])
+
+    def plan_of(self, precision: Option, ffn: Option, depth: Option) -> ExecutionPlan:
+        extras = ()
+        if ffn.ffn_level is not None:
+            s_in, s_mid = ffn.ffn_level
+            extras = (("ffn_sparsity_in", f"{s_in:g}"), ("ffn_sparsity_mid", f"{s_mid:g}"))
+        name = ", ".join(o.label for o in (precision, ffn, depth) if o.label) or "as loaded"
+        return ExecutionPlan(
+            name=name,
+            precision=precision.precision,
+            ffn_density=ffn.ffn_density,
+            skip_layers=depth.skip_layers,
+            skip_kv_heads=depth.skip_kv_heads,
+            extras=extras,
+        )
+
+    def candidates(
+        self, depth: Option | None = None, batch_size: int = 1, context_len: int = 512
+    ) -> list[Candidate]:
+        """Every plan of the product of dimensions (with `depth` fixed when given)."""
+        key = (depth, batch_size, context_len)
+        if key not in self._memo:
+            depths = self.depths if depth is None else [depth]
+            self._memo[key] = [
+                self._candidate(p, f, d, batch_size, context_len)
+                for p in self.precisions
+                for f in self.ffn_levels
+                for d in depths
+            ]
+        return self._memo[key]
+
+    def _candidate(
+        self, precision: Option, ffn: Option, depth: Option, batch_size: int, context_len: int
+    ) -> Candidate:
+        plan = self.plan_of(precision, ffn, depth)
+        ms = None
+        if self.cost is not None:
+            try:
+                ms = self.cost.predict_decode_ms(
+                    self.model,
+                    plan,
+                    modules=precision.modules,
+                    batch_size=batch_size,
+                    context_len=context_len,
+                )
+            except ValueError as e:  # a kernel kind the fit never measured
+                raise ValidationError(
+                    f"the cost model cannot predict plan {plan.name!r}: {e}"
+                ) from None
+        losses = [o.log_loss for o in (precision, ffn, depth)]
+        loss_pct = None if None in losses else 100 * math.expm1(sum(losses))
+        return Candidate(plan, ms, loss_pct, self.kv_bytes(depth))
+
+    def kv_bytes(self, depth: Option) -> int:
+        skipped_heads = [0] * len(self.kv_bytes_per_head)
+        for layer, _ in depth.skip_kv_heads:
+            skipped_heads[layer] += 1
+        return sum(
+            per_head * (heads - skipped_heads[i])
+            for i, (per_head, heads) in enumerate(self.kv_bytes_per_head)
+            if i not in depth.skip_layers
+        )
+
+    def choose(self, hints: Hints, batch_size: int = 1, context_len: int = 512) -> PlanChoice:
+        if hints.max_latency_ms is not None and self.cost is None:
+            raise ValidationError(
+                "max_latency_ms predicts with this machine's fitted cost model: fit it once with "
+                "`zcode hw --fit-cost`"
+            )
+        if hints.plan is not None:
+            return self._override(hints, batch_size, context_len)
+        depth = None
+        if hints.skip_layers or hints.skip_kv_heads:
+            depth = self.explicit_depth(hints.skip_layers, hints.skip_kv_heads)
+        candidates = self.candidates(depth, batch_size, context_len)
+        if not hints.limits():
+            default = self.default_plan()
+            if depth is not None:
+                default = self.plan_of(self.precisions[0], self.default_ffn, depth)
+            found = next(c for c in candidates if c.plan.signature() == default.signature())
+            return _choice(found, "none", True)
+        return search(candidates, hints)
+
+    def explicit_depth(self, skip_layers, skip_kv_heads) -> Option:
+        """A depth option for skips the caller names; its loss is known only for KV heads the
+        artifact scored and no skipped layer (layer scores are not a quality loss)."""
+        layers = tuple(sorted(set(skip_layers)))
+        heads = tuple(sorted({tuple(p) for p in skip_kv_heads}))
+        log_loss = None
+        if not layers and all(p in self.head_log_loss for p in heads):
+            log_loss = sum(self.head_log_loss[p] for p in heads)
+        labels = [f"skip layers {list(layers)}" if layers else "", _heads_label(heads)]
+        return Option(
+            ", ".join(filter(None, labels)), log_loss, skip_layers=layers, skip_kv_heads=heads
+        )
+
+    def _override(self, hints: Hints, batch_size: int, context_len: int) -> PlanChoice:
+        plan = hints.plan
+        if hints.skip_layers or hints.skip_kv_heads:
+            plan = replace(plan, skip_layers=hints.skip_layers, skip_kv_heads=hints.skip_kv_heads)
+        depth = self.explicit_depth(plan.skip_layers, plan.skip_kv_heads)
+        candidates = self.candidates(depth, batch_size, context_len)
+        found = next((c for c in candidates if c.plan.kv_signature() == plan.kv_signature()), None)
+        if found is None:
+            known = sorted(c.plan.name for c in candidates)
+            raise ValidationError(
+                f"plan {plan.name!r} is not one this model can run; its plans: {known[:8]}"
+            )
+        limits = hints.limits()
+        met = all(found.value(t) <= limit for t, limit in limits.items())
+        return _choice(found, "override", met)
+
+
+def _heads_label(heads: tuple[tuple[int, int], ...]) -> str:
+    return f"skip {len(heads)} KV heads" if heads else ""
+
+
+def precision_options(variants) -> list[Option]:
+    """The base precision first (the weights as loaded, or the variants' "fast" plan), then the
+    variants' "balanced" and "max" levels. Loss: the profile's summed KL."""
+    if variants is None:
+        return [Option("", 0.0)]
+    options = []
+    for quality in ("fast", "balanced", "max"):
+        level = variants.levels[quality]
+        touches_ffn = any(".mlp." in name for name, _ in level.plan.precision)
+        options.append(
+            Option(
+                level.plan.name,
+                level.predicted_kl,
+                precision=level.plan.precision,
+                modules=level.modules,
+                touches_ffn=touches_ffn,
+            )
+        )
+    return options
+
+
+def ffn_read_fraction(sparsity_in: float, sparsity_mid: float, dense_fraction: float) -> float:
+    """Fraction of a SwiGLU FFN's weight bytes a decode step reads at a TEAL level: gate and up
+    read their kept input rows, down its kept rows (three matrices of one size); a matrix keeping
+    more than `dense_fraction` of its rows runs the dense GEMM and reads all of them."""
+
+    def read(kept: float) -> float:
+        return kept if kept <= dense_fraction else 1.0
+
+    return (2 * read(1 - sparsity_in) + read(1 - sparsity_mid)) / 3
+
+
+def ffn_options(sparsity, precision_touches_ffn: bool) -> list[Option]:
+    """The artifact's levels, dense first; only the dense one when no artifact, or when a
+    precision level quantizes FFNs (SparseMLP reads float rows)."""
+    if sparsity is None:
+        return [Option("", 0.0)]
+    from zcode.sparsity.sparse_mlp import DEFAULT_DENSE_FRACTION
+
+    levels = sorted(sparsity.levels, key=lambda lv: lv.flops_skipped)
+    options = []
+    for lv in levels:
+        dense = (lv.sparsity_in, lv.sparsity_mid) == (0.0, 0.0)
+        if precision_touches_ffn and not dense:
+            continue
+        options.append(
+            Option(
+                f"ffn in {lv.sparsity_in:g} / mid {lv.sparsity_mid:g}",
+                max(0.0, math.log(lv.ppl_ratio)),
+                ffn_level=(lv.sparsity_in, lv.sparsity_mid),
+                ffn_density=ffn_read_fraction(
+                    lv.sparsity_in, lv.sparsity_mid, DEFAULT_DENSE_FRACTION
+                ),
+            )
+        )
+    if not options or options[0].ffn_level != (0.0, 0.0):
+        raise ValidationError("the sparsity artifact has no dense FFN level (0, 0): recalibrate")
+    return options
+
+
+def head_log_losses(sparsity) -> dict[tuple[int, int], float]:
+    """{(layer, KV group): log of its ablation's perplexity ratio, clamped at 0} for the groups
+    the artifact scored (a layer keeps one group: prune_order)."""
+    from zcode.sparsity.head_skip import prune_order
+
+    scores = sparsity.head_scores
+    return {p: max(0.0, math.log(float(scores[p]))) for p in prune_order(scores)}
+
+
+def head_options(sparsity, log_losses: dict[tuple[int, int], float]) -> list[Option]:
+    """Skipping the k least important KV groups, for k in HEAD_COUNTS (as many as scored)."""
+    if sparsity is None:
+        return []
+    from zcode.sparsity.head_skip import prune_order
+
+    order = [p for p in prune_order(sparsity.head_scores) if p in log_losses]
+    options = []
+    for k in HEAD_COUNTS:
+        if k > len(order):
+            break
+        heads = tuple(sorted(order[:k]))
+        options.append(
+            Option(_heads_label(heads), sum(log_losses[p] for p in heads), skip_kv_heads=heads)
+        )
+    return options
+
+
+def kv_bytes_per_head(model: nn.Module) -> list[tuple[int, int]]:
+    """Per attention layer: (KV cache bytes per token of one KV head, KV heads), from what each
+    layer caches (`cache_spec`) in the KV dtype (the dtype the model computes in)."""
+    dtype_bytes = model.model.norm.weight.element_size()
+    out = []
+    for layer in model.attention_layers():
+        spec = layer.cache_spec()
+        total = sum(math.prod(shape) for shape in spec.values()) * dtype_bytes
+        heads = getattr(layer, "num_kv_heads", 1) if spec else 1
+        out.append((total // heads, heads))
+    return out
