@@ -384,7 +384,13 @@ def test_ctrl_c_during_start_up_exits_130_without_a_traceback():
         [sys.executable, "-m", "zcode.cli", "generate", "hi"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )  # fmt: skip
-    time.sleep(1.5)
+    # Interrupt once torch's library is mapped: main is running (a fixed sleep could land in the
+    # interpreter's own start-up on a busy machine, before any handler can exist).
+    deadline = time.monotonic() + 120  # a hang guard
+    maps = Path(f"/proc/{proc.pid}/maps")
+    while "libtorch" not in maps.read_text() and proc.poll() is None:
+        assert time.monotonic() < deadline, "zcode generate never started loading torch"
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
