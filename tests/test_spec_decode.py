@@ -361,3 +361,17 @@ def test_default_model_greedy_outputs_are_those_of_plain_decoding(default_llm):
         assert engine.spec_totals["num_draft_tokens"] > 0
         rates = [o.plan.speculative["acceptance_rate"] for o in got[:-1]]
         print(f"SmolLM2 {method}: acceptance per prompt {rates}")
+
+
+def test_server_requests_carry_num_draft_tokens():
+    import pydantic
+
+    from zcode.server.protocol import CompletionRequest
+
+    request = CompletionRequest.model_validate({"prompt": "hi", "num_draft_tokens": 2})
+    assert request.sampling_params(4, 0, None, None).num_draft_tokens == 2
+    unset = CompletionRequest.model_validate({"prompt": "hi"})
+    assert unset.sampling_params(4, 0, None, None).num_draft_tokens is None
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(pydantic.ValidationError):
+            CompletionRequest.model_validate({"prompt": "hi", "num_draft_tokens": bad})

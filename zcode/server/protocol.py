@@ -97,6 +97,9 @@ class _GenerateRequest(_Body):
     max_quality_loss: float | None = Field(None, ge=0, allow_inf_nan=False)
     quality: Literal["max", "balanced", "fast"] | None = None
     max_kv_bytes: StrictInt | None = Field(None, gt=0)
+    # zcode: drafted tokens verified per step for this request (a server started with
+    # --speculative; at most its --num-draft-tokens; 0 turns speculation off for the request)
+    num_draft_tokens: StrictInt | None = Field(None, ge=0)
     # vLLM's: prefix-cache blocks are shared only among requests with the same salt
     cache_salt: str | None = Field(None, min_length=1)
     # zcode: decoder layers, and [layer, KV head] pairs, this request never runs and keeps no KV
@@ -162,6 +165,7 @@ class _GenerateRequest(_Body):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            num_draft_tokens=self.num_draft_tokens,
         )
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
