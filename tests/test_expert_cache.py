@@ -48,11 +48,37 @@ def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
 
 
 def _assert_residency_is_real(llm: LLM) -> None:
-    """Experts the cache keeps are in RAM and those it dropped are not, by mincore."""
+    """Experts the cache keeps are in RAM and those it dropped are not, by mincore; the kept ones
+    are locked there, by the kernel's count of locked bytes in the file's mappings."""
     cache = llm.engine.expert_cache
     measured = cache.measured_residency()  # [L, E]
     assert torch.equal(measured[cache.resident], torch.ones(int(cache.resident.sum())))
     assert not measured[~cache.resident].any()
+    assert torch.equal(cache.pinned, cache.resident)
+    ranges = [r for layer in cache.ranges for e in layer for r in e]
+    expected = sum(
+        r._whole_pages()[1] - r._whole_pages()[0]
+        for (i, e), pinned in zip(_expert_ids(cache), cache.pinned.flatten().tolist())
+        if pinned
+        for r in cache.ranges[i][e]
+    )
+    assert _locked_bytes({os.readlink(f"/proc/self/fd/{r.fd}") for r in ranges}) == expected
+
+
+def _expert_ids(cache) -> list[tuple[int, int]]:
+    return [(i, e) for i in range(len(cache.ranges)) for e in range(len(cache.ranges[i]))]
+
+
+def _locked_bytes(paths: set[str]) -> int:
+    """Bytes the kernel counts as mlock'ed in this process's mappings of `paths` (smaps)."""
+    total, in_file = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            in_file = len(fields) == 6 and fields[5] in paths
+        elif in_file and fields[0] == "Locked:":
+            total += int(fields[1]) * 1024
+    return total
 
 
 @pytest.mark.parametrize("name, policy", [(n, "lru") for n in MOE_NAMES] + [("glm4_moe", "lfu")])
@@ -189,6 +215,21 @@ def test_prefetch_reads_the_next_routers_choice(name, tiny_checkpoint, tmp_path)
     no_prefetch = LLM(path, kv_cache_bytes=1 << 20, expert_cache_gb=0, expert_cache_prefetch=False)
     assert _tokens(no_prefetch, PROMPTS[:1]) == [out.token_ids]
     assert no_prefetch.engine.stats()["expert_cache_prefetched"] == 0
+
+
+def test_without_the_right_to_lock_the_cache_runs_unpinned(tiny_checkpoint, tmp_path, caplog):
+    from zcode.engine import expert_cache
+
+    path = _fresh_copy(tiny_checkpoint("glm4_moe").path, tmp_path / "glm4_moe")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(expert_cache.FileRange, "pin", lambda self: False)
+        llm = LLM(path, kv_cache_bytes=1 << 20, expert_cache_fraction=0.5)
+        got = _tokens(llm, PROMPTS[:1])
+    cache = llm.engine.expert_cache
+    assert not cache.pinning and not cache.pinned.any() and cache.resident.any()
+    assert llm.engine.stats()["expert_cache_pinned_bytes"] == 0
+    assert sum("refused to lock" in r.getMessage() for r in caplog.records) == 1
+    assert got == _tokens(LLM(path, kv_cache_bytes=1 << 20), PROMPTS[:1])
 
 
 def test_compiled_decode_counts_the_same_experts(tiny_checkpoint, tmp_path):

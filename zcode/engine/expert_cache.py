@@ -20,6 +20,12 @@ which pages stay:
   drops the pages of the rest: madvise(MADV_DONTNEED) on the mapping, then
   posix_fadvise(POSIX_FADV_DONTNEED) on the file range, so the page cache lets them go too.
 
+The experts the cache keeps are also mlock'ed: page-cache pages are otherwise the kernel's to
+reclaim under pressure, or by a proactive reclaimer (DAMON's pageout scheme evicts pages idle for
+seconds on some VMs: a 10 GB model without a cache re-read more than its size from disk), so a
+budget would be a hope, not a guarantee. Without the privilege to lock that much (RLIMIT_MEMLOCK,
+`ulimit -l`), a warning says so once and the cache runs unpinned.
+
 The spans of the file that hold experts are madvise(MADV_RANDOM): the kernel's read-around on a
 page fault would otherwise pull neighbouring experts into RAM, unbudgeted and uncounted. Advice
 on a part of a mapping splits it, so the experts' ranges are merged first (across gaps of up to
@@ -39,6 +45,7 @@ are single pages, so from then on residency follows the cache's choice page for 
 
 import bisect
 import ctypes
+import logging
 import math
 import os
 import weakref
@@ -61,6 +68,9 @@ _MADV_RANDOM, _MADV_WILLNEED, _MADV_DONTNEED = 1, 3, 4  # <sys/mman.h> on Linux
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,16 @@ class FileRange:
         start, end = self._whole_pages()
         if end > start and _libc.madvise(start, end - start, advice) != 0:
             raise OSError(ctypes.get_errno(), f"madvise({advice}) on an expert's weights")
+
+    def pin(self) -> bool:
+        """Locks the whole pages in RAM (reading them in); False where the OS refuses."""
+        start, end = self._whole_pages()
+        return end <= start or _libc.mlock(start, end - start) == 0
+
+    def unpin(self) -> None:
+        start, end = self._whole_pages()
+        if end > start:
+            _libc.munlock(start, end - start)
 
     def drop(self) -> None:
         self.advise(_MADV_DONTNEED)
@@ -157,6 +177,8 @@ class ExpertCache:
         self.resident = torch.zeros(self.expert_bytes.shape, dtype=torch.bool)  # [L, E]
         self.scores = torch.zeros(self.expert_bytes.shape, dtype=torch.float64)  # [L, E]
         self.read_ahead = torch.zeros(self.expert_bytes.shape, dtype=torch.bool)  # [L, E] this step
+        self.pinned = torch.zeros(self.expert_bytes.shape, dtype=torch.bool)  # [L, E] mlock'ed
+        self.pinning = True  # until the OS refuses a lock
         self.num_steps = self.num_tokens = self.num_lookups = self.num_hits = self.read_bytes = 0
         self.num_prefetched = self.num_prefetch_hits = 0
         self.requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # seq -> stats
@@ -230,6 +252,7 @@ class ExpertCache:
         self.num_steps += 1
         keep = self._choose(counts, used)
         self._drop((self.resident | used | self.read_ahead) & ~keep)
+        self._pin(keep & ~self.pinned)
         self.resident = keep
         self.read_ahead.zero_()
         step_tokens = sum(n for _, n in token_counts)
@@ -264,8 +287,30 @@ class ExpertCache:
     def _drop(self, experts: torch.Tensor) -> None:
         num_experts = experts.shape[1]
         for flat in experts.flatten().nonzero().flatten().tolist():
-            for r in self.ranges[flat // num_experts][flat % num_experts]:
+            layer, expert = divmod(flat, num_experts)
+            for r in self.ranges[layer][expert]:
+                if self.pinned[layer, expert]:
+                    r.unpin()
                 r.drop()
+        self.pinned &= ~experts
+
+    def _pin(self, experts: torch.Tensor) -> None:
+        """mlocks the experts (resident from now on), until the OS refuses once."""
+        num_experts = experts.shape[1]
+        for flat in experts.flatten().nonzero().flatten().tolist() if self.pinning else []:
+            layer, expert = divmod(flat, num_experts)
+            if not all(r.pin() for r in self.ranges[layer][expert]):
+                for r in self.ranges[layer][expert]:
+                    r.unpin()
+                self.pinning = False
+                logger.warning(
+                    "expert cache: the OS refused to lock resident experts in RAM (%s; raise "
+                    "RLIMIT_MEMLOCK, `ulimit -l`, to the budget): they stay in the page cache "
+                    "unpinned, where memory pressure may evict them",
+                    os.strerror(ctypes.get_errno()),
+                )
+                return
+            self.pinned[layer, expert] = True
 
     def request_report(self, seq: object) -> dict | None:
         stats = self.requests.get(seq)
@@ -279,6 +324,7 @@ class ExpertCache:
             "expert_cache_expert_bytes": self.total_expert_bytes,
             "expert_cache_resident_bytes": int(self.expert_bytes[self.resident].sum()),
             "expert_cache_resident_experts": int(self.resident.sum()),
+            "expert_cache_pinned_bytes": int(self.expert_bytes[self.pinned].sum()),
             "expert_cache_lookups": self.num_lookups,
             "expert_cache_hits": self.num_hits,
             "expert_cache_hit_rate": self.num_hits / self.num_lookups if self.num_lookups else None,
