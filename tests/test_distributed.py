@@ -475,7 +475,20 @@ def test_each_stage_holds_only_its_layers_weights_and_kv_cache(tiny_checkpoint, 
         assert per_rank_bytes[0] == per_rank_bytes[1]
 
 
-@pytest.mark.parametrize("name", ["llama", "glm4", "glm4_moe", "glm_moe_dsa", "glm_moe_dsa_shared"])
+# glm4 and the shared-indexer DSA variant are `slow` (in .ci/run): the default suite's budget.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama",
+        pytest.param("glm4", marks=SLOW),
+        "glm4_moe",
+        "glm_moe_dsa",
+        pytest.param("glm_moe_dsa_shared", marks=SLOW),
+    ],
+)
 def test_pp2_matches_one_process(tiny_checkpoint, one_process_runs, tmp_path, name):
     """Rank 0 runs the embedding and the first layers, rank 1 the rest, the norm and lm_head;
     the hidden states go over to rank 1 and the sampled rows' logits come back. IndexShare
@@ -485,6 +498,7 @@ def test_pp2_matches_one_process(tiny_checkpoint, one_process_runs, tmp_path, na
     _assert_same(pp, one_process_runs(name), LOGIT_TOL)
 
 
+@pytest.mark.slow
 def test_pp3_middle_stage_receives_and_sends(tiny_checkpoint, one_process_runs, tmp_path):
     """Three stages of one layer each: rank 1 both receives and sends the hidden states."""
     path = tiny_checkpoint("glm4_moe").path

@@ -204,6 +204,7 @@ def test_a_killed_follower_fails_the_request_in_flight_and_ends_the_launch(tiny_
         _assert_failed_in_flight(server, stream, "Signal 9 (SIGKILL) received")
 
 
+@pytest.mark.slow  # tens of seconds (in .ci/run)
 def test_a_hung_follower_fails_the_request_after_the_collective_timeout(tiny_checkpoint):
     """The follower stops (SIGSTOP) mid-stream: rank 0's all-reduce waits the 5 s collective
     timeout, then fails; torchrun kills the stopped follower after its own 5 s."""
@@ -216,6 +217,7 @@ def test_a_hung_follower_fails_the_request_after_the_collective_timeout(tiny_che
         _assert_failed_in_flight(server, stream, "Timed out")
 
 
+@pytest.mark.slow  # tens of seconds (in .ci/run)
 def test_sigterm_on_torchrun_drains_the_request_in_flight(tiny_checkpoint):
     """torchrun forwards SIGTERM to both ranks: rank 0 drains, the follower ignores it and runs
     rank 0's steps until rank 0 stops it (torchrun, signalled, exits non-zero itself)."""
