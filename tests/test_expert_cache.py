@@ -232,6 +232,8 @@ def test_without_the_right_to_lock_the_cache_runs_unpinned(tiny_checkpoint, tmp_
     assert got == _tokens(LLM(path, kv_cache_bytes=1 << 20), PROMPTS[:1])
 
 
+# slow: compiles the decode graph (~40 s on 2 cores)
+@pytest.mark.slow
 def test_compiled_decode_counts_the_same_experts(tiny_checkpoint, tmp_path):
     path = _fresh_copy(tiny_checkpoint("glm4_moe").path, tmp_path / "glm4_moe")
     budget = {"kv_cache_bytes": 1 << 20, "expert_cache_fraction": 0.25, "max_num_seqs": 1}

@@ -198,6 +198,8 @@ def test_per_request_layer_skipping_keeps_the_window(gemma):
     assert skipping.output_token_ids == oracle_greedy(shallow.eval(), prompt, GREEDY.max_tokens)
 
 
+# slow: compiles the decode graph (~24 s on 2 cores)
+@pytest.mark.slow
 def test_compiled_decode_matches_eager(gemma):
     """Compiled decode steps (build_decode's padded batch, decode_attention) with a window."""
     net, _ = gemma
