@@ -266,7 +266,7 @@ def test_converted_weights_and_dense_models_are_refused(tiny_checkpoint):
 
 @pytest.mark.parametrize("size", ["lots", "-1", "150%", "inf"])
 def test_bad_budget_fails_before_loading(size, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "load_llm", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(cli.options, "load_llm", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["generate", "hi", "--expert-cache-gb", size])
     assert exit_info.value.code == 2
@@ -306,7 +306,7 @@ def test_cli_passes_the_budget(monkeypatch):
         seen.update(engine_args)
         raise _Loaded
 
-    monkeypatch.setattr(cli, "load_llm", load_llm)
+    monkeypatch.setattr(cli.options, "load_llm", load_llm)
     for size, want in (("25%", {"expert_cache_fraction": 0.25}), ("1.5", {"expert_cache_gb": 1.5})):
         seen.clear()
         with pytest.raises(_Loaded):

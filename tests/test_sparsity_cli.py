@@ -26,7 +26,7 @@ from zcode import cli
 def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "f.txt").write_text("some text")
-    monkeypatch.setattr(cli, "load_llm", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(cli.options, "load_llm", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
     assert exit_info.value.code == 2
@@ -51,7 +51,7 @@ def test_generate_passes_skips_to_a_paged_engine(stream, capsys, monkeypatch):
         seen["engine_args"] = engine_args
         return FakeLLM()
 
-    monkeypatch.setattr(cli, "load_llm", load)
+    monkeypatch.setattr(cli.options, "load_llm", load)
     argv = ["generate", "hi", "--skip-layers", "3,4", "--skip-kv-heads", "5:2,6:0"]
     cli.main(argv + (["--stream"] if stream else []))
     assert capsys.readouterr().out.strip() == "ok"
@@ -78,7 +78,7 @@ def test_ppl_scores_with_the_skips_on_a_paged_engine(capsys, monkeypatch, tmp_pa
         seen["skips"] = skips
         return PerplexityResult(nll_sum=2.0, num_tokens=2)
 
-    monkeypatch.setattr(cli, "load_llm", load)
+    monkeypatch.setattr(cli.options, "load_llm", load)
     monkeypatch.setattr("zcode.ppl.perplexity", score)
     (tmp_path / "t.txt").write_text("abc")
     cli.main(["ppl", str(tmp_path / "t.txt"), "--skip-layers", "14", "--skip-kv-heads", "5:2"])

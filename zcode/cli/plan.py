@@ -1,10 +1,20 @@
-"""`zcode plan`: the plan the planner chooses for a request's hints, printed without generating;
-and the planning hint options `zcode generate` shares with it. Torch-free at import."""
+"""`zcode calibrate` (the profile plans are made from) and `zcode plan` (the plan chosen for a
+request's hints, printed without generating); the hint options `zcode generate` shares."""
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from zcode.cli import options
+from zcode.cli.options import (
+    add_dtype_option,
+    add_model_argument,
+    add_quality_options,
+    add_sparsity_option,
+    quality_profile,
+    sparsity_args,
+)
 from zcode.errors import ValidationError
 
 QUALITY_PRESETS = ("max", "balanced", "fast")  # zcode.harness.planner.QUALITY_BUDGETS_PCT
@@ -38,8 +48,31 @@ def hint_args(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
-def add_plan_command(commands, add_common) -> None:
-    """`add_common(parser)`: cli.py's model, dtype, sparsity and precision-variant options."""
+def add_commands(commands) -> None:
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="calibrate dynamic sparsity: FFN thresholds, layer and head importance, latency",
+        description="Run MODEL over calibration text (Python standard-library sources) and write "
+        "a sparsity artifact that generate/ppl/serve load with --sparsity: per-layer FFN "
+        "activation thresholds (TEAL), each candidate level's perplexity on a separate "
+        "calibration slice, layer and KV-head importance, and a decode latency fit.",
+    )
+    add_model_argument(calibrate)
+    calibrate.add_argument(
+        "--out",
+        metavar="PATH",
+        help="where to write the artifact (default: the user cache directory, "
+        "$ZCODE_CACHE_DIR or ~/.cache/zcode)",
+    )
+    calibrate.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="calibration tokens whose activations set the thresholds (default: %(default)s)",
+    )
+    calibrate.set_defaults(run=_calibrate)
+
     plan = commands.add_parser(
         "plan",
         help="print the plan chosen for planning hints, without generating",
@@ -48,7 +81,10 @@ def add_plan_command(commands, add_common) -> None:
         "binding constraint, from the --sparsity artifact, --profile precision variants and "
         "this machine's fitted cost model.",
     )
-    add_common(plan)
+    add_model_argument(plan)
+    add_dtype_option(plan)
+    add_sparsity_option(plan)
+    add_quality_options(plan)
     add_hint_options(plan)
     plan.add_argument(
         "--per-request-depth",
@@ -60,9 +96,49 @@ def add_plan_command(commands, add_common) -> None:
         "--context-len", type=int, default=512, metavar="N", help="(default: %(default)s)"
     )
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(run=_plan)
 
 
-def run_plan(args: argparse.Namespace, llm) -> None:
+def _calibrate(args: argparse.Namespace) -> None:
+    from zcode.sparsity.artifact import default_path
+    from zcode.sparsity.calibrate import calibrate
+
+    if args.tokens < 512:
+        raise ValidationError(f"--tokens must be at least 512, got {args.tokens}")
+    llm = options.load_llm(args.model, "float32", enable_prefix_caching=False)
+    if llm.tokenizer is None:
+        raise ValidationError("calibration reads text: this checkpoint has no tokenizer")
+    try:
+        artifact = calibrate(llm, num_tokens=args.tokens)
+    except ValueError as e:
+        raise ValidationError(str(e)) from e
+    out = Path(args.out) if args.out else default_path(llm.model)
+    artifact.save(out)
+    for level in artifact.levels:
+        print(
+            f"ffn in {level.sparsity_in:.2f} mid {level.sparsity_mid:.2f}  "
+            f"flops skipped {level.flops_skipped:.1%}  calibration ppl x{level.ppl_ratio:.4f}"
+        )
+    print(f"wrote {out}")
+
+
+def _plan(args: argparse.Namespace) -> None:
+    profile = quality_profile(args)
+    llm = options.load_llm(
+        args.model,
+        args.dtype,
+        float_weights=profile is not None,
+        **({"per_request_depth": True} if args.per_request_depth else {}),
+        **sparsity_args(args),
+    )
+    if profile is not None:
+        from zcode.quant.variants import attach_variants
+
+        attach_variants(llm, profile, args.budget, args.variant_cap)
+    _print_plan(args, llm)
+
+
+def _print_plan(args: argparse.Namespace, llm) -> None:
     """Prints the choice for `args`' hints on a loaded `llm`."""
     from zcode.harness.planner import Hints
 

@@ -1,0 +1,411 @@
+"""Options and argument checks the commands share, and the one place a command loads a model.
+
+Torch-free at import, like every module of the command line: `zcode --help` and a Ctrl-C during
+start-up must not wait on torch.
+"""
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from zcode.config import SPECULATIVE_METHODS
+from zcode.distributed.config import ParallelConfig
+from zcode.errors import ValidationError
+
+if TYPE_CHECKING:
+    from zcode.llm import LLM
+    from zcode.sampling_params import SamplingParams
+
+
+DEFAULT_MODEL_HELP = "default: the embedded SmolLM2-135M-Instruct"
+SAMPLING_HELP = (
+    "Sampling defaults follow llama.cpp's llama-cli (temperature 0.8, top-k 40, top-p 0.95, "
+    "min-p 0.05, no repetition penalty); --temperature 0 is greedy, as in vLLM."
+)
+
+
+def add_model_argument(
+    parser: argparse.ArgumentParser, what: str = "HF model directory or .gguf file"
+) -> None:
+    parser.add_argument("model", metavar="MODEL", nargs="?", help=f"{what} ({DEFAULT_MODEL_HELP})")
+
+
+def add_model_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", metavar="PATH", help=f"HF model directory or .gguf file ({DEFAULT_MODEL_HELP})"
+    )
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        metavar="N",
+        help="most tokens to generate per reply (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        metavar="T",
+        help="sampling temperature; 0 is greedy (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=40,
+        metavar="K",
+        help="sample among the K most likely tokens; 0 disables (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=0.95,
+        metavar="P",
+        help="sample among the most likely tokens whose probabilities sum to P; 1 disables "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.05,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely one; 0 disables "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="penalise tokens already in the prompt or the output: R > 1 discourages "
+        "repeats, 1 disables (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, help="random seed, for reproducible sampling (default: random)"
+    )
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="stop before this string; repeat the option for several",
+    )
+
+
+def sampling_params(args: argparse.Namespace) -> "SamplingParams":
+    from zcode.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=tuple(args.stop),
+    )
+
+
+def add_thinking_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--thinking",
+        action=argparse.BooleanOptionalAction,
+        help="turn the chat template's reasoning mode on or off, for templates that have one "
+        "(default: the template's own default)",
+    )
+
+
+def add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") -> None:
+    choices = ["auto", "float32", "bfloat16"] if default == "auto" else ["float32", "bfloat16"]
+    parser.add_argument(
+        "--dtype",
+        choices=choices,
+        default=default,
+        help="dtype the weights are computed in; auto runs them as the file stores them (a GGUF "
+        "file's quantized blocks, memory-mapped), float32 where --sparsity or --profile rewrites "
+        "them (default: %(default)s)",
+    )
+
+
+def add_expert_cache_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--expert-cache-gb",
+        metavar="SIZE",
+        help="MoE models loaded with --dtype auto: keep at most SIZE of routed experts in RAM, "
+        "in GB (e.g. 12) or as a percentage of the experts' bytes (e.g. 25%%); the rest stay "
+        "memory-mapped and are read from disk when routed to (default: no limit)",
+    )
+    parser.add_argument(
+        "--no-expert-prefetch",
+        dest="expert_prefetch",
+        action="store_false",
+        help="with --expert-cache-gb: do not read the next MoE layer's predicted experts ahead",
+    )
+
+
+def expert_cache_args(args: argparse.Namespace) -> dict:
+    size = args.expert_cache_gb
+    if size is None:
+        return {}
+    prefetch = {} if args.expert_prefetch else {"expert_cache_prefetch": False}
+    try:
+        if size.endswith("%"):
+            fraction = float(size[:-1]) / 100
+            if 0 <= fraction <= 1:
+                return {"expert_cache_fraction": fraction, **prefetch}
+        elif 0 <= float(size) < math.inf:
+            return {"expert_cache_gb": float(size), **prefetch}
+    except ValueError:
+        pass
+    raise ValidationError(
+        f"--expert-cache-gb takes GB >= 0 (e.g. 12) or a percentage up to 100%, got {size!r}"
+    )
+
+
+def add_sparsity_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sparsity",
+        metavar="ARTIFACT",
+        help="run with dynamic FFN sparsity from a 'zcode calibrate' artifact: the level that "
+        "skips the most FFN work within 1%% calibration perplexity (default: dense)",
+    )
+
+
+def sparsity_args(args: argparse.Namespace) -> dict:
+    if not args.sparsity:
+        return {}
+    if not Path(args.sparsity).is_file():  # before the model loads
+        raise ValidationError(f"{args.sparsity}: no such sparsity artifact (see zcode calibrate)")
+    return {"sparsity": args.sparsity}
+
+
+def add_skip_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--skip-layers",
+        metavar="I,J,...",
+        help="decoder layers the requests skip, keeping no KV for them (per-request depth)",
+    )
+    parser.add_argument(
+        "--skip-kv-heads",
+        metavar="L:G,...",
+        help="(layer:KV head) pairs the requests skip, keeping no KV for them",
+    )
+
+
+def skip_args(args: argparse.Namespace) -> dict:
+    """--skip-layers "13,14" and --skip-kv-heads "5:2,6:1" as generate() takes them."""
+    skips = {}
+    try:
+        if args.skip_layers:
+            skips["skip_layers"] = [int(i) for i in args.skip_layers.split(",")]
+        if args.skip_kv_heads:
+            pairs = [pair.split(":") for pair in args.skip_kv_heads.split(",")]
+            skips["skip_kv_heads"] = [(int(i), int(g)) for i, g in pairs]
+    except ValueError:
+        raise ValidationError(
+            "--skip-layers takes layer numbers (13,14) and --skip-kv-heads layer:head pairs "
+            "(5:2,6:1)"
+        ) from None
+    return skips
+
+
+def add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_METHODS,
+        help="speculative decoding: drafts verified by the model in one forward, outputs "
+        "unchanged; ngram: prompt lookup, skip_layers: the model without some layers drafts",
+    )
+    parser.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        metavar="K",
+        help="with --speculative: tokens drafted per step (default: 3)",
+    )
+    parser.add_argument(
+        "--draft-skip-layers",
+        metavar="LAYERS",
+        help='with --speculative skip_layers: the layers the draft skips, e.g. "3,5,7" '
+        "(default: every other inner layer)",
+    )
+
+
+def speculative_args(args: argparse.Namespace) -> dict:
+    """The engine arguments of --speculative and its options (none if it is not given)."""
+    if args.speculative is None:
+        if args.num_draft_tokens is not None or args.draft_skip_layers is not None:
+            raise ValidationError("--num-draft-tokens and --draft-skip-layers need --speculative")
+        return {}
+    engine_args = {"speculative": args.speculative}
+    if args.num_draft_tokens is not None:
+        if args.num_draft_tokens < 1:
+            raise ValidationError(
+                f"--num-draft-tokens must be at least 1, got {args.num_draft_tokens}"
+            )
+        engine_args["num_draft_tokens"] = args.num_draft_tokens
+    if args.draft_skip_layers is not None:
+        if args.speculative != "skip_layers":
+            raise ValidationError("--draft-skip-layers needs --speculative skip_layers")
+        try:
+            engine_args["draft_skip_layers"] = tuple(
+                int(i) for i in args.draft_skip_layers.split(",")
+            )
+        except ValueError:
+            raise ValidationError(
+                f'--draft-skip-layers takes layer numbers like "3,5,7", got '
+                f"{args.draft_skip_layers!r}"
+            ) from None
+    return engine_args
+
+
+def add_quality_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile",
+        metavar="PROFILE",
+        help="'zcode profile' JSON: quantize to the --budget plan and keep int8 and unquantized "
+        "variants of the most sensitive modules under --variant-cap, the precision levels the "
+        "planner chooses among",
+    )
+    parser.add_argument("--budget", help="the base plan's budget, e.g. 4.5bits (--profile)")
+    parser.add_argument(
+        "--variant-cap", default="64MB", help="memory for the variants (default: %(default)s)"
+    )
+
+
+def quality_profile(args: argparse.Namespace) -> dict | None:
+    """The profile the precision variants are built from, checked before the model loads."""
+    if args.profile is None:
+        return None
+    if args.budget is None:
+        raise ValidationError("--profile needs --budget (e.g. 4.5bits): the base plan's budget")
+    if args.sparsity:
+        raise ValidationError(
+            "--profile cannot be combined with --sparsity yet: sparse FFNs read float weights"
+        )
+    if not Path(args.profile).is_file():
+        raise ValidationError(f"{args.profile}: no such profile (see zcode profile)")
+    try:
+        return json.loads(Path(args.profile).read_text())
+    except json.JSONDecodeError as e:
+        raise ValidationError(f"{args.profile}: not a profile JSON ({e})") from e
+
+
+def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engine_args) -> "LLM":
+    """The one place a command loads a model. `float_weights`: the command rewrites weights (a
+    precision plan, quality variants), so "auto" loads them as float32. Commands call it as
+    `options.load_llm`, so a test replaces it for all of them in one place."""
+    if float_weights and dtype == "auto":
+        dtype = "float32"
+    from zcode.llm import LLM
+
+    return LLM(model, dtype=dtype, **engine_args)
+
+
+def add_parallel_options(parser: argparse.ArgumentParser, command: str) -> None:
+    default = ParallelConfig()
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=default.tensor_parallel_size,
+        metavar="N",
+        help="split the model over N processes started by torchrun: "
+        f"torchrun --nproc-per-node N -m zcode {command} ... (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--collective-timeout-s",
+        type=float,
+        default=default.collective_timeout_s,
+        metavar="SECONDS",
+        help="with --tensor-parallel-size: how long a forward pass waits for the other "
+        "processes before failing (a hung process); a dead one fails it at once "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="MoE models: give each of the --tensor-parallel-size processes a range of whole "
+        "experts instead of a slice of every expert (vLLM's --enable-expert-parallel)",
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=default.pipeline_parallel_size,
+        metavar="N",
+        help="run the layers as N stages of consecutive layers, one per torchrun process, each "
+        "holding only its layers' weights and KV cache (for slow links between processes; "
+        "not with --tensor-parallel-size) (default: %(default)s)",
+    )
+
+
+def parallel_args(args: argparse.Namespace) -> dict:
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel=args.expert_parallel,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        collective_timeout_s=args.collective_timeout_s,
+    )
+    return {"parallel": parallel} if parallel.is_distributed else {}
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {text!r}")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, not {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number from 0 to 1, not {text!r}")
+    return value
+
+
+def read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValidationError(f"{path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ValidationError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+
+
+def read_plan(path: str) -> dict[str, str]:
+    from zcode.quant.artifact import read_plan
+
+    try:
+        return read_plan(path)
+    except ValueError as e:
+        raise ValidationError(str(e)) from e
+
+
+def apply_plan(llm: "LLM", plan: dict[str, str], **options) -> None:
+    from zcode.quant import apply_precision
+
+    try:
+        apply_precision(llm.model, plan, **options)
+    except ValueError as e:  # an unknown module or format, a protected module
+        raise ValidationError(f"precision plan: {e}") from e
+
+
+def write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
