@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from torch import nn
     from transformers import PreTrainedModel
 
     from zcode.llm import LLM
@@ -39,6 +40,20 @@ def tiny_checkpoint(tmp_path_factory) -> Callable[[str], TinyCheckpoint]:
             path = tmp_path_factory.mktemp(name)
             built[name] = TinyCheckpoint(name, path, make_checkpoint(name, path))
         return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoint) -> Callable[[str], tuple[nn.Module, PreTrainedModel]]:
+    """A factory of (our model, transformers' model) for a tiny checkpoint: the checkpoint is the
+    session's, our model is loaded afresh for each test module (engines give it KV caches)."""
+    from zcode.loader import load_model
+
+    def get(name: str) -> tuple[nn.Module, PreTrainedModel]:
+        checkpoint = tiny_checkpoint(name)
+        net, _ = load_model(checkpoint.path)
+        return net, checkpoint.oracle
 
     return get
 

@@ -10,13 +10,11 @@ import string
 
 import pytest
 import torch
-from tiny_models import make_checkpoint
 
 from zcode.config import EngineConfig
 from zcode.engine.kv_cache import kv_bytes_per_token
 from zcode.engine.llm_engine import LLMEngine
 from zcode.errors import ValidationError
-from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
 
 EOS = 1  # tiny_models' eos_token_id
@@ -33,12 +31,9 @@ class PieceTokenizer:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_model):
     """(our model, transformers' model) sharing the same random llama weights."""
-    path = tmp_path_factory.mktemp("llama")
-    oracle = make_checkpoint("llama", path)
-    net, _ = load_model(path)
-    return net, oracle
+    return tiny_model("llama")
 
 
 def _engine(net, **config) -> LLMEngine:

@@ -22,11 +22,8 @@ PROMPT_LENS = (5, 17, 33)  # the 33-token prompt crosses two block boundaries wh
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    oracle = make_checkpoint("llama", path)
-    net, _ = load_model(path)
-    return net, oracle
+def tiny(tiny_model):
+    return tiny_model("llama")
 
 
 @pytest.fixture(scope="module")

@@ -118,10 +118,8 @@ def synthetic_artifact(model):
 
 
 @pytest.fixture(scope="module")
-def tiny_net(tiny_checkpoint):
-    from zcode.loader import load_model
-
-    net, _ = load_model(tiny_checkpoint("llama").path)
+def tiny_net(tiny_model):
+    net, _ = tiny_model("llama")
     return net
 
 

@@ -28,8 +28,8 @@ PROMPT = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(0)
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tiny_checkpoint):
-    net, _ = load_model(tiny_checkpoint("llama").path)
+def tiny_llama(tiny_model):
+    net, _ = tiny_model("llama")
     return net
 
 

@@ -26,12 +26,9 @@ LOGPROBS = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs
 
 
 @pytest.fixture(scope="module", params=["llama", "glm4_moe"])
-def tiny(request, tmp_path_factory):
+def tiny(request, tiny_model):
     """(our model, transformers' model) sharing the same random weights."""
-    path = tmp_path_factory.mktemp(request.param)
-    oracle = make_checkpoint(request.param, path)
-    net, _ = load_model(path)
-    return net, oracle
+    return tiny_model(request.param)
 
 
 def _engine(net, **config) -> LLMEngine:
