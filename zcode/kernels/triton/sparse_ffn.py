@@ -1,5 +1,6 @@
-"""Triton fused sparse FFN: only the selected neurons' rows of gate/up and columns of down are
-read, gathered by index inside the two GEMM kernels (no sliced weight copies)."""
+"""Triton fused sparse FFN: only the selected neurons' rows of gate/up and of down's transpose are
+read, gathered by index inside the two GEMM kernels (no sliced weight copies); every gathered
+weight is a contiguous row, so the loads are coalesced."""
 
 import torch
 import triton
@@ -44,11 +45,11 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, wd_ptr, ids_ptr, out_ptr, num_tokens, hidden, inter, num_kept,
+    act_ptr, wd_t_ptr, ids_ptr, out_ptr, num_tokens, hidden, num_kept,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     COMPUTE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """out[t, d] = sum_j act[t, j] * Wd[d, ids[j]]."""
+    """out[t, d] = sum_j act[t, j] * Wd_t[ids[j], d]."""
     m_block, n_block = tl.program_id(0), tl.program_id(1)
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,7 +64,7 @@ def _down_kernel(
             other=0.0,
         ).to(COMPUTE)
         w = tl.load(
-            wd_ptr + cols[None, :] * inter + neurons[:, None],  # [K, N]: columns of Wd
+            wd_t_ptr + neurons[:, None] * hidden + cols[None, :],  # [K, N]: rows of Wd_t
             mask=(cols[None, :] < hidden) & k_ok[:, None],
             other=0.0,
         ).to(COMPUTE)
@@ -75,10 +76,10 @@ def _down_kernel(
     )
 
 
-def sparse_ffn(x, w_gate, w_up, w_down, neuron_ids) -> torch.Tensor:
-    # x: [T, D]; w_gate, w_up: [I, D]; w_down: [D, I]; neuron_ids: [n] -> [T, D]
+def sparse_ffn(x, w_gate, w_up, w_down_t, neuron_ids) -> torch.Tensor:
+    # x: [T, D]; w_gate, w_up, w_down_t: [I, D]; neuron_ids: [n] -> [T, D]
     num_tokens, hidden = x.shape
-    inter, num_kept = w_gate.shape[0], neuron_ids.numel()
+    num_kept = neuron_ids.numel()
     block_m, block_n, block_k = gemm_blocks(num_tokens)
     dot = dot_dtype(w_gate)
     act = torch.empty(num_tokens, num_kept, dtype=torch.float32, device=x.device)
@@ -89,7 +90,7 @@ def sparse_ffn(x, w_gate, w_up, w_down, neuron_ids) -> torch.Tensor:
     )  # fmt: skip
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=x.device)
     _down_kernel[(triton.cdiv(num_tokens, block_m), triton.cdiv(hidden, block_n))](
-        act, w_down.contiguous(), ids, out, num_tokens, hidden, inter, num_kept,
+        act, w_down_t.contiguous(), ids, out, num_tokens, hidden, num_kept,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dot,
     )  # fmt: skip
     return out.to(x.dtype)
