@@ -122,14 +122,18 @@ def test_moe_decode_bf16_matches_reference():
 # --- sparse FFN with down's transpose ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 16])
-def test_sparse_ffn_reads_rows_of_down_transposed(tokens):
+# (tokens, hidden, inter, kept): the last splits both reductions unevenly over several tiles each
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "kept"),
+    [(1, 33, 97, 40), (7, 33, 97, 40), (16, 33, 97, 40), (3, 1100, 1200, 1100)],
+)
+def test_sparse_ffn_reads_rows_of_down_transposed(tokens, hidden, inter, kept):
     from zcode.kernels.triton.sparse_ffn import sparse_ffn
 
     g = torch.Generator().manual_seed(tokens)
-    hidden, inter, kept = 33, 97, 40
     x = torch.randn(tokens, hidden, generator=g)
-    w_gate, w_up, w_down_t = (torch.randn(inter, hidden, generator=g) * 0.2 for _ in "gud")
+    w_gate, w_up, w_down_t = (torch.randn(inter, hidden, generator=g) for _ in "gud")
+    w_gate, w_up, w_down_t = w_gate * hidden**-0.5, w_up * hidden**-0.5, w_down_t * kept**-0.5
     ids = torch.randperm(inter, generator=g)[:kept]  # unsorted: any order of neurons
     dense_mask = torch.zeros(inter, 1)
     dense_mask[ids] = 1.0  # the oracle: the dense FFN with the other neurons' down rows zeroed
