@@ -15,6 +15,7 @@
 
 import dataclasses
 import functools
+import gc
 import sys
 import time
 import traceback
@@ -224,10 +225,17 @@ def time_glm_shapes() -> None:
 
 def graph_ms(fn) -> float:
     """Median ms of `fn` replayed from a CUDA graph: the kernels' time without Python's launch
-    overhead (an engine's decode step runs from a graph)."""
+    overhead (an engine's decode step runs from a graph). `fn` must have run once (compiled).
+    The garbage collector waits meanwhile: a Triton kernel it finalizes unloads its CUDA module,
+    which breaks a capture (triton 3.6's do_bench_cudagraph does not guard against it)."""
     from triton.testing import do_bench_cudagraph
 
-    return do_bench_cudagraph(fn, return_mode="median")
+    gc.collect()
+    gc.disable()
+    try:
+        return do_bench_cudagraph(fn, return_mode="median")
+    finally:
+        gc.enable()
 
 
 def bandwidth(weight_bytes: int, ms: float) -> str:
@@ -301,32 +309,41 @@ DOWN_TILES = [
 ]  # fmt: skip
 
 
-def sweep_decode_tiles() -> None:
+def sweep_decode_tiles() -> int:
     """The decode GEMVs at GLM-4.5-Air sizes from a CUDA graph: gate/up tiles under the default
-    down tiles, then down tiles under the best gate/up ones; the fastest printed."""
+    down tiles, then down tiles under the best gate/up ones, each checked against the reference
+    before it is timed; the fastest printed. Returns the number of tiles that failed."""
     from zcode.kernels.triton import moe
 
     weights = expert_weights(*AIR, torch.bfloat16)
-    routed = {tokens: routed_tokens(tokens, AIR[0], AIR[2], torch.bfloat16) for tokens in (1, 8)}
+    cases = [(*routed_tokens(t, AIR[0], AIR[2], torch.bfloat16), *weights) for t in (1, 8)]
+    expected = [OPS["moe_experts"].reference(*args) for args in cases]
     print(
-        "\n| stage | tiles (N, K, split, warps) | T1 graph ms | T1 GB/s | T8 graph ms | T8 GB/s |"
+        "\n| stage | tiles (N, K, split, warps) | rel err "
+        "| T1 graph ms | T1 GB/s | T8 graph ms | T8 GB/s |"
     )
-    print("|---|---|---|---|---|---|")
-    best = moe.DECODE_TILES
+    print("|---|---|---|---|---|---|---|")
+    best, failures = moe.DECODE_TILES, 0
     for stage, candidates in (("gate_up", GATE_UP_TILES), ("down", DOWN_TILES)):
         timed = []
         for tile in candidates:
             tiles = dataclasses.replace(best, **{stage: moe.GemvTiles(*tile)})
-            row = []
-            for args in ((*routed[t], *weights) for t in (1, 8)):
-                ms = graph_ms(functools.partial(moe.experts_decode, *args, tiles=tiles))
-                row += [ms, expert_bytes(args) / ms / 1e6]
-            timed.append((row[0] + row[2], tiles))
+            runs = [functools.partial(moe.experts_decode, *args, tiles=tiles) for args in cases]
+            err = max(relative_error(run(), ref) for run, ref in zip(runs, expected))
+            if err > MOE_PATH_TOLERANCE:
+                failures += 1
+                print(f"| {stage} | {tile} | {err:.1e} MISMATCH | | | | |")
+                continue
+            ms = [graph_ms(run) for run in runs]
+            gbps = [expert_bytes(args) / t / 1e6 for args, t in zip(cases, ms)]
+            timed.append((sum(ms), tiles))
             print(
-                f"| {stage} | {tile} | {row[0]:.4f} | {row[1]:.0f} | {row[2]:.4f} | {row[3]:.0f} |"
+                f"| {stage} | {tile} | {err:.1e} | {ms[0]:.4f} | {gbps[0]:.0f} "
+                f"| {ms[1]:.4f} | {gbps[1]:.0f} |"
             )
         best = min(timed, key=lambda t: t[0])[1]
     print(f"\nbest decode tiles (T1 + T8 graph ms): {best}; default {moe.DECODE_TILES}")
+    return failures
 
 
 def sweep_moe_blocks() -> None:
