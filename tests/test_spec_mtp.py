@@ -260,6 +260,14 @@ def test_a_model_without_mtp_layers_is_refused(name, message, tiny_checkpoint):
         LLM(tiny_checkpoint(name).path, **ENGINE_ARGS)
 
 
+@pytest.mark.parametrize(
+    ("option", "message"), [("compile", "compile"), ("per_request_depth", "per_request_depth")]
+)
+def test_options_the_mtp_caches_do_not_follow_yet_are_refused(option, message, tiny_checkpoint):
+    with pytest.raises(NotImplementedError, match=message):
+        LLM(tiny_checkpoint(NAMES[0]).path, **ENGINE_ARGS, **{option: True})
+
+
 def test_mtp_config_is_written_with_the_layer(tiny_checkpoint):
     """The tiny checkpoints carry what a GLM checkpoint does: num_nextn_predict_layers 1 and the
     layer's tensors past the decoder layers."""

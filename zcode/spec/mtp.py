@@ -4,8 +4,8 @@ The MTP layer attends over its own KV of every earlier position, as vLLM and lla
 Its input at position j pairs token j with the target's hidden state at j - 1, so the MTP KV at
 j, like the target's, depends on tokens 0..j only: it lives in its own paged tensors under the
 same block tables and slots, and prefix-cache hits, preemption and rejected drafts need nothing
-of their own. A forward hook on the target's backbone keeps both up to date in every forward of
-the engine (all sequences, speculating or not): it writes each token's final hidden state to a
+of their own. The runner's hidden-state observer keeps both up to date in every forward of the
+engine (all sequences, speculating or not): it writes each token's final hidden state to a
 paged hidden-state cache and runs the MTP layer over the forward's tokens (its KV write). Slot 0
 holds no pair (no hidden state precedes position 0): a query sees it only when it sees nothing
 else.
@@ -17,7 +17,6 @@ the drafts, which the verifying forward rewrites.
 """
 
 import dataclasses
-import weakref
 
 import torch
 from torch import nn
@@ -76,8 +75,7 @@ class MtpDrafter(Drafter):
         self.cache = KVCache(
             self.cache_owners(), runner.kv_cache.num_blocks, runner.block_size, dtype
         )
-        hook = model.model.register_forward_hook(_hook_to(weakref.ref(self)))
-        weakref.finalize(self, hook.remove)
+        runner.hidden_observer = self.observe
 
     def cache_owners(self) -> list[nn.Module]:
         return [self.mtp.mtp_block.self_attn, self.hidden]
@@ -123,15 +121,3 @@ def without_position_zero(batch: ForwardBatch) -> ForwardBatch:
         mask = mask.clone()
     mask[..., 0] = ~mask[..., 1:].any(-1)
     return dataclasses.replace(batch, attn_mask=mask)
-
-
-def _hook_to(drafter_ref: weakref.ref):
-    """A forward hook on the target's backbone for the drafter while it lives."""
-
-    def hook(backbone: nn.Module, args: tuple, hidden: torch.Tensor) -> None:
-        drafter = drafter_ref()
-        if drafter is not None:
-            input_ids, batch = args
-            drafter.observe(input_ids, batch, hidden)
-
-    return hook
