@@ -71,10 +71,8 @@ class MtpDrafter(Drafter):
         self.rotary = model.model.rotary_emb
         self.block_size = runner.block_size
         dtype = model.model.norm.weight.dtype
-        # Beside the target's KV, one more block per block (its padding block too).
-        self.cache = KVCache(
-            self.cache_owners(), runner.kv_cache.num_blocks, runner.block_size, dtype
-        )
+        # As many blocks as the target's KV (its padding block too), beside kv_cache_bytes.
+        KVCache(self.cache_owners(), runner.kv_cache.num_blocks, runner.block_size, dtype)
         runner.hidden_observer = self.observe
 
     def cache_owners(self) -> list[nn.Module]:
