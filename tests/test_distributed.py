@@ -432,6 +432,9 @@ def test_pipeline_parallel_config_and_launch_errors(monkeypatch):
     # a skip_layers draft would run fewer layers on rank 0 than on the ranks following it
     with pytest.raises(NotImplementedError, match="parallelism with speculative skip_layers"):
         LLM(None, pipeline_parallel_size=2, speculative="skip_layers")
+    # the MTP layer and its caches are whole on rank 0
+    with pytest.raises(NotImplementedError, match="parallelism with speculative mtp"):
+        LLM(None, pipeline_parallel_size=2, speculative="mtp")
 
 
 def _tensor_bytes(module: torch.nn.Module) -> int:

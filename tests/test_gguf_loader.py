@@ -33,6 +33,7 @@ from torch import nn
 
 from scripts import make_gguf
 from zcode.loader import CheckpointError, load_model
+from zcode.models.mtp import build_mtp_layer
 from zcode.quant.gguf import GgufEmbedding, GgufWeight
 from zcode.quant.linear import QuantizedLinear
 
@@ -378,6 +379,8 @@ def test_nextn_layer_goes_to_mtp_weights(gguf_files, tmp_path):
     )
     gate_exps = net.mtp_weights["blk.3.ffn_gate_exps.weight"]  # [E * N, row_bytes]
     assert gate_exps.out_features == 8 * 32
+    with pytest.raises(NotImplementedError, match=r"blk\.N\.nextn"):
+        build_mtp_layer(net)  # speculative='mtp' from a GGUF file: not mapped yet
     ids = prompt_ids()
     torch.testing.assert_close(
         PagedRunner(net).prefill_then_decode("seq", ids, PREFILL_LEN),

@@ -5,10 +5,12 @@ fp32) and by our loader.
 """
 
 import inspect
+import tempfile
 from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -139,10 +141,36 @@ def check_oracle_version() -> None:
     assert "apply_rotary_pos_emb_interleave" in source and "F.relu" in source
 
 
+def mtp_configs() -> dict[str, object]:
+    """GLM configs whose checkpoints carry one MTP layer (kept apart from `configs()`, whose
+    names the parity tests run)."""
+    return {
+        f"{name}_mtp": _with(configs()[name], num_nextn_predict_layers=1)
+        for name in ("glm4_moe", "glm_moe_dsa")
+    }
+
+
+def _with(config, **fields):
+    """A copy of `config` with `fields` changed; per-layer type lists are derived again."""
+    values = {
+        k: v for k, v in config.to_dict().items() if k not in ("layer_types", "indexer_types")
+    }
+    values.pop("mlp_layer_types", None)
+    return type(config)(**(values | fields))
+
+
 def make_checkpoint(name: str, out_dir: Path, seed: int = 0):
     """Saves a random model of the named config; returns the transformers model (the oracle)."""
     torch.manual_seed(seed)
-    config = configs()[name]
+    config = (configs() | mtp_configs())[name]
+    model = _random_model(config)
+    model.save_pretrained(out_dir)
+    if name in mtp_configs():
+        _add_mtp_layer(config, out_dir)
+    return model
+
+
+def _random_model(config):
     model = AutoModelForCausalLM.from_config(
         config, attn_implementation="eager", dtype=torch.float32
     )
@@ -153,6 +181,24 @@ def make_checkpoint(name: str, out_dir: Path, seed: int = 0):
         for module_name, param in model.named_parameters():
             if "layernorm" in module_name or "norm" in module_name.split(".")[-2]:
                 param.add_(torch.randn_like(param) * 0.1)  # norms are ones at init
-    model.eval()
-    model.save_pretrained(out_dir)
-    return model
+    return model.eval()
+
+
+def _add_mtp_layer(config, out_dir: Path) -> None:
+    """Writes an MTP layer into the saved checkpoint (transformers' models have none): the
+    decoder layer a model one layer deeper would have there, as save_pretrained names it, and
+    the MTP tensors of GLM checkpoints. enorm and hnorm differ well, so that swapping them shows."""
+    num_layers, hidden_size = config.num_hidden_layers, config.hidden_size
+    deeper = _random_model(_with(config, num_hidden_layers=num_layers + 1))
+    prefix = f"model.layers.{num_layers}."
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper.save_pretrained(tmp)
+        layer = {k: v for k, v in load_file(f"{tmp}/model.safetensors").items() if prefix in k}
+    layer |= {
+        f"{prefix}enorm.weight": 1 + torch.randn(hidden_size) * 0.5,
+        f"{prefix}hnorm.weight": 1 + torch.randn(hidden_size) * 0.5,
+        f"{prefix}eh_proj.weight": torch.randn(hidden_size, 2 * hidden_size) * 0.05,
+        f"{prefix}shared_head.norm.weight": 1 + torch.randn(hidden_size) * 0.1,
+    }
+    path = out_dir / "model.safetensors"
+    save_file(load_file(path) | layer, path, metadata={"format": "pt"})

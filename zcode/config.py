@@ -45,8 +45,9 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     # Speculative decoding (vLLM's method names where they exist): "ngram" (prompt lookup),
     # "skip_layers" (the model without `draft_skip_layers` drafts; default: every other inner
-    # layer) or "mtp" (not built yet); each step verifies up to `num_draft_tokens` drafted tokens
-    # per request. Outputs are those of plain decoding; SamplingParams.num_draft_tokens
+    # layer) or "mtp" (the checkpoint's MTP layer; its KV and the target's hidden states take
+    # cache memory beside kv_cache_bytes); each step verifies up to `num_draft_tokens` drafted
+    # tokens per request. Outputs are those of plain decoding; SamplingParams.num_draft_tokens
     # overrides the count per request (0: this request does not speculate).
     speculative: str | None = None
     num_draft_tokens: int = 3

@@ -220,7 +220,8 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
         "--speculative",
         choices=SPECULATIVE_METHODS,
         help="speculative decoding: drafts verified by the model in one forward, outputs "
-        "unchanged; ngram: prompt lookup, skip_layers: the model without some layers drafts",
+        "unchanged; ngram: prompt lookup, skip_layers: the model without some layers drafts, "
+        "mtp: the checkpoint's MTP layer (GLM-4.5+ / GLM-5 HF checkpoints)",
     )
     parser.add_argument(
         "--num-draft-tokens",

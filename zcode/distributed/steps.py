@@ -44,6 +44,8 @@ def join(config: EngineConfig, sparsity: object = None) -> TPGroup | None:
             ("a sparsity artifact", sparsity is not None),
             # the drafts run fewer layers on rank 0 than its broadcast makes the others run
             ("speculative skip_layers", config.speculative == "skip_layers"),
+            # the MTP layer and its caches are whole on rank 0, unsharded
+            ("speculative mtp", config.speculative == "mtp"),
         )
         if used
     ]

@@ -137,7 +137,7 @@ class LLMEngine:
             if params.num_draft_tokens:
                 raise ValidationError(
                     "num_draft_tokens needs an engine built with speculative decoding "
-                    "(speculative='ngram' or 'skip_layers')"
+                    "(speculative='ngram', 'skip_layers' or 'mtp')"
                 )
             return 0
         if params.num_draft_tokens is None:

@@ -1,6 +1,7 @@
 """Owns the model and its KV cache; turns a scheduled step into one forward pass."""
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -17,6 +18,8 @@ from zcode.sparsity.expert_skip import AdaptiveMoE
 from zcode.sparsity.sparse_mlp import SparseMLP
 
 LOGICAL_BLOCKS_PER_BLOCK = 4
+# (input_ids [T], batch, the backbone's final hidden states [T, D]) -> None
+HiddenObserver = Callable[[torch.Tensor, ForwardBatch, torch.Tensor], None]
 
 
 class ModelRunner:
@@ -59,6 +62,9 @@ class ModelRunner:
                 "a torch op yet"
             )
         self.graphs = GraphCache(model, max_num_seqs) if compile else None
+        # Sees the final hidden states of each eager forward: the MTP drafter's input
+        # (zcode/spec/mtp.py).
+        self.hidden_observer: HiddenObserver | None = None
         self.set_plan(ExecutionPlan())
 
     def _check_paging(self) -> None:
@@ -113,7 +119,7 @@ class ModelRunner:
         batch = ForwardBatch.build(query_lens, context_lens, tables, self.block_size, num_logits)
         if self.pages is not None:
             batch = self._with_paging(batch, [s.seq for s in scheduled], query_lens)
-        logits = self.model(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
+        logits = self._forward(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
         return list(logits.split(num_logits))
 
     @torch.inference_mode()
@@ -126,7 +132,19 @@ class ModelRunner:
         batch = ForwardBatch.build([1] * len(seqs), context_lens, tables, self.block_size)
         if self.pages is not None:
             batch = self._with_paging(batch, seqs, [1] * len(seqs))
-        return self.model(torch.tensor(input_ids, dtype=torch.int64), batch)
+        return self._forward(torch.tensor(input_ids, dtype=torch.int64), batch)
+
+    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        if self.hidden_observer is None:
+            return self.model(input_ids, batch)
+        observer = self.hidden_observer
+        hook = self.model.model.register_forward_hook(
+            lambda _backbone, _args, hidden: observer(input_ids, batch, hidden)
+        )
+        try:
+            return self.model(input_ids, batch)
+        finally:
+            hook.remove()
 
     def _execute_compiled(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Every sequence computes its last known token: one compiled decode step; [B, V]."""

@@ -105,11 +105,12 @@ def _load_weights(
     loaded: set[str] = set(prebuilt)
     ignored: list[str] = []
     for name, tensor, file in tensors:
+        keep_fp32 = any(key in name for key in _FP32_NAMES)
         if name not in params:
             layer = re.match(r"model\.layers\.(\d+)\.", name)
             if layer and int(layer.group(1)) >= num_layers:
                 _check_finite(file, name, tensor)
-                mtp_weights[name] = tensor.to(dtype or tensor.dtype)
+                mtp_weights[name] = tensor.to(torch.float32 if keep_fp32 else dtype or tensor.dtype)
             elif not (tied and name == "lm_head.weight") and not _IGNORED.search(name):
                 ignored.append(name)
             continue
@@ -120,7 +121,6 @@ def _load_weights(
                 f"the model expects {tuple(target.shape)}"
             )
         _check_finite(file, name, tensor)
-        keep_fp32 = any(key in name for key in _FP32_NAMES)
         with torch.no_grad():
             target.data = tensor.to(torch.float32 if keep_fp32 else dtype or tensor.dtype)
             target.data = target.data.contiguous()

@@ -29,8 +29,7 @@ def make_drafter(name: str, runner, draft_skip_layers: tuple[int, ...] | None) -
 
         return SkipLayersDrafter(runner, draft_skip_layers)
     if name == "mtp":
-        raise NotImplementedError(
-            "speculative='mtp': drafting with GLM's MTP layers (num_nextn_predict_layers, loaded "
-            "into model.mtp_weights) is not built yet; use 'ngram' or 'skip_layers'"
-        )
+        from zcode.spec.mtp import MtpDrafter
+
+        return MtpDrafter(runner)
     raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {name!r}")
