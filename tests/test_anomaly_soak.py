@@ -9,7 +9,9 @@ from zcode.calibration import corpus_tokens
 from zcode.engine.sampler import AnomalyGuard
 from zcode.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+# ~2 min on a quiet 2-core machine; over 600 s (the suite's hang guard) at load average 9, so
+# this module's guard is 40 min: a hang still ends, a busy machine does not fail the soak.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 
 def _prompts(tokenizer, count: int, length: int) -> list[list[int]]:

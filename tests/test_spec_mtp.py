@@ -176,6 +176,7 @@ def record_proposals(llm: LLM) -> list[tuple[list[int], list[int], torch.Tensor]
     return records
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_draft_logits_match_the_reference(name, agreeable):
     """Prompts of different lengths in one batch, blocks of 4 (drafts cross block boundaries),
@@ -202,7 +203,7 @@ def test_draft_logits_match_the_reference(name, agreeable):
 # ---- exactness ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [NAMES[0], pytest.param(NAMES[1], marks=pytest.mark.slow)])
 def test_greedy_outputs_are_those_of_transformers(name, tiny_checkpoint):
     """Random MTP weights: drafts are rejected (nearly) always."""
     checkpoint = tiny_checkpoint(name)
@@ -221,6 +222,7 @@ def test_greedy_outputs_are_those_of_transformers(name, tiny_checkpoint):
     assert_no_blocks_held(llm.engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_batch_and_prefix_cache_match_plain_decoding(name, agreeable):
     """Speculating requests beside one that does not, split prefills, a stop token, then a
