@@ -17,10 +17,10 @@ lower ranks, so rank 0 (whose scheduler hands out KV blocks) holds the most KV p
 Slices are copies that own their memory, and the whole weights are dropped: a safetensors view
 or a GGUF file's bytes are then no longer mapped by this rank. A GGUF row is a run of blocks,
 so rows split anywhere and columns only at block boundaries. Copying a row-parallel weight's
-columns touches every page of it, so once a layer (and then the vocabulary) is cut, the rank lets
-go of the file pages of its whole weights (zcode.loader.pages): a rank's peak resident memory is
-its shard plus about one layer, not the model (the vocabulary is cut first, while the shard is
-still small: its matrices are the largest).
+columns touches every page of it, so once the vocabulary, then each layer, is cut, the rank lets
+go of the file pages of the whole weights (zcode.loader.pages): a rank's peak resident memory is
+its shard plus about one layer, not the model. The vocabulary goes first, while the shard is
+still small: its matrices are the largest.
 """
 
 from dataclasses import dataclass
