@@ -19,6 +19,26 @@ the given latency per collective; and for the MoE layers, the bytes per token of
 all-reduce against an all-to-all dispatch and combine (zcode.distributed.traffic). And for
 pipeline parallelism, per decode token: the hidden state [D] sent across each of the N - 1 stage
 boundaries and the sampled row's fp32 logits sent back to rank 0, against TP's all-reduces.
+
+Measured on this 2-core VM (SmolLM2-135M Q4_1, --repeats 3, tok/s max / median): one process
+27.0 / 26.3 with 1 thread, 33.7 / 33.5 with 2; TP=2 6.7 / 6.1 (0.18x); PP=2 15.3 / 14.9. Rank 0
+holds 48.8 MiB of weights under TP=2 and 60.4 under PP=2, against 101.9 in one process; TP=2
+sends 137.2 KiB of all-reduce payload and 96.0 KiB of all-gather per token. A gloo all-reduce of
+576 floats between 2 processes takes 1.5-2.0 ms here against a 35 us TCP loopback round trip,
+and a SmolLM2 token makes ~61 collectives: latency, not bytes, is what TP costs on this machine.
+
+Scaling to real GLM sizes (the cost model above; not measured): a decode token under TP makes
+2 L + 1 collectives (93 for GLM-4.5-Air, 185 for GLM-4.5, 157 for GLM-5) and a rank sends
+1.0-1.8 MiB (Air) or 2.1-3.7 MiB (GLM-4.5, GLM-5) at TP 2-8, mostly the fp32 logits and the
+ring share of the all-reduces: 0.04-0.16 ms at 25 GB/s. The latency term dominates: 2.8, 5.6
+and 4.7 ms per token at 30 us a collective (a fast network), 0.5-0.9 ms at 5 us (NCCL within a
+node), but 140-370 ms at gloo's 1.5-2.0 ms above. So TP pays only where a collective costs
+microseconds and the weight bytes it takes off each rank (GLM-4.5-Air reads ~12B active
+parameters, ~24 GB in bf16, per token) take longer to read than its collectives take. Across
+slow links, PP sends one bf16 hidden state per stage boundary (8-84 KiB per token at 2-8 stages)
+plus the sampled row's fp32 logits back to rank 0 (592-605 KiB, the larger part), with one
+latency per stage. For the MoE layers an all-to-all dispatch sends as much as our all-reduce at 2
+ranks, 0.67x at 8 and 0.23x at 32 (uniform routing): expert parallelism wants it at scale.
 """
 
 import argparse

@@ -15,16 +15,37 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import openai
+import pytest
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a second torch thread mostly spins on 2 cores
+TP2_STARTUP_TIMEOUT_S = 480  # a hang guard: two ranks loading on a busy 2-core machine
+# The layouts a suite's server fixture runs in (`params=LAYOUTS`, then `launch(request.param,
+# ...)`): one process, and a tensor-parallel server over two torchrun ranks, slow (.ci/run).
+LAYOUTS = ["one", pytest.param("tp2", marks=pytest.mark.slow)]
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(*options: str) -> tuple[str, ...]:
+    """torchrun with two ranks on a free rendezvous port."""
+    launcher = Path(sys.executable).parent / "torchrun"
+    return (str(launcher), "--nproc-per-node", "2", "--master-port", str(free_port()), *options)
+
+
+def launch(layout: str, *args: str, **kwargs) -> "RemoteServer":
+    """`zcode serve *args` in one of LAYOUTS."""
+    if layout == "one":
+        return RemoteServer(*args, **kwargs)
+    assert layout == "tp2", layout
+    kwargs.setdefault("startup_timeout_s", TP2_STARTUP_TIMEOUT_S)
+    return RemoteServer(*args, "--tensor-parallel-size", "2", launcher=torchrun(), **kwargs)
 
 
 class InThreadServer:
@@ -62,6 +83,7 @@ class RemoteServer:
     ):
         self.port = free_port()
         self.api_key = api_key
+        self.launcher = launcher
         self.log = tempfile.NamedTemporaryFile("w+", prefix="zcode-serve-", suffix=".log")
         command = [*launcher, "-m", "zcode.cli", "serve", *args, "--port", str(self.port)]
         if api_key:
@@ -171,6 +193,20 @@ class RemoteServer:
         """SIGTERM, then the exit status."""
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout_s)
+
+    def rank_pids(self) -> dict[int, int]:
+        """{rank: pid} of the processes a torchrun launcher started (its children, RANK in
+        their environment); {0: the server} without torchrun."""
+        if self.launcher == (sys.executable,):
+            return {0: self.proc.pid}
+        pids = {}
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                rank = next(v for v in env if v.startswith(b"RANK="))
+                pids[int(rank[len(b"RANK=") :])] = int(pid)
+        assert pids and sorted(pids) == list(range(len(pids))), pids
+        return pids
 
     def stop(self) -> None:
         try:

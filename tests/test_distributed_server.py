@@ -11,14 +11,12 @@ a hang guard (a bound on hanging, not on speed).
 
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
-from remote_server import RemoteServer, free_port
+from remote_server import TP2_STARTUP_TIMEOUT_S, RemoteServer, free_port, torchrun
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
@@ -26,27 +24,8 @@ MESSAGES = [{"role": "user", "content": "Name three colors."}]
 ARGS = ("--max-model-len", "512", "--kv-cache-mib", "64", "--dtype", "float32")
 TP_ARGS = ("--tensor-parallel-size", "2")
 SPLITS = {"tp2": TP_ARGS, "pp2": ("--pipeline-parallel-size", "2")}
-STARTUP_TIMEOUT_S = 480  # a hang guard: two ranks loading on a busy 2-core machine
 EXIT_TIMEOUT_S = 120  # a hang guard for the launch to end after a rank is lost
 RANK_FAILURE = "a collective failed"
-
-
-def torchrun(*options: str) -> tuple[str, ...]:
-    """torchrun with two ranks on a free rendezvous port."""
-    launcher = Path(sys.executable).parent / "torchrun"
-    return (str(launcher), "--nproc-per-node", "2", "--master-port", str(free_port()), *options)
-
-
-def rank_pids(server: RemoteServer) -> dict[int, int]:
-    """{rank: pid} of the processes torchrun started (its children, RANK in their environment)."""
-    pids = {}
-    for task in Path(f"/proc/{server.proc.pid}/task").iterdir():
-        for pid in (task / "children").read_text().split():
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            rank = next(v for v in env if v.startswith(b"RANK="))
-            pids[int(rank[len(b"RANK=") :])] = int(pid)
-    assert sorted(pids) == [0, 1], pids
-    return pids
 
 
 def test_a_torchrun_launch_without_the_split_is_a_clear_error(monkeypatch):
@@ -74,7 +53,7 @@ def tp(request):
     launcher = torchrun()
     with RemoteServer(
         *ARGS, *SPLITS[request.param], "--shutdown-timeout", "20", launcher=launcher,
-        startup_timeout_s=STARTUP_TIMEOUT_S,
+        startup_timeout_s=TP2_STARTUP_TIMEOUT_S,
     ) as s:  # fmt: skip
         yield s
 
@@ -127,7 +106,7 @@ def test_sigterm_on_rank_0_drains_and_every_rank_exits_zero(tp):
     deadline = time.monotonic() + 60
     while tp.metrics()["zcode:num_requests_running"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    os.kill(rank_pids(tp)[0], signal.SIGTERM)
+    os.kill(tp.rank_pids()[0], signal.SIGTERM)
     assert tp.proc.wait(EXIT_TIMEOUT_S) == 0, tp.output()
     thread.join(EXIT_TIMEOUT_S)
     assert result["out"].choices[0].finish_reason == "length"
@@ -144,7 +123,7 @@ def _tiny_tp_server(tiny_checkpoint, *options: str, torchrun_options=()) -> Remo
     args = (str(tiny_checkpoint("llama").path), *TP_ARGS, "--served-model-name", TINY)
     args += ("--dtype", "float32", "--kv-cache-mib", "8", *options)
     launcher = torchrun(*torchrun_options)
-    return RemoteServer(*args, launcher=launcher, startup_timeout_s=STARTUP_TIMEOUT_S)
+    return RemoteServer(*args, launcher=launcher, startup_timeout_s=TP2_STARTUP_TIMEOUT_S)
 
 
 def _stream_in_flight(server: RemoteServer) -> dict:
@@ -198,7 +177,7 @@ def _assert_failed_in_flight(server: RemoteServer, stream: dict, failure: str) -
 
 def test_a_killed_follower_fails_the_request_in_flight_and_ends_the_launch(tiny_checkpoint):
     with _tiny_tp_server(tiny_checkpoint) as server:
-        follower = rank_pids(server)[1]
+        follower = server.rank_pids()[1]
         stream = _stream_in_flight(server)
         os.kill(follower, signal.SIGKILL)
         _assert_failed_in_flight(server, stream, "Signal 9 (SIGKILL) received")
@@ -211,7 +190,7 @@ def test_a_hung_follower_fails_the_request_after_the_collective_timeout(tiny_che
     with _tiny_tp_server(
         tiny_checkpoint, "--collective-timeout-s", "5", torchrun_options=("--shutdown-timeout", "5")
     ) as server:
-        follower = rank_pids(server)[1]
+        follower = server.rank_pids()[1]
         stream = _stream_in_flight(server)
         os.kill(follower, signal.SIGSTOP)
         _assert_failed_in_flight(server, stream, "Timed out")
@@ -236,6 +215,6 @@ def test_the_follower_exits_on_its_own_when_rank_0_dies(tiny_checkpoint):
     """torchrun would kill it only after 300 s (its --shutdown-timeout; the follower ignores the
     SIGTERM before): an exit within the hang guard is the follower's own."""
     with _tiny_tp_server(tiny_checkpoint, torchrun_options=("--shutdown-timeout", "300")) as server:
-        os.kill(rank_pids(server)[0], signal.SIGKILL)
+        os.kill(server.rank_pids()[0], signal.SIGKILL)
         assert server.proc.wait(EXIT_TIMEOUT_S) != 0
         assert f"zcode: error: rank 1 of 2: {RANK_FAILURE}" in server.output()

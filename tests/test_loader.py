@@ -341,3 +341,30 @@ def test_safetensors_load_as_views_of_the_file(ckpt):
     assert any(lo <= weight.data_ptr() < hi for lo, hi in maps)
     bf16, _ = load_model(ckpt, torch.bfloat16)
     assert bf16.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+
+def _rss_file_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError("RssFile")
+
+
+def test_released_pages_leave_a_file_views_bytes_and_anonymous_memory_alone(tmp_path):
+    """zcode.loader.pages: a view of a copy-on-write file map gives its pages back (the
+    process's file RSS falls) and reads the same bytes after; a copy in anonymous memory, which
+    the same advice would zero, is skipped."""
+    import numpy as np
+
+    from zcode.loader import pages
+
+    data = torch.arange(2 << 20, dtype=torch.float32)  # 8 MiB
+    path = tmp_path / "weights.bin"
+    data.numpy().tofile(path)
+    mapped = torch.from_numpy(np.memmap(path, mode="c", dtype=np.float32))
+    copy = data.clone()
+    assert torch.equal(mapped, data)  # every page mapped in
+    resident = _rss_file_bytes()
+    pages.release([mapped, copy])
+    assert _rss_file_bytes() <= resident - data.nbytes * 3 // 4
+    assert torch.equal(mapped, data) and torch.equal(copy, data)

@@ -2,10 +2,13 @@
 
 One server (the embedded SmolLM2-135M, a 512-token context, an API key) serves the whole module;
 requests are greedy with a few tokens so the module stays well under a minute. The SIGTERM test
-ends that server, so it comes last.
+ends that server, so it comes last. The module runs twice (remote_server.LAYOUTS): against one
+process, and (slow) against a tensor-parallel server over two torchrun ranks, whose answers
+must pass the same checks.
 """
 
 import json
+import os
 import re
 import signal
 import threading
@@ -13,7 +16,7 @@ import time
 
 import openai
 import pytest
-from remote_server import RemoteServer
+from remote_server import LAYOUTS, launch
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
@@ -22,14 +25,14 @@ MESSAGES = [{"role": "user", "content": "Name three colors."}]
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=LAYOUTS)
+def server(request):
     # float32: these tests compare outputs across requests (streamed with whole, echo with
     # decode), which with the prefix cache split a prompt differently; the file's int8-activation
     # kernels move a near-tie across such splits (see the notes), fp32 does not.
-    with RemoteServer(
-        "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mib", "64", "--shutdown-timeout", "20",
-        "--dtype", "float32", api_key=API_KEY,
+    with launch(
+        request.param, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-mib", "64",
+        "--shutdown-timeout", "20", "--dtype", "float32", api_key=API_KEY,
     ) as s:  # fmt: skip
         yield s
 
@@ -457,7 +460,8 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server):
 
 
 def test_sigterm_drains_then_exits_zero(server, client):
-    """Last: it ends the module's server."""
+    """Last: it ends the module's server. Under torchrun the signal goes to rank 0, the server,
+    and torchrun exits 0 once every rank has."""
     result = {}
 
     def in_flight():
@@ -474,7 +478,7 @@ def test_sigterm_drains_then_exits_zero(server, client):
     deadline = time.monotonic() + 20
     while server.metrics()["zcode:num_requests_running"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    server.proc.send_signal(signal.SIGTERM)
+    os.kill(server.rank_pids()[0], signal.SIGTERM)
     time.sleep(0.2)
     status, body = server.request("POST", "/v1/completions", COMPLETION)
     assert status == 503 and body["error"]["code"] == 503

@@ -3,14 +3,15 @@ whose arguments validate against the tool's schema, because a grammar constrains
 
 SmolLM2-135M knows nothing of GLM tool calls, so only the grammar can make it write valid ones;
 its own chat template is swapped for a GLM-4.7-shaped one. The app runs under uvicorn in this
-process with the real engine thread.
+process with the real engine thread; and (slow) as `zcode serve --chat-template` over two
+tensor-parallel torchrun ranks, which must pass the same checks.
 """
 
 import json
 
 import openai
 import pytest
-from remote_server import InThreadServer
+from remote_server import LAYOUTS, InThreadServer, launch
 from test_server_chat import GLM47_LIKE
 
 from zcode.server.app import build_app
@@ -76,8 +77,15 @@ def check_arguments(name: str, arguments: str) -> None:
             assert all(isinstance(x, (int, float)) for x in item)
 
 
-@pytest.fixture(scope="module")
-def client():
+@pytest.fixture(scope="module", params=LAYOUTS)
+def client(request, tmp_path_factory):
+    if request.param != "one":  # a subprocess: the template goes in a file
+        template = tmp_path_factory.mktemp("template") / "glm47.jinja"
+        template.write_text(GLM47_LIKE)
+        args = ("--kv-cache-mib", "64", "--chat-template", str(template), "--served-model-name")
+        with launch(request.param, *args, "m") as server:
+            yield server.client()
+        return
     from zcode.llm import LLM
 
     llm = LLM(None, kv_cache_bytes=64 << 20)

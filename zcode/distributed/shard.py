@@ -16,7 +16,11 @@ lower ranks, so rank 0 (whose scheduler hands out KV blocks) holds the most KV p
 
 Slices are copies that own their memory, and the whole weights are dropped: a safetensors view
 or a GGUF file's bytes are then no longer mapped by this rank. A GGUF row is a run of blocks,
-so rows split anywhere and columns only at block boundaries.
+so rows split anywhere and columns only at block boundaries. Copying a row-parallel weight's
+columns touches every page of it, so once the vocabulary, then each layer, is cut, the rank lets
+go of the file pages of the whole weights (zcode.loader.pages): a rank's peak resident memory is
+its shard plus about one layer, not the model. The vocabulary goes first, while the shard is
+still small: its matrices are the largest.
 """
 
 from dataclasses import dataclass
@@ -37,6 +41,7 @@ from zcode.layers.linear import Linear
 from zcode.layers.mla import MLAttention
 from zcode.layers.mlp import GatedMLP, GeluGatedMLP
 from zcode.layers.moe import MoE
+from zcode.loader import pages
 from zcode.models.glm4 import Glm4MLP
 from zcode.quant.gguf import GgufEmbedding, GgufWeight, type_name
 from zcode.quant.linear import QuantizedLinear
@@ -86,14 +91,25 @@ def head_shards(num_heads: int, num_kv_heads: int, world_size: int) -> list[Head
 def shard_model(model: nn.Module, group: TPGroup, expert_parallel: bool = False) -> None:
     """Replaces `model`'s layers by this rank's shards, in place. `expert_parallel`: MoE layers
     keep whole routed experts, a range per rank, instead of every expert's slice."""
+    _shard_vocab(model, group)  # first: its whole matrices are the largest in flight
     for layer in model.model.layers:
+        whole = _tensors_of(layer)
         _shard_attention(layer.self_attn, group, model.config.model_type)
         if type(layer.mlp) is MoE:
             layer.mlp = shard_moe(layer.mlp, group, expert_parallel)
         else:
             _shard_mlp(layer.mlp, group, model.config.model_type)
-    _shard_vocab(model, group)
+        pages.release(whole)
     own_memory(model)
+
+
+def _tensors_of(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors `module` holds: parameters, buffers and GGUF weights' bytes."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    for sub in module.modules():
+        if isinstance(sub, (QuantizedLinear, GgufEmbedding)) and isinstance(sub.packed, GgufWeight):
+            tensors.append(sub.packed.data)
+    return tensors
 
 
 def own_memory(model: nn.Module) -> None:
@@ -206,6 +222,7 @@ def _shard_vocab(model: nn.Module, group: TPGroup) -> None:
     rows = torch.arange(start, start + sizes[group.rank])
     tied = _weight_of(head) is _weight_of(embed)
     local_embed = _slice_embedding(embed, rows)
+    pages.release(_tensors_of(embed))
     if tied and isinstance(local_embed, GgufEmbedding):
         local_head = QuantizedLinear(local_embed.packed, None, head.format)
     elif tied:
@@ -213,6 +230,7 @@ def _shard_vocab(model: nn.Module, group: TPGroup) -> None:
         local_head.weight = local_embed.weight
     else:
         local_head = slice_rows(head, rows)
+        pages.release(_tensors_of(head))
     model.model.embed_tokens = VocabParallelEmbedding(local_embed, start, group)
     model.lm_head = VocabParallelHead(local_head, sizes, group)
 

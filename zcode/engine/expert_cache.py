@@ -58,18 +58,20 @@ from torch import nn
 from zcode.config import EngineConfig
 from zcode.errors import ValidationError
 from zcode.layers.moe import MoE
+from zcode.loader.pages import (
+    MADV_DONTNEED,
+    MADV_RANDOM,
+    MADV_WILLNEED,
+    PAGE_BYTES,
+    libc,
+    madvise,
+    whole_pages,
+)
 
 POLICIES = ("lfu", "lru")
 LFU_DECAY = 0.9  # per step: a routed token's weight in the score halves in ~7 steps
 BYTES_PER_GB = 10**9
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 RANDOM_SPAN_GAP_BYTES = 4 << 20
-_MADV_RANDOM, _MADV_WILLNEED, _MADV_DONTNEED = 1, 3, 4  # <sys/mman.h> on Linux
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 logger = logging.getLogger(__name__)
 
 
@@ -83,29 +85,23 @@ class FileRange:
     file_offset: int
 
     def _whole_pages(self) -> tuple[int, int]:
-        """[start, end) of the pages wholly inside the range: a page shared with a neighbouring
-        tensor is left alone."""
-        start = -(-self.address // PAGE_BYTES) * PAGE_BYTES
-        end = (self.address + self.num_bytes) // PAGE_BYTES * PAGE_BYTES
-        return start, max(start, end)
+        return whole_pages(self.address, self.num_bytes)
 
     def advise(self, advice: int) -> None:
-        start, end = self._whole_pages()
-        if end > start and _libc.madvise(start, end - start, advice) != 0:
-            raise OSError(ctypes.get_errno(), f"madvise({advice}) on an expert's weights")
+        madvise(self.address, self.num_bytes, advice)
 
     def pin(self) -> bool:
         """Locks the whole pages in RAM (reading them in); False where the OS refuses."""
         start, end = self._whole_pages()
-        return end <= start or _libc.mlock(start, end - start) == 0
+        return end <= start or libc.mlock(start, end - start) == 0
 
     def unpin(self) -> None:
         start, end = self._whole_pages()
         if end > start:
-            _libc.munlock(start, end - start)
+            libc.munlock(start, end - start)
 
     def drop(self) -> None:
-        self.advise(_MADV_DONTNEED)
+        self.advise(MADV_DONTNEED)
         # The kernel drops only whole pages of the file range too, and only those nobody maps.
         os.posix_fadvise(self.fd, self.file_offset, self.num_bytes, os.POSIX_FADV_DONTNEED)
 
@@ -116,7 +112,7 @@ class FileRange:
         if not num_pages:
             return 0, 0
         vec = (ctypes.c_ubyte * num_pages)()
-        if _libc.mincore(start, end - start, vec) != 0:
+        if libc.mincore(start, end - start, vec) != 0:
             raise OSError(ctypes.get_errno(), "mincore on an expert's weights")
         return sum(v & 1 for v in vec), num_pages
 
@@ -187,7 +183,7 @@ class ExpertCache:
             _CACHES[layer.layer_key] = (weakref.ref(self), i)
         spans = _spans(list(self._all_ranges()))
         for span in spans:
-            span.advise(_MADV_RANDOM)
+            span.advise(MADV_RANDOM)
         self._drop(torch.ones_like(self.resident))
         for span in spans:  # page-cache folios across two experts' edges go too
             os.posix_fadvise(span.fd, span.file_offset, span.num_bytes, os.POSIX_FADV_DONTNEED)
@@ -238,7 +234,7 @@ class ExpertCache:
     def _read_in(self, layer: int, experts: torch.Tensor) -> None:
         for e in experts.nonzero().flatten().tolist():
             for r in self.ranges[layer][e]:
-                r.advise(_MADV_WILLNEED)
+                r.advise(MADV_WILLNEED)
 
     def after_step(self, token_counts: list[tuple[object, int]]) -> None:
         """Accounts the step that just ran ((sequence, tokens it computed) per sequence) and

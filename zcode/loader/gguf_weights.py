@@ -28,6 +28,7 @@ from torch import nn
 
 from zcode.errors import CheckpointError
 from zcode.layers.linear import Linear
+from zcode.loader import pages
 from zcode.loader.gguf_config import MODEL_TYPES
 from zcode.loader.gguf_file import GgufContents, GgufTensor
 from zcode.quant.gguf import GgufEmbedding, GgufWeight, dequantize_rows, format_name
@@ -156,9 +157,9 @@ class _GgufFiller:
                 heads = self.config.num_attention_heads
                 if name.endswith("k_proj"):
                     heads = self.config.num_key_value_heads
-                packed = GgufWeight(
-                    _unpermute(packed.data, heads), packed.ggml_type, packed.in_features
-                )
+                data = _unpermute(packed.data, heads)
+                pages.drop(packed.data)  # the file's order is read once, into the copy
+                packed = GgufWeight(data, packed.ggml_type, packed.in_features)
         if (packed.out_features, packed.in_features) != tuple(module.weight.shape):
             raise CheckpointError(
                 f"{self.path}: tensor {gguf_name!r} is [{packed.out_features}, "

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from zcode.errors import CheckpointError
+from zcode.loader import pages
 
 # The keys that size a model: transformers fills a missing one with its config class's default
 # (a 4096-wide Llama), which would describe some other model without a word.
@@ -61,7 +62,11 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Pat
     Tensors are views of a copy-on-write memory map of the file (zero-copy: a page is read when
     first touched, and a write copies only that page); safetensors' `safe_open` still checks the
     header and the file size first. A tensor whose dtype or alignment a view cannot take is read
-    by safe_open."""
+    by safe_open. Once the consumer asks for the next tensor, this process lets go of the pages
+    of the previous view it touched (zcode.loader.pages), before anything wrote to it: the
+    loader's checks read every tensor, and a tensor-parallel rank keeps only its slices, so
+    loading holds one tensor resident at a time, not the file; a view kept and used later maps
+    its pages again."""
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt")
@@ -71,11 +76,14 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Pat
         header, data = _mapped(path)
         for name in names:
             tensor = _view(data, header.get(name))
-            if tensor is None:
-                try:
-                    tensor = handle.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
+            if tensor is not None:
+                yield name, tensor, path
+                pages.drop(tensor)
+                continue
+            try:
+                tensor = handle.get_tensor(name)
+            except Exception as e:
+                raise CheckpointError(f"{path}: cannot read tensor {name!r}: {e}") from e
             yield name, tensor, path
 
 
