@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -218,3 +219,26 @@ def test_the_follower_exits_on_its_own_when_rank_0_dies(tiny_checkpoint):
         os.kill(server.rank_pids()[0], signal.SIGKILL)
         assert server.proc.wait(EXIT_TIMEOUT_S) != 0
         assert f"zcode: error: rank 1 of 2: {RANK_FAILURE}" in server.output()
+
+
+def _running(pid: int) -> bool:
+    """A process that exists and has not exited (an orphan's zombie waits for init to reap it)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow  # tens of seconds (in .ci/run)
+def test_every_rank_ends_when_torchrun_itself_is_killed(tiny_checkpoint):
+    """torchrun killed with SIGKILL forwards nothing: each rank asked Linux for a SIGTERM when
+    its launcher dies, so rank 0 drains and exits and the follower follows it. (Before, both
+    served on as orphans: found leaked by killed test runs, an hour old.)"""
+    with _tiny_tp_server(tiny_checkpoint) as server:
+        ranks = server.rank_pids()
+        os.kill(server.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + EXIT_TIMEOUT_S
+        while any(_running(pid) for pid in ranks.values()):
+            assert time.monotonic() < deadline, f"ranks {ranks} outlived torchrun"
+            time.sleep(0.1)

@@ -15,7 +15,10 @@ A failed collective raises `RankFailure`, which the engine does not isolate to o
 the ranks no longer agree on what they computed, so every rank must stop and be restarted.
 """
 
+import ctypes
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,12 +69,26 @@ def init_distributed(config: ParallelConfig) -> TPGroup:
         )
     if dist.is_initialized():
         raise RuntimeError("this process already joined a process group: one model per process")
+    _end_with_the_launcher()
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=JOIN_TIMEOUT)
     timeout = timedelta(seconds=config.collective_timeout_s)
     compute = dist.new_group(timeout=timeout)  # the launch's backend(s)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPGroup(dist.get_rank(), world_size, compute, control)
+
+
+def _end_with_the_launcher() -> None:
+    """Asks Linux to SIGTERM this rank when the process that started it (torchrun's agent) dies.
+    A launcher killed with SIGKILL forwards no signal, and its ranks would serve on with no one
+    to stop them; now rank 0 drains and exits as on any SIGTERM, and the followers (which ignore
+    SIGTERM) end when rank 0 does."""
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() == 1:  # the launcher died before the request: no one would send the signal
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def all_reduce(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
