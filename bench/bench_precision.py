@@ -222,10 +222,12 @@ def quality_variant_rows(
     plan, so this runs last): each level's plan with held-out perplexity and KL."""
     attach_variants(llm, profile, budget, cap, kernel="reference")
     rows = []
+    executor = llm.engine.executor
     for quality, level in llm.precision_variants.levels.items():
-        with llm.executor().running(level.plan):
-            ppl = perplexity(llm, heldout, WINDOW, STRIDE).perplexity
-            kl = measured_kl(llm, kl_ids, dense)
+        ppl = perplexity(llm, heldout, WINDOW, STRIDE, plan=level.plan).perplexity
+        executor.apply(level.plan)  # the model as the plan runs it, for the KL's own forwards
+        kl = measured_kl(llm, kl_ids, dense)
+        executor.apply(executor.default)
         rows.append(
             {"quality": quality, "plan": level.plan.name, "predicted_kl": level.predicted_kl}
             | {"ppl": ppl, "measured_kl": kl}

@@ -16,6 +16,8 @@ from zcode.engine.kv_cache import kv_bytes_per_token
 from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.sequence import Sequence
 from zcode.errors import ValidationError
+from zcode.harness.executor import PlanExecutor
+from zcode.harness.plan import ExecutionPlan
 from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
 
@@ -244,18 +246,20 @@ def test_engine_salts_keep_prefixes_apart(nets):
     engine = make_engine(nets("llama"))
     p = prompt(4 * BLOCK + 1, seed=9)
 
-    def hits_of(cache_salt: str | None = None) -> int:
+    # Another plan of the model, one that changes nothing the executor moves: only its salt.
+    other = ExecutionPlan(name="other", extras=(("test", "another plan"),))
+    engine.executor = PlanExecutor(engine)
+
+    def hits_of(cache_salt: str | None = None, plan: ExecutionPlan | None = None) -> int:
         before = engine.stats()["prefix_cache_hits"]
-        engine.add_request(p, GREEDY, cache_salt=cache_salt)
+        engine.add_request(p, GREEDY, cache_salt=cache_salt, plan=plan)
         while engine.has_unfinished():
             engine.step()
         return engine.stats()["prefix_cache_hits"] - before
 
     assert hits_of() == 0
     assert hits_of("a") == 0 and hits_of("a") == 16
-    engine.kv_salt = "another plan"  # what the plan executor sets
-    assert hits_of() == 0 and hits_of("a") == 0 and hits_of() == 16
-    engine.kv_salt = ""
+    assert hits_of(plan=other) == 0 and hits_of("a", other) == 0 and hits_of(plan=other) == 16
     assert hits_of() == 16
     with pytest.raises(ValidationError, match="cache_salt must be a string"):
         engine.add_request(p, GREEDY, cache_salt=b"a")

@@ -120,10 +120,11 @@ class LLM:
         return PlanExecutor(self.engine, self.precision_variants, self.sparsity, default)
 
     def declare_default_plan(self) -> None:
-        """Moves the model to the plan it runs without hints and declares it (after loading a
-        sparsity artifact or attaching precision variants)."""
+        """Moves the model to the plan it runs without hints, declares it, and lets requests
+        name other plans (after loading a sparsity artifact or attaching precision variants)."""
         executor = self.executor()
         executor.apply(executor.default)
+        self.engine.executor = executor
 
     @property
     def model(self) -> torch.nn.Module:
@@ -134,56 +135,55 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | None = None,
         enable_thinking: bool | None = None,
-        max_latency_ms: float | None = None,
-        max_quality_loss: float | None = None,
-        quality: str | None = None,
-        max_kv_bytes: int | None = None,
-        plan: ExecutionPlan | None = None,
+        max_latency_ms: float | None | Sequence[float | None] = None,
+        max_quality_loss: float | None | Sequence[float | None] = None,
+        quality: str | None | Sequence[str | None] = None,
+        max_kv_bytes: int | None | Sequence[int | None] = None,
+        plan: ExecutionPlan | None | Sequence[ExecutionPlan | None] = None,
         skip_layers: Sequence[int] = (),
         skip_kv_heads: Sequence[tuple[int, int]] = (),
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; a prompt is text, token ids or chat messages.
 
         Always returns a list, one output per prompt, in order. Hints, in any combination, pick
-        one plan for the whole batch (zcode.harness.planner): `max_latency_ms` (predicted decode
-        ms per step, by the hardware cost model), `max_quality_loss` (predicted perplexity
-        increase, %), `quality` ("max", "balanced", "fast": shorthand for quality-loss budgets),
+        each request's plan (zcode.harness.planner): `max_latency_ms` (predicted decode ms per
+        step, by the hardware cost model), `max_quality_loss` (predicted perplexity increase,
+        %), `quality` ("max", "balanced", "fast": shorthand for quality-loss budgets),
         `max_kv_bytes` (KV cache bytes per token), `plan` (an explicit ExecutionPlan: an
-        override). `skip_layers` and `skip_kv_heads` (need `per_request_depth=True`) fix the
-        decoder layers and (layer, KV head) pairs these requests never run and keep no KV for;
-        the other dimensions are still planned. With any hint, each output's `plan` is a
+        override). Each of these is one value for every prompt or a list of one per prompt:
+        requests with different plans share each step, every one running its own plan.
+        `skip_layers` and `skip_kv_heads` (need `per_request_depth=True`) fix the decoder
+        layers and (layer, KV head) pairs all these requests never run and keep no KV for; the
+        other dimensions are still planned. With any hint, each output's `plan` is a
         PlanReport: the plan, predicted and measured ms per token, predicted quality loss, KV
-        bytes per token, the binding constraint and whether the targets are met. The plan is
-        model state for the whole batch of this call: per-row plans in one batch are not built
-        yet (issue 17, phase 2), and changing the plan while other requests run raises a
-        ValidationError.
+        bytes per token, the binding constraint and whether the targets are met.
         """
         params = sampling_params or SamplingParams()
-        hints = Hints(
-            max_latency_ms,
-            max_quality_loss,
-            quality,
-            max_kv_bytes,
-            plan,
-            *_skips(skip_layers, skip_kv_heads),
-        )
         token_lists = [self.encode(p, enable_thinking) for p in _as_batch(prompts)]
-        self.engine.validate_skips(hints.skip_layers, hints.skip_kv_heads)
-        if hints.plan is not None:
-            self.engine.validate_skips(hints.plan.skip_layers, hints.plan.skip_kv_heads)
-        if hints == Hints():  # the model as it is
-            return self._run(token_lists, params, (), ())[0]
+        per_prompt = _per_prompt(
+            len(token_lists),
+            max_latency_ms=max_latency_ms,
+            max_quality_loss=max_quality_loss,
+            quality=quality,
+            max_kv_bytes=max_kv_bytes,
+            plan=plan,
+        )
+        layers, heads = _skips(skip_layers, skip_kv_heads)
+        hints = [Hints(**fields, skip_layers=layers, skip_kv_heads=heads) for fields in per_prompt]
+        self.engine.validate_skips(layers, heads)
+        for h in hints:
+            if h.plan is not None:
+                self.engine.validate_skips(h.plan.skip_layers, h.plan.skip_kv_heads)
+        if all(h == Hints() for h in hints):  # the model's default plan
+            return self._run(token_lists, params, [None] * len(token_lists))[0]
         # Predicted at the batch's mean context halfway through, up to a power of two (so the
         # planner's memoized candidates serve many requests).
         mean_len = sum(map(len, token_lists)) / len(token_lists) + params.max_tokens / 2
         context_len = 1 << math.ceil(math.log2(max(mean_len, 1)))
-        choice = self.planner().choose(hints, len(token_lists), context_len)
-        with self.executor().running(choice.plan):
-            outputs, step_ms = self._run(
-                token_lists, params, choice.plan.skip_layers, choice.plan.skip_kv_heads
-            )
-        report = plan_report(choice, hints, step_ms)
-        for out in outputs:
+        choices = {h: self.planner().choose(h, len(token_lists), context_len) for h in set(hints)}
+        outputs, step_ms = self._run(token_lists, params, [choices[h].plan for h in hints])
+        for out, h in zip(outputs, hints):
+            report = plan_report(choices[h], h, step_ms)
             out.plan = report if out.plan is None else replace_speculative(report, out.plan)
         return outputs
 
@@ -191,19 +191,24 @@ class LLM:
         self,
         token_lists: list[list[int]],
         params: SamplingParams,
-        skip_layers: Sequence[int],
-        skip_kv_heads: Sequence[tuple[int, int]],
+        plans: list[ExecutionPlan | None],
     ) -> tuple[list[RequestOutput], list[float]]:
-        """The one generate loop: all requests or none added, stepped to the end. Returns the
-        outputs in order and the wall ms of each decode step (every prompt in the cache)."""
+        """The one generate loop: all requests or none added, each under its plan (None: the
+        default), stepped to the end. Returns the outputs in order and the wall ms of each
+        decode step (every prompt in the cache)."""
         seqs = []
         try:
-            for ids in token_lists:
-                seqs.append(
-                    self.engine.add_request(
-                        ids, params, skip_layers=skip_layers, skip_kv_heads=skip_kv_heads
-                    )
+            for ids, plan in zip(token_lists, plans):
+                skips = (
+                    {}
+                    if plan is None
+                    else {
+                        "skip_layers": plan.skip_layers,
+                        "skip_kv_heads": plan.skip_kv_heads,
+                        "plan": plan,
+                    }
                 )
+                seqs.append(self.engine.add_request(ids, params, **skips))
         except ValidationError:
             for seq in seqs:  # all or none: a bad prompt leaves no request behind
                 self.engine.abort(seq.request_id)
@@ -257,6 +262,22 @@ class LLM:
             raise ValidationError("this model has no chat template")
         special = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
         return render_chat(template, messages, special_tokens=special, **kwargs)
+
+
+def _per_prompt(num_prompts: int, **hints) -> list[dict]:
+    """Each hint's value per prompt: one value for all, or a list (tuple) of one per prompt."""
+    columns = {}
+    for name, value in hints.items():
+        if isinstance(value, (list, tuple)):
+            if len(value) != num_prompts:
+                raise ValidationError(
+                    f"{name} has {len(value)} values for {num_prompts} prompts: pass one value "
+                    "or one per prompt"
+                )
+            columns[name] = list(value)
+        else:
+            columns[name] = [value] * num_prompts
+    return [{name: column[i] for name, column in columns.items()} for i in range(num_prompts)]
 
 
 def _skips(skip_layers, skip_kv_heads) -> tuple[tuple, tuple]:

@@ -19,6 +19,7 @@ from zcode.engine.scheduler import ScheduledSeq, Scheduler
 from zcode.engine.sequence import Sequence
 from zcode.engine.structured_output import GrammarCompiler
 from zcode.errors import RankFailure, ValidationError
+from zcode.harness.plan import ExecutionPlan
 from zcode.harness.report import PlanReport
 from zcode.sampling_params import SamplingParams
 from zcode.spec.drafter import make_drafter
@@ -60,10 +61,10 @@ class LLMEngine:
         self.grammars = GrammarCompiler(tokenizer)
         self.eos_token_ids = _eos_ids(hf, tokenizer)
         self.sequences: dict[str, Sequence] = {}
-        # What computes KV differently from the model's default plan (set by the plan executor,
-        # zcode.harness.executor): salts the prefix cache of requests added while it is set, so
-        # they neither reuse other KV nor publish theirs to other requests.
-        self.kv_salt = ""
+        # zcode.harness.executor.PlanExecutor, set by LLM when the model has plans other than
+        # its default (precision variants, FFN levels): requests may then name one, and each
+        # step runs its rows grouped by plan, moving the model to each group's plan.
+        self.executor = None
         self.drafter = None
         if config.speculative is not None:
             self.drafter = make_drafter(config.speculative, self.runner, config.draft_skip_layers)
@@ -80,16 +81,19 @@ class LLMEngine:
         cache_salt: str | None = None,
         skip_layers: Iterable[int] = (),
         skip_kv_heads: Iterable[tuple[int, int]] = (),
+        plan: ExecutionPlan | None = None,
     ) -> Sequence:
         """cache_salt: this request shares prefix-cache blocks only with requests of the same
-        salt (and of the same `kv_salt`). skip_layers: decoder layers this request never runs;
+        salt (and of the same plan). skip_layers: decoder layers this request never runs;
         skip_kv_heads: (layer, KV head) pairs whose heads add nothing to this request's
         attention (the query heads of that group included); it keeps no KV for either (both
-        need `per_request_depth`)."""
+        need `per_request_depth`). plan: the precision and FFN level its forwards run under
+        (its skips are ignored: pass them as skip_layers / skip_kv_heads); None: the default."""
         self._validate(prompt_token_ids, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValidationError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         layers, heads = self.validate_skips(skip_layers, skip_kv_heads)
+        plan = self._request_plan(plan)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.matcher(params.structured_outputs)
@@ -101,8 +105,10 @@ class LLMEngine:
         skips_salt = (
             f"skip layers {sorted(layers)} heads {sorted(heads)}" if layers or heads else None
         )
-        salt = join_salts(self.kv_salt, cache_salt, skips_salt)
-        seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt, layers, heads)
+        # KV computed under another plan is neither reused by nor published to other plans.
+        plan_salt = None if plan is None else f"plan {plan.kv_signature()}"
+        salt = join_salts(plan_salt, cache_salt, skips_salt)
+        seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt, layers, heads, plan)
         seq.grammar = grammar
         seq.num_lookahead_tokens = self._num_lookahead_tokens(params)
         if seq.request_id in self.sequences:
@@ -148,6 +154,28 @@ class LLMEngine:
                 f"{self.config.num_draft_tokens}"
             )
         return params.num_draft_tokens
+
+    @property
+    def default_plan(self) -> ExecutionPlan:
+        """The plan of requests that name none (skips excluded)."""
+        return ExecutionPlan() if self.executor is None else self.executor.default.without_skips()
+
+    def _request_plan(self, plan: ExecutionPlan | None) -> ExecutionPlan | None:
+        """`plan`'s model state, checked runnable; None when it is the default's."""
+        if plan is None:
+            return None
+        if not isinstance(plan, ExecutionPlan):
+            raise ValidationError(f"plan must be an ExecutionPlan, got {type(plan).__name__}")
+        plan = plan.without_skips()
+        if plan.signature() == self.default_plan.signature():
+            return None
+        if self.executor is None:
+            raise ValidationError(
+                "this model runs only its default plan: attach precision variants or load a "
+                "sparsity artifact for others"
+            )
+        self.executor.check(plan)
+        return plan
 
     def validate_skips(
         self, skip_layers: Iterable[int], skip_kv_heads: Iterable[tuple[int, int]]
@@ -231,10 +259,27 @@ class LLMEngine:
         if not scheduled:
             return []
         self._propose_drafts(scheduled)
-        ran, failed = _isolating_failures(self.runner.execute, scheduled, lambda s: s.seq)
+        ran, failed = [], []
+        for plan, rows in self._by_plan(scheduled):
+            if self.executor is not None and plan.signature() != self.runner.plan_signature:
+                self.executor.apply(plan)  # without an executor the model runs as it is
+            rows_ran, rows_failed = _isolating_failures(self.runner.execute, rows, lambda s: s.seq)
+            ran += rows_ran
+            failed += rows_failed
         if self.expert_cache is not None:
             self.expert_cache.after_step([(s.seq, s.num_new_tokens) for s in scheduled])
         return [self._fail(s.seq) for s in failed] + self._update(ran)
+
+    def _by_plan(self, scheduled: list[ScheduledSeq]) -> list[tuple[ExecutionPlan, list]]:
+        """The step's rows grouped by the plan they run, in order of first appearance: one
+        forward per plan, so requests with different plans share a step and each runs its own
+        (the runner's current plan first, saving a move)."""
+        groups: dict[str, tuple[ExecutionPlan, list]] = {}
+        default = self.default_plan
+        for s in scheduled:
+            plan = s.seq.plan or default
+            groups.setdefault(plan.signature(), (plan, []))[1].append(s)
+        return sorted(groups.values(), key=lambda g: g[0].signature() != self.runner.plan_signature)
 
     def _propose_drafts(self, scheduled: list[ScheduledSeq]) -> None:
         """Fills `spec_token_ids` of the sequences scheduled with room for drafts. Drafting is
@@ -420,7 +465,7 @@ class LLMEngine:
     def _spec_report(self, seq: Sequence) -> PlanReport:
         """Speculation so far; mean accepted length as vLLM's: 1 + accepted per verify step."""
         drafted, accepted, steps = seq.num_draft_tokens, seq.num_accepted_tokens, seq.num_spec_steps
-        plan = self.runner.plan
+        plan = seq.plan or self.default_plan
         return PlanReport(
             plan=plan.name,
             signature=plan.signature(),

@@ -5,6 +5,7 @@ import itertools
 import time
 
 from zcode.engine.detokenizer import IncrementalDetokenizer
+from zcode.harness.plan import ExecutionPlan
 from zcode.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -26,6 +27,7 @@ class Sequence:
         cache_salt: str = "",
         skip_layers: frozenset[int] = frozenset(),
         skip_kv_heads: frozenset[tuple[int, int]] = frozenset(),
+        plan: ExecutionPlan | None = None,
     ) -> None:
         self.seq_id = next(_ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
@@ -37,6 +39,9 @@ class Sequence:
         self.cache_salt = cache_salt  # prefix-cache blocks are shared under equal salts only
         self.skip_layers = skip_layers  # decoder layers it never runs, and keeps no KV for
         self.skip_kv_heads = skip_kv_heads  # (layer, KV head) pairs it never reads or keeps
+        # The model state its forwards run under (precision, FFN level; no skips): None is the
+        # engine's default plan. The engine runs each step's rows grouped by it.
+        self.plan = plan
         self.block_hashes: list[bytes] = []  # chained content hash of each full block of tokens
         self.num_hashed_blocks = 0  # leading blocks of block_table already offered to the cache
         self.num_cached_tokens = 0  # tokens reused from the prefix cache at the latest admission

@@ -1,15 +1,10 @@
 """The executor: the one code that moves the model to a plan (precision variant modules, FFN
 level) and declares that plan to the model runner, so compiled decode keys its graphs by the
-plan's signature and re-reads the model's tensors at every change. Skipped layers and KV heads
-are per request (LLMEngine.add_request), not model state.
-
-Phase 1 of issue 17: a plan is model state, so it applies to every request running under it
-(one generate call's batch); `running` refuses to change it under running requests. Per-row
-plans in one batch are phase 2.
+plan's signature and re-reads the model's tensors at every change. The engine calls it: each
+request carries its plan (`Sequence.plan`), and a step runs its rows grouped by plan, one forward
+per group, moving the model to each group's plan first. Skipped layers and KV heads stay per row
+(LLMEngine.add_request), not model state.
 """
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
@@ -18,53 +13,43 @@ from zcode.harness.plan import ExecutionPlan
 class PlanExecutor:
     def __init__(self, engine, variants=None, sparsity=None, default: ExecutionPlan | None = None):
         """`variants`: zcode.quant.variants.PrecisionVariants; `sparsity`: a SparsityArtifact;
-        `default`: the plan the model runs as loaded (its KV is the prefix cache's unsalted
+        `default`: the plan of requests that name none (its KV is the prefix cache's unsalted
         KV)."""
         self.engine, self.variants, self.sparsity = engine, variants, sparsity
         self.default = default or engine.runner.plan
 
+    def check(self, plan: ExecutionPlan) -> None:
+        """Raises ValidationError unless this model can run `plan`'s precision and FFN level."""
+        self._precision_modules(plan.precision)
+        if "ffn_sparsity_in" in dict(plan.extras) and self.sparsity is None:
+            raise ValidationError("the plan names an FFN level: load a sparsity artifact")
+
     def apply(self, plan: ExecutionPlan) -> None:
         """Moves the model to `plan`'s precision and FFN level, then declares it to the runner
         (without its skips: those are per request)."""
-        self._set_precision(plan.precision)
+        modules = self._precision_modules(plan.precision)
+        if modules is not None:
+            from zcode.quant.variants import swap
+
+            swap(self.engine.model, modules)
         self._set_ffn_level(dict(plan.extras))
         self.engine.runner.set_plan(plan.without_skips())
 
-    @contextmanager
-    def running(self, plan: ExecutionPlan) -> Iterator[None]:
-        """`plan` applied for the requests added inside; the previous plan back on exit. KV
-        computed under a plan other than the default is salted by its kv_signature."""
-        engine = self.engine
-        previous, salt = engine.runner.plan, engine.kv_salt
-        if plan.kv_signature() != previous.kv_signature() and engine.has_unfinished():
-            raise ValidationError(
-                "a plan applies to every running request (per-row plans in one batch are not "
-                "built yet: issue 17 phase 2): finish or abort the running requests first"
-            )
-        self.apply(plan)
-        if plan.kv_signature() != self.default.kv_signature():
-            engine.kv_salt = f"plan {plan.kv_signature()}"
-        try:
-            yield
-        finally:
-            engine.kv_salt = salt
-            self.apply(previous)
-
-    def _set_precision(self, precision: tuple[tuple[str, str], ...]) -> None:
+    def _precision_modules(self, precision: tuple[tuple[str, str], ...]) -> dict | None:
+        """The variant modules of `precision` (None: the model has no variants, and the plan
+        keeps the loaded weights)."""
         if self.variants is None:
             if precision != self.default.precision:
                 raise ValidationError(
                     "the plan names precision formats this model has no variants of"
                 )
-            return
+            return None
         level = next(
             (lv for lv in self.variants.levels.values() if lv.plan.precision == precision), None
         )
         if level is None:
             raise ValidationError("the plan's precision is none of the model's precision variants")
-        from zcode.quant.variants import swap
-
-        swap(self.engine.model, level.modules)
+        return level.modules
 
     def _set_ffn_level(self, extras: dict[str, str]) -> None:
         if "ffn_sparsity_in" not in extras:

@@ -16,18 +16,14 @@ class PlanReport:
     binding: str = "none"  # "latency", "quality", "memory", "override" or "none"
     target_met: bool = True  # the predictions meet every target given
     targets: dict = field(default_factory=dict)  # the hints given: {"max_latency_ms": 20.0, ...}
-    # Server: the plans its steps ran (a step runs the least-loss FFN level of its requests).
-    plans_run: tuple[str, ...] = ()
     # Speculative decoding: drafted and accepted tokens, acceptance rate, mean accepted length.
     speculative: dict | None = None
 
     def to_dict(self) -> dict:
-        blob = asdict(self)
-        blob["plans_run"] = list(self.plans_run)
-        return blob
+        return asdict(self)
 
 
-def plan_report(choice, hints, step_ms: list[float], plans_run: tuple[str, ...] = ()) -> PlanReport:
+def plan_report(choice, hints, step_ms: list[float]) -> PlanReport:
     """The report of a planner's PlanChoice for these Hints, with the decode steps' wall ms."""
     targets = {
         "max_latency_ms": hints.max_latency_ms,
@@ -44,5 +40,4 @@ def plan_report(choice, hints, step_ms: list[float], plans_run: tuple[str, ...] 
         binding=choice.binding,
         target_met=choice.target_met,
         targets={k: v for k, v in targets.items() if v is not None},
-        plans_run=plans_run,
     )

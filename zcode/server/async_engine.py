@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
-from zcode.engine.block_manager import join_salts
 from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.request_output import RequestOutput
 from zcode.errors import RankFailure
@@ -41,9 +40,10 @@ class RequestStream:
     num_prompt_tokens: int
     loop: asyncio.AbstractEventLoop
     planned: object = None  # a harness.request_plans.Planned (planning hints), run by `plans`
-    cache_salt: str | None = None  # of the prefix cache: the client's, and the plan's
+    cache_salt: str | None = None  # the client's prefix-cache salt
     skip_layers: tuple[int, ...] = ()  # decoder layers the request never runs
     skip_kv_heads: tuple[tuple[int, int], ...] = ()  # (layer, KV head) pairs it never reads
+    plan: object = None  # the ExecutionPlan it runs (None: the engine's default)
     arrival_time: float = field(default_factory=time.monotonic)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     admitted: asyncio.Future | None = None
@@ -134,11 +134,11 @@ class AsyncEngine:
         cache_salt: str | None = None,
         skip_layers: tuple[int, ...] = (),
         skip_kv_heads: tuple[tuple[int, int], ...] = (),
+        plan=None,
     ) -> AsyncIterator[list[RequestStream]]:
         """Admits (prompt_token_ids, params, request_id) jobs together and yields their streams.
 
-        Requests share prefix-cache blocks only with requests of the same `cache_salt` and plan
-        (RequestPlans.kv_salt).
+        Requests share prefix-cache blocks only with requests of the same `cache_salt` and plan.
 
         Raises the first error `LLMEngine.add_request` raised (a ValidationError for bad input),
         after aborting the others; leaving the block early aborts every unfinished request.
@@ -147,8 +147,6 @@ class AsyncEngine:
             raise EngineError("the engine is not running")
         loop = asyncio.get_running_loop()
         streams = []
-        if planned is not None and (plan_salt := self.plans.kv_salt(planned)) is not None:
-            cache_salt = join_salts(cache_salt, plan_salt)
         for prompt_token_ids, params, request_id in jobs:
             stream = RequestStream(
                 request_id,
@@ -158,6 +156,7 @@ class AsyncEngine:
                 cache_salt,
                 skip_layers,
                 skip_kv_heads,
+                plan,
             )
             stream.admitted = loop.create_future()
             self._commands.put(("add", stream, list(prompt_token_ids), params))
@@ -228,6 +227,7 @@ class AsyncEngine:
                 stream.cache_salt,
                 skip_layers=stream.skip_layers,
                 skip_kv_heads=stream.skip_kv_heads,
+                plan=stream.plan,
             )
         except Exception as e:  # ValidationError for bad input; anything else fails this request
             stream.loop.call_soon_threadsafe(_resolve, stream.admitted, e)
@@ -250,11 +250,10 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            if self.plans is not None:
-                self.plans.before_step(list(self._streams))
+            start = time.perf_counter()
             outputs = self.engine.step()
             if self.plans is not None:
-                self.plans.after_step(outputs)
+                self.plans.after_step(outputs, 1e3 * (time.perf_counter() - start))
         except RankFailure:  # the ranks no longer agree: no request can run, the loop ends
             raise
         except Exception as e:

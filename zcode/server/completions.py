@@ -78,7 +78,7 @@ class Completions:
         stack = AsyncExitStack()
         streams = await stack.enter_async_context(
             state.engine.requests(
-                jobs, planned, req.cache_salt, **(planned.skips() if planned else req.skips())
+                jobs, planned, req.cache_salt, **(planned.engine_args() if planned else req.skips())
             )
         )
         view = _View(state, req, request_id, prompts)
