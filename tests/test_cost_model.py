@@ -110,6 +110,22 @@ def test_cache_round_trip(tmp_path):
     assert CostModel.load(tmp_path / "bad.json") is None
 
 
+def test_a_fit_on_a_busy_machine_is_recorded_and_reported(tmp_path, monkeypatch):
+    from zcode.hardware import cost_fit
+    from zcode.hardware.cost_model import format_cost
+
+    monkeypatch.setattr(cost_fit, "measure_plans", lambda plans, settings: [])
+    monkeypatch.setattr(cost_fit, "fit_coefficients", lambda features, ms: {"step": 1.0})
+    monkeypatch.setattr(cost_fit.os, "cpu_count", lambda: 2)
+    for load, busy in ((0.2, False), (3.0, True)):
+        monkeypatch.setattr(cost_fit.os, "getloadavg", lambda load=load: (load, load, load))
+        cost, _ = cost_fit.fit_smollm2("k")
+        assert cost.fit_load_per_core == load / 2 and cost.fitted_under_load is busy
+        assert ("refit on an idle machine" in format_cost(cost)) is busy
+        cost.save(tmp_path / "c.json")
+        assert CostModel.load(tmp_path / "c.json") == cost
+
+
 def test_format_cost_reports_rates_per_kind():
     from zcode.hardware.cost_model import format_cost
 

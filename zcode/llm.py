@@ -1,6 +1,7 @@
 """The offline Python API: `LLM(model).generate(prompts, SamplingParams(...))`."""
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -24,6 +25,8 @@ from zcode.harness.report import PlanReport, plan_report
 from zcode.kernels.cpp_build import build_all
 from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Messages = list[dict]
 Prompt = str | list[int] | Messages
@@ -103,6 +106,10 @@ class LLM:
             from zcode.hardware.probe import probe
 
             self.cost_model, self._cost_model_read = CostModel.cached(probe()), True
+            if self.cost_model is not None and self.cost_model.fitted_under_load:
+                from zcode.hardware.cost_model import stale_note
+
+                logger.warning(stale_note(self.cost_model))
         key = (id(self.cost_model), id(self.precision_variants), id(self.sparsity))
         if self._planner is None or self._planner[0] != key:  # its candidates are memoized
             planner = Planner(

@@ -74,7 +74,8 @@ def add_commands(commands) -> None:
     hw.add_argument(
         "--fit-cost",
         action="store_true",
-        help="fit the cost model if this machine has none cached (about a minute)",
+        help="fit the cost model if this machine has none cached (about a minute); with "
+        "--refresh, fit it again",
     )
     hw.set_defaults(run=_hw)
 
@@ -140,7 +141,10 @@ def _hw(args: argparse.Namespace) -> None:
 
     info = probe(refresh=args.refresh)
     # The fit is cached under the machine and kernels version (cost_key), not the bare fingerprint.
-    cost = CostModel.load_or_fit(info) if args.fit_cost else CostModel.cached(info)
+    if args.fit_cost:
+        cost = CostModel.load_or_fit(info, refresh=args.refresh)
+    else:
+        cost = CostModel.cached(info)
     if args.json:
         report = dataclasses.asdict(info) | {"cost_model": cost and dataclasses.asdict(cost)}
         print(json.dumps(report, indent=2))

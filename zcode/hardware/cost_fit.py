@@ -8,6 +8,7 @@ few one-step prefills (other processes only ever make a step slower, so the mini
 estimate of the idle machine's time that the model predicts).
 """
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,7 +96,9 @@ class Measurement:
 def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
     """Measures FIT_PLANS at FIT_SETTINGS on this machine and fits a CostModel to them; returns
     it with the measurements it was fitted to."""
+    load_before = load_per_core()
     measurements = measure_plans(FIT_PLANS, FIT_SETTINGS)
+    loads = [x for x in (load_before, load_per_core()) if x is not None]
     coefficients = {
         mode: fit_coefficients(
             [m.features for m in measurements if m.mode == mode],
@@ -104,9 +107,21 @@ def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
         for mode in (DECODE, PREFILL)
     }
     cost = CostModel(
-        coefficients[DECODE], coefficients[PREFILL], fingerprint, tuple(p.name for p in FIT_PLANS)
+        coefficients[DECODE],
+        coefficients[PREFILL],
+        fingerprint,
+        tuple(p.name for p in FIT_PLANS),
+        max(loads) if loads else None,
     )
     return cost, measurements
+
+
+def load_per_core() -> float | None:
+    """The 1-minute load average per logical core (None where the platform has none)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        return None
 
 
 def check_smollm2(

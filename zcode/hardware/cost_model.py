@@ -48,7 +48,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from scipy.optimize import nnls
 from torch import nn
 
-from zcode.hardware.probe import HardwareInfo, default_cache_dir, fingerprint, probe
+from zcode.hardware.probe import (
+    BUSY_LOAD_PER_CORE,
+    HardwareInfo,
+    default_cache_dir,
+    fingerprint,
+    probe,
+)
 from zcode.harness.plan import ExecutionPlan
 from zcode.quant.gguf import row_bytes
 from zcode.quant.linear import QuantizedLinear, quantize_weight
@@ -252,6 +258,13 @@ class CostModel:
     prefill: dict[str, float]  # the same for prefill steps
     fingerprint: str  # the hardware this was fitted on
     fit_plans: tuple[str, ...] = ()  # names of the plans measured for the fit
+    # The highest 1-minute load average per logical core seen while fitting (None: unknown):
+    # steps timed on a busy machine are slower than idle, and so is every prediction.
+    fit_load_per_core: float | None = None
+
+    @property
+    def fitted_under_load(self) -> bool:
+        return self.fit_load_per_core is not None and self.fit_load_per_core > BUSY_LOAD_PER_CORE
 
     @classmethod
     def load_or_fit(
@@ -270,6 +283,8 @@ class CostModel:
 
         key = cost_key(info)
         model, _ = fit_smollm2(key)
+        if model.fitted_under_load:
+            logger.warning(stale_note(model))
         model.save(cache_path(key, cache_dir))
         return model
 
@@ -342,7 +357,16 @@ def format_cost(cost: CostModel | None) -> str:
         parts.append(
             f"{kind} {rate(kind + ':MB')} + {1e3 * c.get(kind + ':calls', 0.0):.0f} us/call"
         )
-    return f"cost       decode {'; '.join(parts)} (fit on {len(cost.fit_plans)} SmolLM2 plans)"
+    line = f"cost       decode {'; '.join(parts)} (fit on {len(cost.fit_plans)} SmolLM2 plans)"
+    return line + (f"\n           {stale_note(cost)}" if cost.fitted_under_load else "")
+
+
+def stale_note(cost: CostModel) -> str:
+    """What to do about a fit measured on a busy machine."""
+    return (
+        f"the cost model was fitted at load {cost.fit_load_per_core:.2f} per core, so it "
+        "predicts slower than idle: refit on an idle machine (`zcode hw --fit-cost --refresh`)"
+    )
 
 
 def cost_key(info: HardwareInfo) -> str:
