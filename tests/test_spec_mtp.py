@@ -253,6 +253,19 @@ def test_mixed_batch_and_prefix_cache_match_plain_decoding(name, agreeable):
     print(f"{name} agreeable MTP: {totals['num_accepted_tokens']} of {totals['num_draft_tokens']}")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_the_mtp_caches_are_inside_kv_cache_bytes(name, tiny_checkpoint):
+    """The MTP layer's KV and the target's hidden states share the KV's blocks and its budget:
+    the blocks handed out, all caches counted, fit kv_cache_bytes (one padding block beside)."""
+    engine = LLM(tiny_checkpoint(name).path, **ENGINE_ARGS).engine
+    owners = engine.model.attention_layers() + engine.drafter.cache_owners()
+    per_block = sum(t[0].nbytes for m in owners for t in m.cache.values())
+    total = sum(t.nbytes for m in owners for t in m.cache.values())
+    assert total == (engine.runner.num_blocks + 1) * per_block
+    assert engine.runner.num_blocks * per_block <= ENGINE_ARGS["kv_cache_bytes"]
+    assert (engine.runner.num_blocks + 1) * per_block > ENGINE_ARGS["kv_cache_bytes"]
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 
 

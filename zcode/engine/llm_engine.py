@@ -38,6 +38,12 @@ class LLMEngine:
         dtype = model.model.norm.weight.dtype
         # Before the runner: MoE layers count routed experts in the graphs it compiles.
         self.expert_cache = build_expert_cache(model, config)
+        self.drafter = None
+        if config.speculative == "mtp":  # its caches share the KV's blocks and its budget
+            from zcode.spec.mtp import MtpDrafter
+
+            self.drafter = MtpDrafter(model)
+            layers = layers + self.drafter.cache_owners()
         num_blocks = KVCache.num_blocks_for(config.kv_cache_bytes, layers, config.block_size, dtype)
         self.runner = ModelRunner(
             model,
@@ -65,8 +71,9 @@ class LLMEngine:
         # its default (precision variants, FFN levels): requests may then name one, and each
         # step runs its rows grouped by plan, moving the model to each group's plan.
         self.executor = None
-        self.drafter = None
-        if config.speculative is not None:
+        if self.drafter is not None:
+            self.drafter.attach(self.runner)
+        elif config.speculative is not None:
             self.drafter = make_drafter(config.speculative, self.runner, config.draft_skip_layers)
         # vLLM's spec-decode counters, running totals: steps that verified drafts, drafted
         # tokens, accepted tokens, and accepted tokens by draft position.

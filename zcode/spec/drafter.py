@@ -19,7 +19,9 @@ class Drafter(ABC):
 
 
 def make_drafter(name: str, runner, draft_skip_layers: tuple[int, ...] | None) -> Drafter:
-    """`runner`: the engine's ModelRunner (a self-draft runs its model on its KV cache)."""
+    """`runner`: the engine's ModelRunner (a self-draft runs its model on its KV cache). The
+    MTP drafter is made by the engine itself, before the runner: its caches count in the KV
+    budget (zcode.spec.mtp.MtpDrafter)."""
     if name == "ngram":
         from zcode.spec.ngram import NgramDrafter
 
@@ -28,8 +30,4 @@ def make_drafter(name: str, runner, draft_skip_layers: tuple[int, ...] | None) -
         from zcode.spec.self_draft import SkipLayersDrafter
 
         return SkipLayersDrafter(runner, draft_skip_layers)
-    if name == "mtp":
-        from zcode.spec.mtp import MtpDrafter
-
-        return MtpDrafter(runner)
     raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {name!r}")

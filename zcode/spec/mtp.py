@@ -54,8 +54,16 @@ class HiddenStates(nn.Module):
 
 
 class MtpDrafter(Drafter):
-    def __init__(self, runner) -> None:
-        """runner: the engine's ModelRunner, whose block tables and slots the MTP caches share."""
+    def __init__(self, model: nn.Module) -> None:
+        """Builds the checkpoint's MTP layer; its caches are made by `attach`, once the engine
+        has sized the KV cache with them (`cache_owners`) inside kv_cache_bytes."""
+        self.mtp: MtpLayer = build_mtp_layer(model)
+        self.hidden = HiddenStates(model.config.hidden_size)
+        self.rotary = model.model.rotary_emb
+
+    def attach(self, runner) -> None:
+        """runner: the engine's ModelRunner, whose block tables and slots the MTP caches share
+        (as many blocks as the target's KV, its padding block too)."""
         if runner.pages is not None:
             raise NotImplementedError(
                 "speculative='mtp' with per_request_depth: the MTP caches are not paged per head"
@@ -65,13 +73,8 @@ class MtpDrafter(Drafter):
                 "speculative='mtp' with compile: compiled decode graphs do not run the MTP "
                 "layer's KV update yet"
             )
-        model = runner.model
-        self.mtp: MtpLayer = build_mtp_layer(model)
-        self.hidden = HiddenStates(model.config.hidden_size)
-        self.rotary = model.model.rotary_emb
         self.block_size = runner.block_size
-        dtype = model.model.norm.weight.dtype
-        # As many blocks as the target's KV (its padding block too), beside kv_cache_bytes.
+        dtype = runner.model.model.norm.weight.dtype
         KVCache(self.cache_owners(), runner.kv_cache.num_blocks, runner.block_size, dtype)
         runner.hidden_observer = self.observe
 
