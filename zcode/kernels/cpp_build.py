@@ -24,6 +24,7 @@ the only zcode build of that extension, so a torch `lock` file it finds is stale
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,15 +34,27 @@ logger = logging.getLogger(__name__)
 
 def build_ops(name: str, source: Path, what: str, extra_cflags: tuple[str, ...] = ()) -> bool:
     """True when `source` built and loaded (its ops are then in torch.ops); False, with a
-    warning naming `what` falls back, where the compiler or the ISA is missing."""
+    warning naming `what` falls back, where the compiler or the ISA is missing.
+
+    The build is filed under `name` and a digest of the source and flags, and compiles a copy
+    of the source kept in its build directory: ninja rebuilds whenever a source's path changes,
+    so two checkouts (a test clone beside a working tree) building from their own paths would
+    rebuild each other's kernels at every start, while changed sources never share a build."""
     from torch.utils.cpp_extension import load
 
+    cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
+    code = source.read_bytes()
+    digest = hashlib.sha256(code + "\0".join(cflags).encode()).hexdigest()[:12]
+    name = f"{name}_{digest}"
     try:
-        with build_lock(name):
+        with build_lock(name) as build_dir:
+            copy = build_dir / source.name
+            if not copy.exists() or copy.read_bytes() != code:
+                copy.write_bytes(code)
             load(
                 name=name,
-                sources=[str(source)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                sources=[str(copy)],
+                extra_cflags=cflags,
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
             )
@@ -52,8 +65,9 @@ def build_ops(name: str, source: Path, what: str, extra_cflags: tuple[str, ...] 
 
 
 @contextlib.contextmanager
-def build_lock(name: str) -> Iterator[None]:
-    """Held while extension `name` builds or loads; clears a dead build's torch lock file."""
+def build_lock(name: str) -> Iterator[Path]:
+    """Held while extension `name` builds or loads (yields its build directory); clears a dead
+    build's torch lock file."""
     from torch.utils.cpp_extension import _get_build_directory  # the dir torch builds `name` in
 
     build_dir = Path(_get_build_directory(name, verbose=False))
@@ -63,7 +77,7 @@ def build_lock(name: str) -> Iterator[None]:
         if stale.exists():
             logger.warning("removing %s, left by a build that was killed", stale)
             stale.unlink(missing_ok=True)
-        yield
+        yield build_dir
 
 
 def build_all() -> dict[str, bool]:

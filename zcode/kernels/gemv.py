@@ -36,7 +36,7 @@ MAX_ROWS = GEMV_MAX_ROWS
 def available() -> bool:
     """True when the kernels build and load here (built on first call); then torch.ops.zcode
     has them."""
-    if not build_ops("zcode_gemv_v1", SOURCE, "using torch's"):
+    if not build_ops("zcode_gemv", SOURCE, "using torch's"):
         return False
     _register_fakes()
     return True

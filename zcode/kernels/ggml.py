@@ -37,7 +37,7 @@ def available() -> bool:
     has them."""
     # -ffp-contract=off: dequantize rounds each product and sum as the gguf package does.
     if not build_ops(
-        "zcode_ggml_v1", SOURCE, "using the gguf package's", extra_cflags=("-ffp-contract=off",)
+        "zcode_ggml", SOURCE, "using the gguf package's", extra_cflags=("-ffp-contract=off",)
     ):
         return False
     _register_fakes()

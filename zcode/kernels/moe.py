@@ -192,7 +192,7 @@ def fused_available() -> bool:
 
 @functools.cache
 def _load() -> bool:
-    if not build_ops("zcode_moe_v8", SOURCE, "using the expert loop"):
+    if not build_ops("zcode_moe", SOURCE, "using the expert loop"):
         return False
 
     # Output shape for tracing (torch.compile): the kernel itself never runs on fakes.
