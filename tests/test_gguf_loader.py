@@ -32,10 +32,12 @@ from test_parity import LOGIT_TOL, PREFILL_LEN, TIE_GAP, oracle_logits, prompt_i
 from torch import nn
 
 from scripts import make_gguf
+from zcode.llm import LLM
 from zcode.loader import CheckpointError, load_model
 from zcode.models.mtp import build_mtp_layer
 from zcode.quant.gguf import GgufEmbedding, GgufWeight
 from zcode.quant.linear import QuantizedLinear
+from zcode.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 GLM_NAMES = ["glm4", "glm4_moe", "glm_moe_dsa"]
@@ -343,9 +345,10 @@ def test_glm_tokenizer_matches_the_checkpoint(gguf_files):
 
 
 @pytest.mark.slow  # one more converter run, ~2 min on a loaded 2-core machine
-def test_nextn_layer_goes_to_mtp_weights(gguf_files, tmp_path):
+def test_the_files_nextn_layer_drafts_for_speculative_mtp(gguf_files, tmp_path):
     """A GLM-4.5-style checkpoint with its NextN layer (model.layers.N, N = num_hidden_layers):
-    the converter writes blk.N.*, which the loader keeps in net.mtp_weights by GGUF name."""
+    the converter writes blk.N.*, which the loader reads under HF names as it reads the decoder
+    layers, and the MTP drafter runs."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -371,16 +374,34 @@ def test_nextn_layer_goes_to_mtp_weights(gguf_files, tmp_path):
     net, _ = _load(path)
     assert net.config.num_hidden_layers == num_layers
     assert net.config.num_nextn_predict_layers == 1
-    assert net.mtp_weights and all(n.startswith("blk.3.") for n in net.mtp_weights)
-    eh_proj = net.mtp_weights["blk.3.nextn.eh_proj.weight"]
+    # HF names, as from safetensors: the drafter builds the layer from them
+    assert set(net.mtp_weights) == {n for n in tensors if n.startswith(mtp)}
+    eh_proj = net.mtp_weights[mtp + "eh_proj.weight"]
     assert isinstance(eh_proj, GgufWeight) and eh_proj.type_name == "F16"
     torch.testing.assert_close(
         eh_proj.dequantize(), tensors[mtp + "eh_proj.weight"].half().float(), rtol=0, atol=0
     )
-    gate_exps = net.mtp_weights["blk.3.ffn_gate_exps.weight"]  # [E * N, row_bytes]
-    assert gate_exps.out_features == 8 * 32
-    with pytest.raises(NotImplementedError, match=r"blk\.N\.nextn"):
-        build_mtp_layer(net)  # speculative='mtp' from a GGUF file: not mapped yet
+    gate = net.mtp_weights[mtp + "mlp.experts.5.gate_proj.weight"]  # a view of one expert
+    torch.testing.assert_close(
+        gate.dequantize(), tensors[mtp + "mlp.experts.5.gate_proj.weight"].half().float()
+    )
+    layer = build_mtp_layer(net)
+    assert isinstance(layer.eh_proj, QuantizedLinear) and layer.eh_proj.packed is eh_proj
+    # Speculation with the file's own MTP layer: plain decoding's tokens, drafts made and
+    # verified; the layer dequantized to fp32 at load drafts the same tokens.
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    ids = prompt_ids()[:12]
+    plain = LLM(path, kv_cache_bytes=1 << 20).generate(ids, params)[0]
+    counts = []
+    for dtype in ("auto", "float32"):
+        spec = LLM(path, dtype=dtype, kv_cache_bytes=1 << 20, speculative="mtp")
+        out = spec.generate(ids, params)[0]
+        if dtype == "auto":
+            assert out.token_ids == plain.token_ids
+        drafted = out.plan.speculative
+        assert drafted["num_draft_tokens"] > 0
+        counts.append((drafted["num_draft_tokens"], drafted["num_accepted_tokens"]))
+    assert counts[0] == counts[1]
     ids = prompt_ids()
     torch.testing.assert_close(
         PagedRunner(net).prefill_then_decode("seq", ids, PREFILL_LEN),

@@ -15,8 +15,8 @@ tensors, dequantized to fp32:
 - llama's q/k rows, which llama.cpp's converter permutes for its interleaved RoPE: their rows are
   put back in HF order, a copy of the quantized bytes (not fp32).
 
-Layers past num_hidden_layers (NextN / MTP) go to `net.mtp_weights` under their GGUF names: a
-GgufWeight for a weight ([E * N, row_bytes] for stacked experts), fp32 for a 1-D tensor.
+The NextN (MTP) layer past num_hidden_layers goes to `net.mtp_weights` under HF names, read as
+the decoder layers are (a GgufWeight per linear weight and expert, fp32 small tensors).
 """
 
 import re
@@ -55,11 +55,11 @@ class _GgufFiller:
         self.model_type = self.config.model_type
         arch_name = next(a for a, t in MODEL_TYPES.items() if t == self.model_type)
         arch = next(a for a, name in MODEL_ARCH_NAMES.items() if name == arch_name)
-        self.name_map = get_tensor_name_map(arch, self.config.num_hidden_layers)
+        num_nextn = getattr(self.config, "num_nextn_predict_layers", 0) or 0
+        self.name_map = get_tensor_name_map(arch, self.config.num_hidden_layers + num_nextn)
         self.tensors = {t.name: t for t in contents.tensors}
         # uint8 [file bytes]: a view of the memory map (copy-on-write, so torch may wrap it)
         self.file = torch.from_numpy(contents.data)
-        self.used: set[str] = set()
 
     def fill(self) -> None:
         net = self.net
@@ -75,7 +75,7 @@ class _GgufFiller:
         for name, tensor in list(net.named_parameters()) + list(net.named_buffers()):
             if tensor.is_meta and name in persistent:
                 self._set_tensor(name, self._small(name))
-        self._keep_mtp()
+        self._fill_mtp()
         for module in net.modules():
             if any(b.is_meta for b in module.buffers(recurse=False)) and hasattr(
                 module, "reset_buffers"
@@ -100,7 +100,6 @@ class _GgufFiller:
             raise CheckpointError(
                 f"{self.path}: no tensor {gguf_name!r} for the model's {hf_name!r}"
             )
-        self.used.add(gguf_name)
         return tensor
 
     # -- tensors
@@ -207,18 +206,37 @@ class _GgufFiller:
         parent, _, child = name.rpartition(".")
         setattr(self.net.get_submodule(parent), child, new)
 
-    def _keep_mtp(self) -> None:
+    def _fill_mtp(self) -> None:
+        """The NextN (MTP) layer, blk.N.* with N = num_hidden_layers, into `net.mtp_weights`
+        under HF names, read as the model's own layers are: a GgufWeight view per linear weight
+        (per expert for stacked experts), fp32 for small tensors and DSA's kv_b. The drafter
+        builds the layer from them (zcode.models.mtp.build_mtp_layer)."""
         num_layers = self.config.num_hidden_layers
-        for name, tensor in self.tensors.items():
-            layer = _LAYER.match(name)
-            if name in self.used or layer is None or int(layer.group(1)) < num_layers:
-                continue
-            if len(tensor.shape) == 1:
-                self.net.mtp_weights[name] = self._float(name, name)
-            else:
-                data = self._bytes(tensor)
-                data = data.reshape(-1, data.shape[-1])
-                self.net.mtp_weights[name] = GgufWeight(data, tensor.ggml_type, tensor.shape[-1])
+        if not hasattr(self.net, "mtp_block") or not any(
+            (m := _LAYER.match(name)) and int(m.group(1)) >= num_layers for name in self.tensors
+        ):
+            return
+        from zcode.models.mtp import MtpLayer
+
+        with torch.device("meta"):
+            layer = MtpLayer(self.config, self.net.mtp_block(), nn.Identity(), nn.Identity())
+        prefix, weights = f"model.layers.{num_layers}.", self.net.mtp_weights
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear):
+                hf_name = prefix + name.removeprefix("mtp_block.")
+                new = self._linear(hf_name, module)
+                packed = isinstance(new, QuantizedLinear)
+                weights[f"{hf_name}.weight"] = new.packed if packed else new.weight.data
+                if new.bias is not None:
+                    weights[f"{hf_name}.bias"] = new.bias.data
+        for name in layer.state_dict():
+            hf_name = prefix + name.removeprefix("mtp_block.")
+            if hf_name not in weights:
+                weights[hf_name] = self._small(hf_name)
+        for own in ("embed_tokens", "shared_head.head"):  # else the model's own are shared
+            gguf_name = self.name_map.get_name(prefix + own)
+            if f"{gguf_name}.weight" in self.tensors:
+                weights[f"{prefix}{own}.weight"] = self._packed(f"{gguf_name}.weight")
 
 
 def _unpermute(data: torch.Tensor, num_heads: int) -> torch.Tensor:

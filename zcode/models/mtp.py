@@ -17,6 +17,8 @@ from zcode.errors import CheckpointError, ValidationError
 from zcode.forward_batch import ForwardBatch
 from zcode.layers.linear import Linear
 from zcode.layers.norm import RMSNorm
+from zcode.quant.gguf import GgufEmbedding, GgufWeight, format_name
+from zcode.quant.linear import QuantizedLinear
 
 
 class SharedHead(nn.Module):
@@ -74,11 +76,6 @@ def build_mtp_layer(model: nn.Module) -> MtpLayer:
         )
     prefix = f"model.layers.{c.num_hidden_layers}."
     others = sorted(name for name in model.mtp_weights if not name.startswith(prefix))
-    if any(name.startswith("blk.") for name in others):
-        raise NotImplementedError(
-            "speculative='mtp' from a GGUF file: its NextN tensors (blk.N.nextn.*, quantized "
-            "ggml blocks) are not mapped onto the MTP layer yet; use the HF checkpoint"
-        )
     if others:
         raise NotImplementedError(
             f"speculative='mtp' with more than one MTP layer ({others[0]} ...): only the first "
@@ -87,30 +84,36 @@ def build_mtp_layer(model: nn.Module) -> MtpLayer:
     weights = {name.removeprefix(prefix): t for name, t in model.mtp_weights.items()}
     with torch.device("meta"):
         layer = MtpLayer(c, model.mtp_block(), nn.Identity(), nn.Identity())
-    layer.to_empty(device="cpu")
     layer.embed_tokens = _own_embedding(weights) or model.model.embed_tokens
     layer.shared_head.head = _own_head(weights) or model.lm_head
     _load(layer, weights)
     return layer.eval()
 
 
-def _own_embedding(weights: dict[str, torch.Tensor]) -> nn.Module | None:
+def _own_embedding(weights: dict) -> nn.Module | None:
     weight = weights.pop("embed_tokens.weight", None)
-    return None if weight is None else nn.Embedding.from_pretrained(weight, freeze=True)
+    if weight is None:
+        return None
+    if isinstance(weight, GgufWeight):
+        return GgufEmbedding(weight)
+    return nn.Embedding.from_pretrained(weight, freeze=True)
 
 
-def _own_head(weights: dict[str, torch.Tensor]) -> nn.Module | None:
+def _own_head(weights: dict) -> nn.Module | None:
     weight = weights.pop("shared_head.head.weight", None)
     if weight is None:
         return None
+    if isinstance(weight, GgufWeight):
+        return QuantizedLinear(weight, None, format_name(weight.ggml_type))
     head = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     head.weight = nn.Parameter(weight, requires_grad=False)
     return head
 
 
-def _load(layer: MtpLayer, weights: dict[str, torch.Tensor]) -> None:
-    """Every parameter and persistent buffer of `layer` but the shared embedding and head from
-    `weights` (checkpoint names relative to the MTP layer)."""
+def _load(layer: MtpLayer, weights: dict) -> None:
+    """Every parameter and persistent buffer of `layer` (built on meta) but the shared embedding
+    and head from `weights` (checkpoint names relative to the MTP layer): tensors in the
+    loader's dtypes, or a GGUF file's GgufWeight, whose Linear becomes a QuantizedLinear."""
     targets = {
         name: tensor
         for name, tensor in layer.state_dict(keep_vars=True).items()
@@ -126,9 +129,37 @@ def _load(layer: MtpLayer, weights: dict[str, torch.Tensor]) -> None:
         )
     for checkpoint_name, name in by_checkpoint_name.items():
         target, value = targets[name], weights[checkpoint_name]
-        if value.shape != target.shape:
+        if isinstance(value, GgufWeight):
+            module_name = name.removesuffix(".weight")
+            value_shape = (value.out_features, value.in_features)
+            if value_shape != tuple(target.shape):
+                raise CheckpointError(
+                    f"MTP tensor {checkpoint_name!r} is {list(value_shape)}, the layer expects "
+                    f"{list(target.shape)}"
+                )
+            # its bias, if any, follows as a tensor into the new module's parameters
+            quantized = QuantizedLinear(value, None, format_name(value.ggml_type))
+            _set_module(layer, module_name, quantized)
+            continue
+        if tuple(value.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"MTP tensor {checkpoint_name!r} has shape {tuple(value.shape)}, the layer "
                 f"expects {tuple(target.shape)}"
             )
-        target.data = value.contiguous()  # the loader's dtypes (fp32 where it keeps fp32)
+        module_name, _, attr = name.rpartition(".")
+        module = layer.get_submodule(module_name)
+        if attr in module._parameters:
+            module._parameters[attr] = nn.Parameter(value.contiguous(), requires_grad=False)
+        else:
+            module._buffers[attr] = value.contiguous()
+    for module in layer.modules():  # non-persistent buffers (none are in a checkpoint)
+        if any(b.is_meta for b in module.buffers(recurse=False)) and hasattr(
+            module, "reset_buffers"
+        ):
+            module.to_empty(device="cpu")
+            module.reset_buffers()
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
