@@ -51,6 +51,7 @@ class LLM:
         tensor_parallel_size: int | None = None,
         expert_parallel: bool = False,
         pipeline_parallel_size: int | None = None,
+        router: str | Path | None = None,
         **engine_args,
     ) -> None:
         """`sparsity`: a calibration artifact (`zcode calibrate`) whose default plan is applied
@@ -59,7 +60,10 @@ class LLM:
         ranks other than 0 this constructor follows rank 0's steps and exits the process when
         rank 0 ends (zcode.distributed). `expert_parallel`: those processes hold whole MoE
         experts, a range each, instead of a slice of every expert. `pipeline_parallel_size`:
-        torchrun processes that each run a range of the layers instead (same behaviour)."""
+        torchrun processes that each run a range of the layers instead (same behaviour).
+        `router`: a routing predictor (`zcode route`, zcode.harness.router; needs
+        `per_request_depth=True`): the planner then also searches its skipped-layer sets, each
+        request's at the loss the router predicts from its prompt."""
         if (tensor_parallel_size, expert_parallel, pipeline_parallel_size) != (None, False, None):
             engine_args["parallel"] = ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size or 1,
@@ -95,6 +99,13 @@ class LLM:
         self.cost_model = None
         self._cost_model_read = False
         self._planner: tuple[tuple, Planner] | None = None
+        self.router = None
+        if router is not None:
+            from zcode.harness.router import Router
+
+            if not self.config.per_request_depth:
+                raise ValidationError("a router routes skipped layers: pass per_request_depth=True")
+            self.router = Router.load(router)
         if self.sparsity is not None:
             self.declare_default_plan()
 
@@ -110,7 +121,7 @@ class LLM:
                 from zcode.hardware.cost_model import stale_note
 
                 logger.warning(stale_note(self.cost_model))
-        key = (id(self.cost_model), id(self.precision_variants), id(self.sparsity))
+        key = (id(self.cost_model), id(self.precision_variants), id(self.sparsity), id(self.router))
         if self._planner is None or self._planner[0] != key:  # its candidates are memoized
             planner = Planner(
                 self.model,
@@ -118,6 +129,7 @@ class LLM:
                 self.precision_variants,
                 self.sparsity,
                 kv_paged=self.engine.runner.pages is not None,
+                router=self.router,
             )
             self._planner = (key, planner)
         return self._planner[1]
@@ -187,10 +199,16 @@ class LLM:
         # planner's memoized candidates serve many requests).
         mean_len = sum(map(len, token_lists)) / len(token_lists) + params.max_tokens / 2
         context_len = 1 << math.ceil(math.log2(max(mean_len, 1)))
-        choices = {h: self.planner().choose(h, len(token_lists), context_len) for h in set(hints)}
-        outputs, step_ms = self._run(token_lists, params, [choices[h].plan for h in hints])
-        for out, h in zip(outputs, hints):
-            report = plan_report(choices[h], h, step_ms)
+        planner, choices = self.planner(), []
+        for ids, h in zip(token_lists, hints):
+            routed = None
+            explicit = h.plan is not None or h.skip_layers or h.skip_kv_heads
+            if self.router is not None and not explicit:
+                routed = self.router.predict(self.model.model.embed_tokens, ids)
+            choices.append(planner.choose(h, len(token_lists), context_len, routed))
+        outputs, step_ms = self._run(token_lists, params, [c.plan for c in choices])
+        for out, h, choice in zip(outputs, hints, choices):
+            report = plan_report(choice, h, step_ms)
             out.plan = report if out.plan is None else replace_speculative(report, out.plan)
         return outputs
 

@@ -10,8 +10,10 @@ Dimensions searched jointly (their product), each where its calibration data exi
 - KV heads: the artifact's least important KV groups skipped per request (needs an engine with
   `per_request_depth`): the k least important for k in HEAD_COUNTS.
 
-Skipped layers are not searched: the artifact's layer scores are block influence, not a quality
-loss; an explicit `skip_layers` runs as given, with an unknown predicted loss.
+- skipped layers: the router's sets (zcode.harness.router, needs `per_request_depth`), each at
+  its calibration mean loss, or at the router's prediction for this input when the LLM routes
+  (`routed`); the sparsity artifact's layer scores are block influence, not a quality loss, and
+  an explicit `skip_layers` runs as given, with an unknown predicted loss.
 
 Quality model (an assumption, to be checked on held-out text: bench/bench_plan.py prints the
 Spearman correlation of predicted and measured increases over combined plans): each dimension's
@@ -209,8 +211,9 @@ class Planner:
         variants=None,  # zcode.quant.variants.PrecisionVariants
         sparsity=None,  # zcode.sparsity.artifact.SparsityArtifact
         kv_paged: bool = False,  # the engine keeps KV per head (per_request_depth)
+        router=None,  # zcode.harness.router.Router: skipped-layer depths, routed by input
     ) -> None:
-        self.model, self.cost, self.kv_paged = model, cost, kv_paged
+        self.model, self.cost, self.kv_paged, self.router = model, cost, kv_paged, router
         self.kv_bytes_per_head = kv_bytes_per_head(model)
         self.precisions = precision_options(variants)
         self.ffn_levels = ffn_options(sparsity, any(p.touches_ffn for p in self.precisions))
@@ -218,6 +221,7 @@ class Planner:
         self.depths = [Option("", 0.0)]
         if kv_paged:
             self.depths += head_options(sparsity, self.head_log_loss)
+            self.depths += layer_options(router)
         self.default_ffn = self.ffn_levels[0]
         if sparsity is not None:
             from zcode.sparsity.apply import DEFAULT_MAX_PPL_RATIO
@@ -294,7 +298,15 @@ class Planner:
             if i not in depth.skip_layers
         )
 
-    def choose(self, hints: Hints, batch_size: int = 1, context_len: int = 512) -> PlanChoice:
+    def choose(
+        self,
+        hints: Hints,
+        batch_size: int = 1,
+        context_len: int = 512,
+        routed: list[float] | None = None,
+    ) -> PlanChoice:
+        """`routed`: the router's predicted log-loss of this input under each of its depths,
+        in place of their calibration means."""
         if hints.max_latency_ms is not None and self.cost is None:
             raise ValidationError(
                 "max_latency_ms predicts with this machine's fitted cost model: fit it once with "
@@ -306,6 +318,8 @@ class Planner:
         if hints.skip_layers or hints.skip_kv_heads:
             depth = self.explicit_depth(hints.skip_layers, hints.skip_kv_heads)
         candidates = self.candidates(depth, batch_size, context_len)
+        if routed is not None and depth is None:
+            candidates = self._routed(candidates, routed)
         if not hints.limits():
             default = self.default_plan()
             if depth is not None:
@@ -313,6 +327,26 @@ class Planner:
             found = next(c for c in candidates if c.plan.signature() == default.signature())
             return _choice(found, "none", True)
         return search(candidates, hints)
+
+    def _routed(self, candidates: list[Candidate], routed: list[float]) -> list[Candidate]:
+        """The candidates with the routed depths' losses for this input: each skipped-layer
+        set's calibration mean replaced by the router's prediction (log-losses add)."""
+        shift = {
+            depth: predicted - mean
+            for depth, mean, predicted in zip(
+                self.router.depths, self.router.mean_log_loss, routed, strict=True
+            )
+        }
+        out = []
+        for c in candidates:
+            routes = c.plan.skip_layers and not c.plan.skip_kv_heads
+            delta = shift.get(c.plan.skip_layers) if routes else None
+            if delta is None or c.quality_loss_pct is None:
+                out.append(c)
+                continue
+            log_loss = max(0.0, math.log1p(c.quality_loss_pct / 100) + delta)
+            out.append(replace(c, quality_loss_pct=100 * math.expm1(log_loss)))
+        return out
 
     def explicit_depth(self, skip_layers, skip_kv_heads) -> Option:
         """A depth option for skips the caller names; its loss is known only for KV heads the
@@ -433,6 +467,18 @@ def head_options(sparsity, log_losses: dict[tuple[int, int], float]) -> list[Opt
             Option(_heads_label(heads), sum(log_losses[p] for p in heads), skip_kv_heads=heads)
         )
     return options
+
+
+def layer_options(router) -> list[Option]:
+    """The router's skipped-layer sets, at their calibration mean loss (the router's prediction
+    for a given input replaces it: Planner.choose's `routed`)."""
+    if router is None:
+        return []
+    return [
+        Option(f"skip {len(depth)} layers", log_loss, skip_layers=depth)
+        for depth, log_loss in zip(router.depths, router.mean_log_loss)
+        if depth
+    ]
 
 
 def kv_bytes_per_head(model: nn.Module) -> list[tuple[int, int]]:

@@ -1,0 +1,164 @@
+"""Input routing against the best static plan, on SmolLM2-135M in fp32 (issue 17, item 5).
+
+    .venv/bin/python bench/bench_router.py [--quick] [--window 128] [--num-cal 48] [--num-held 32]
+
+The router (zcode.harness.router) is fitted on calibration windows of stdlib source and judged on
+held-out windows (other files): for each depth (the k least important layers skipped), each
+held-out window's measured log-perplexity increase, and each depth's measured batch-1 decode
+ms/token (min and median of --repeats runs, depths round-robin). Then, over held-out windows:
+
+- static: every window at depth k: mean ms/token and mean perplexity increase;
+- routed: each window at the depth minimizing its predicted loss + lambda * ms, lambda swept;
+  at the static plan's mean ms (routed mean ms <= static), the routed mean perplexity increase;
+- oracle: the same with each window's measured loss in place of the prediction (the bound).
+
+Writes bench/results/router.json.
+"""
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from table_format import print_rows  # noqa: E402
+
+from zcode import LLM  # noqa: E402
+from zcode.calibration import corpus_tokens  # noqa: E402
+from zcode.harness.plan import ExecutionPlan  # noqa: E402
+from zcode.harness.router import features, fit, layer_order, window_log_losses  # noqa: E402
+from zcode.sampling_params import SamplingParams  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+SKIP_COUNTS = (0, 1, 2, 3, 4, 6, 8)
+
+
+def windows(ids: list[int], width: int) -> list[list[int]]:
+    return [ids[i : i + width] for i in range(0, len(ids) - width + 1, width)]
+
+
+def decode_ms(llm: LLM, depths, prompt: list[int], num_tokens: int, repeats: int) -> list[list]:
+    """Per depth, `repeats` measurements of batch-1 decode ms/token (depths round-robin)."""
+    params = SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+    runs = [[] for _ in depths]
+    for _ in range(repeats):
+        for i, depth in enumerate(depths):
+            plan = ExecutionPlan(skip_layers=depth)
+            (out,) = llm.generate(prompt, params, plan=plan)
+            runs[i].append(out.plan.measured_ms_per_token)
+    return runs
+
+
+def policy(loss_for_choice: torch.Tensor, measured: torch.Tensor, ms: torch.Tensor, lam: float):
+    """Each window at the depth minimizing loss_for_choice + lam * ms: (mean ms, mean measured
+    log-loss)."""
+    choice = (loss_for_choice + lam * ms).argmin(1)
+    rows = torch.arange(len(choice))
+    return ms[choice].mean().item(), measured[rows, choice].mean().item()
+
+
+def frontier(loss_for_choice, measured, ms) -> list[tuple[float, float]]:
+    lams = [0.0] + [10**e for e in torch.linspace(-5, 1, 61).tolist()]
+    return sorted({policy(loss_for_choice, measured, ms, lam) for lam in lams})
+
+
+def at_or_below(points: list[tuple[float, float]], ms_limit: float) -> float | None:
+    """The least mean loss of a frontier point at most `ms_limit` mean ms."""
+    losses = [loss for ms, loss in points if ms <= ms_limit + 1e-9]
+    return min(losses) if losses else None
+
+
+def pct(log_loss: float | None) -> float | None:
+    return None if log_loss is None else 100 * math.expm1(log_loss)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--num-cal", type=int, default=48)
+    parser.add_argument("--num-held", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.quick:
+        args.num_cal, args.num_held, args.repeats = 16, 12, 1
+    start = time.time()
+    llm = LLM(None, dtype="float32", per_request_depth=True, kv_cache_bytes=512 << 20)
+    cal = windows(
+        corpus_tokens(llm.tokenizer, "calibration", args.num_cal * args.window), args.window
+    )
+    held = windows(
+        corpus_tokens(llm.tokenizer, "heldout", args.num_held * args.window), args.window
+    )
+    order = layer_order(llm, cal[:8])
+    depths = [tuple(sorted(order[:k])) for k in SKIP_COUNTS]
+    print(f"layers, least important first: {order[:8]} ({time.time() - start:.0f} s)", flush=True)
+    cal_losses = window_log_losses(llm, cal, depths)  # [N, K]
+    held_losses = window_log_losses(llm, held, depths)
+    print(f"losses measured ({time.time() - start:.0f} s)", flush=True)
+    embed = llm.model.model.embed_tokens
+    router = fit(features(embed, cal), cal_losses, depths)
+    predicted = torch.stack([torch.tensor(router.predict(embed, w)) for w in held])  # [N, K]
+    runs = decode_ms(llm, depths, held[0][:32], 32, args.repeats)
+    ms = torch.tensor([min(r) for r in runs])
+    num_params = sum(p.numel() for p in llm.model.parameters())
+
+    routed = frontier(predicted, held_losses, ms.expand_as(held_losses))
+    oracle = frontier(held_losses, held_losses, ms.expand_as(held_losses))
+    rows, record = [], []
+    for k, depth in enumerate(depths):
+        static_loss = held_losses[:, k].mean().item()
+        entry = {
+            "skipped_layers": len(depth),
+            "ms_min": ms[k].item(),
+            "ms_median": statistics.median(runs[k]),
+            "static_loss_pct": pct(static_loss),
+            "routed_loss_pct": pct(at_or_below(routed, ms[k].item())),
+            "oracle_loss_pct": pct(at_or_below(oracle, ms[k].item())),
+            "predicted_mean_pct": pct(predicted[:, k].mean().item()),
+        }
+        record.append(entry)
+        rows.append(
+            [
+                str(len(depth)),
+                f"{entry['ms_min']:.1f} / {entry['ms_median']:.1f}",
+                f"{entry['static_loss_pct']:.2f}",
+                _fmt(entry["routed_loss_pct"]),
+                _fmt(entry["oracle_loss_pct"]),
+            ]
+        )
+    print_rows(["skipped", "ms/token min / median", "static ppl +%", "routed", "oracle"], rows)
+    error = (predicted - held_losses).abs().mean().item()
+    spread = held_losses.std(0).mean().item()
+    print(
+        f"router: {router.num_parameters} parameters "
+        f"({100 * router.num_parameters / num_params:.4f}% "
+        f"of the model); held-out mean |predicted - measured| {error:.4f} nats/token, "
+        f"per-depth spread across windows {spread:.4f}"
+    )
+    RESULTS.mkdir(exist_ok=True)
+    blob = {
+        "window": args.window,
+        "num_cal": len(cal),
+        "num_held": len(held),
+        "layer_order": order,
+        "rows": record,
+        "router_parameters": router.num_parameters,
+        "model_parameters": num_params,
+        "heldout_mean_abs_error": error,
+    }
+    (RESULTS / "router.json").write_text(json.dumps(blob, indent=2) + "\n")
+    print(f"wrote {RESULTS / 'router.json'} ({time.time() - start:.0f} s)")
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The routing predictor (zcode/harness/router.py): the ridge fit recovers a known relation,
+the artifact round-trips, and an LLM with a router plans each prompt at the loss the router
+predicts for it: a prompt predicted to lose little gets the cheaper skipped-layer plan, one
+predicted to lose much does not, and each runs its own plan (the same tokens as alone)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from zcode.errors import ValidationError
+from zcode.hardware.cost_model import CostModel
+from zcode.harness.planner import Hints
+from zcode.harness.router import Router, features, fit, fit_router
+from zcode.llm import LLM
+from zcode.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+ENGINE = dict(dtype="float32", per_request_depth=True, kv_cache_bytes=1 << 20)
+# ms per MB of dense weights only: a plan skipping a layer is predicted faster
+COEFFICIENTS = {"step": 1.0, "dense-float32:MB": 10.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
+COEFFICIENTS |= {"dense-float32:calls": 0.0, "dense-float32:GFLOP": 0.0}
+
+
+def test_fit_recovers_a_linear_relation_and_round_trips(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 5, generator=generator)
+    true = torch.tensor([[0.0, 0.3], [0.0, -0.2], [0.0, 0.0], [0.0, 0.1], [0.0, 0.0]])
+    losses = (x @ true + torch.tensor([0.0, 1.0])).clamp(min=0)  # [200, 2]
+    router = fit(x, losses, [(), (1,)])
+    z = (x - router.feature_mean) / router.feature_scale
+    predicted = torch.cat([z, torch.ones(200, 1)], 1) @ router.weights
+    assert (predicted - losses).abs().max() < 0.05
+    assert router.num_parameters == 6 * 2 + 5 + 5
+    router.save(tmp_path / "r.json")
+    loaded = Router.load(tmp_path / "r.json")
+    assert loaded.depths == router.depths and torch.equal(loaded.weights, router.weights)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValidationError, match="not a router artifact"):
+        Router.load(tmp_path / "bad.json")
+
+
+def test_an_llm_router_needs_per_request_depth(tiny_checkpoint, tmp_path):
+    router = fit(torch.randn(4, 3), torch.rand(4, 2), [(), (1,)])
+    router.save(tmp_path / "r.json")
+    with pytest.raises(ValidationError, match="per_request_depth"):
+        LLM(tiny_checkpoint("llama").path, router=tmp_path / "r.json")
+
+
+def test_each_prompt_gets_the_plan_its_predicted_loss_allows(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama").path
+    llm = LLM(path, **ENGINE)
+    generator = torch.Generator().manual_seed(1)
+    windows = [torch.randint(3, 250, (12,), generator=generator).tolist() for _ in range(12)]
+    fitted = fit_router(llm, windows, skip_counts=(0, 1), order_windows=4)
+    assert fitted.depths[0] == () and len(fitted.depths[1]) == 1
+    # A router whose prediction for skipping that layer is the prompt's first embedding feature
+    # (scaled): prompts far apart on it are predicted to lose very little and very much.
+    embed = llm.model.model.embed_tokens
+    low, high = _extreme_prompts(embed, windows)
+    num_features = fitted.feature_mean.numel()
+    weights = torch.zeros(num_features + 1, 2)
+    weights[0, 1] = 1.0
+    weights[-1, 1] = 0.05  # the intercept: the mean loss
+    ends = features(embed, [low, high])
+    scale = torch.ones(num_features)
+    scale[0] = (ends[1, 0] - ends[0, 0]) / 2 / 0.05  # low -> 0, high -> 0.1 nats/token
+    router = dataclasses.replace(
+        fitted,
+        mean_log_loss=(0.0, 0.05),
+        feature_mean=ends.mean(0),
+        feature_scale=scale,
+        weights=weights,
+    )
+    router.save(tmp_path / "router.json")
+    routed = LLM(path, **ENGINE, router=tmp_path / "router.json")
+    routed.cost_model = CostModel(COEFFICIENTS, COEFFICIENTS, "test")
+    predicted = [router.predict(embed, p)[1] for p in (low, high)]
+    assert predicted[0] < 0.01 and predicted[1] > 0.09
+    budget = 100 * (torch.tensor(predicted).mean().exp().item() - 1)  # between the two
+    # Unrouted, at the depth's mean loss, the budget allows no skipping for either prompt.
+    unrouted = routed.planner().choose(Hints(max_quality_loss=budget), 2, 32).plan
+    assert unrouted.skip_layers == ()
+    outs = routed.generate([low, high], GREEDY, max_quality_loss=budget)
+    assert [out.plan.plan for out in outs] == ["skip 1 layers", "as loaded"]
+    assert all(out.plan.target_met for out in outs)
+    skipping = dataclasses.replace(unrouted, skip_layers=router.depths[1])
+    for prompt, plan, out in zip((low, high), (skipping, unrouted), outs):
+        assert out.token_ids == routed.generate(prompt, GREEDY, plan=plan)[0].token_ids
+
+
+def _extreme_prompts(embed, windows) -> tuple[list[int], list[int]]:
+    """The two windows with the lowest and highest first feature."""
+    first = features(embed, windows)[:, 0]
+    return windows[int(first.argmin())], windows[int(first.argmax())]

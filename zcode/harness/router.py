@@ -1,0 +1,147 @@
+"""The routing predictor (issue 17, item 5): reads a prompt and predicts its quality loss under
+each of a few candidate depths, so the planner gives inputs that lose little cheaper plans.
+
+What it routes: skipped-layer sets, the k least important layers for k in the router's list
+(importance: the log-perplexity increase of skipping one layer alone, measured on calibration
+text). They need an engine with `per_request_depth`, where a request skips layers as data.
+
+What it reads: the mean input embedding of the prompt's tokens (no forward pass: the plan must be
+chosen before the prompt runs) and the log of its length, standardized. A ridge regression maps
+those features to each depth's log-perplexity increase on this input: (D + 2) x K weights, under
+0.1% of any model's parameters.
+
+Fitted by `fit_router` on calibration windows: each window's measured log-perplexity increase
+under each depth (prompt log-probs through the engine, the skips per request, all windows of one
+depth in one batch), the ridge penalty chosen by leave-one-out error on the same windows.
+bench/bench_router.py judges it on held-out text against the best static depth at equal cost.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zcode.errors import ValidationError
+from zcode.sampling_params import SamplingParams
+
+RIDGE_PENALTIES = (0.1, 1.0, 10.0, 100.0, 1000.0)
+SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Router:
+    depths: tuple[tuple[int, ...], ...]  # the skipped-layer sets it predicts for, sorted
+    mean_log_loss: tuple[float, ...]  # each depth's mean on the calibration windows
+    feature_mean: torch.Tensor  # [F]
+    feature_scale: torch.Tensor  # [F]
+    weights: torch.Tensor  # [F + 1, K]: standardized features and 1 -> log loss per depth
+
+    def predict(self, embeddings: torch.nn.Module, token_ids: list[int]) -> list[float]:
+        """Predicted log-perplexity increase of this prompt under each depth (nats/token)."""
+        x = (features(embeddings, [token_ids]) - self.feature_mean) / self.feature_scale
+        x = torch.cat([x, torch.ones(1, 1)], dim=1)  # [1, F + 1]
+        return (x @ self.weights)[0].clamp(min=0.0).tolist()
+
+    @property
+    def num_parameters(self) -> int:
+        return self.weights.numel() + self.feature_mean.numel() + self.feature_scale.numel()
+
+    def save(self, path: Path) -> None:
+        blob = {
+            "schema": SCHEMA,
+            "depths": [list(d) for d in self.depths],
+            "mean_log_loss": list(self.mean_log_loss),
+            "feature_mean": self.feature_mean.tolist(),
+            "feature_scale": self.feature_scale.tolist(),
+            "weights": self.weights.tolist(),
+        }
+        Path(path).write_text(json.dumps(blob) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "Router":
+        try:
+            blob = json.loads(Path(path).read_text())
+            if blob.pop("schema") != SCHEMA:
+                raise ValueError("written by another version of zcode")
+            return cls(
+                tuple(tuple(d) for d in blob["depths"]),
+                tuple(blob["mean_log_loss"]),
+                torch.tensor(blob["feature_mean"]),
+                torch.tensor(blob["feature_scale"]),
+                torch.tensor(blob["weights"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValidationError(f"{path}: not a router artifact: {e}") from None
+
+
+def features(embeddings: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+    """[N, D + 1]: each prompt's mean input embedding (fp32) and log length."""
+    rows = []
+    with torch.inference_mode():
+        for ids in prompts:
+            mean = embeddings(torch.tensor(ids, dtype=torch.int64)).float().mean(0)
+            rows.append(torch.cat([mean, torch.tensor([math.log(len(ids))])]))
+    return torch.stack(rows)
+
+
+def fit(x: torch.Tensor, losses: torch.Tensor, depths, penalties=RIDGE_PENALTIES) -> Router:
+    """x [N, F] features, losses [N, K] log-perplexity increases -> the ridge router whose
+    penalty has the least leave-one-out squared error."""
+    mean, scale = x.mean(0), x.std(0).clamp(min=1e-6)
+    z = torch.cat([(x - mean) / scale, torch.ones(len(x), 1)], dim=1).double()  # [N, F + 1]
+    y = losses.double()
+    best = None
+    for penalty in penalties:
+        reg = penalty * torch.eye(z.shape[1], dtype=torch.float64)
+        reg[-1, -1] = 0.0  # the intercept is not shrunk
+        inverse = torch.linalg.inv(z.T @ z + reg)
+        weights = inverse @ z.T @ y
+        hat = (z @ inverse * z).sum(1, keepdim=True)  # leverage of each window
+        loo = ((y - z @ weights) / (1 - hat)).pow(2).mean().item()
+        if best is None or loo < best[0]:
+            best = (loo, weights)
+    mean_loss = tuple(losses.mean(0).tolist())
+    return Router(tuple(depths), mean_loss, mean, scale, best[1].float())
+
+
+def window_log_losses(llm, windows: list[list[int]], depths) -> torch.Tensor:
+    """[N, K]: each window's log-perplexity increase under each depth over no skipping."""
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
+    engine = llm.engine
+
+    def mean_nll(skip: tuple[int, ...]) -> torch.Tensor:
+        seqs = [engine.add_request(w, params, skip_layers=skip) for w in windows]
+        finished = {}
+        while engine.has_unfinished():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        return torch.tensor(
+            [
+                -sum(out.prompt_logprobs[i][w[i]] for i in range(1, len(w))) / (len(w) - 1)
+                for w, out in ((w, finished[s.request_id]) for w, s in zip(windows, seqs))
+            ]
+        )
+
+    dense = mean_nll(())
+    return torch.stack([mean_nll(d) - dense if d else torch.zeros(len(windows)) for d in depths], 1)
+
+
+def layer_order(llm, windows: list[list[int]]) -> list[int]:
+    """Decoder layers, least important first: by the mean log-perplexity increase of skipping
+    each one alone on `windows`."""
+    num_layers = len(llm.model.model.layers)
+    single = window_log_losses(llm, windows, [(i,) for i in range(num_layers)])  # [N, L]
+    return sorted(range(num_layers), key=lambda i: single[:, i].mean().item())
+
+
+def fit_router(
+    llm, windows: list[list[int]], skip_counts=(0, 1, 2, 4, 6), order_windows: int = 8
+) -> Router:
+    """The router for `llm` (an engine with per_request_depth) from calibration windows."""
+    if llm.engine.runner.pages is None:
+        raise ValidationError("a router routes skipped layers: load with per_request_depth=True")
+    order = layer_order(llm, windows[:order_windows])
+    depths = [tuple(sorted(order[:k])) for k in skip_counts]
+    losses = window_log_losses(llm, windows, depths)
+    return fit(features(llm.model.model.embed_tokens, windows), losses, depths)
