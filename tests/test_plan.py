@@ -6,7 +6,6 @@ from zcode.harness import ExecutionPlan
 
 def test_signature_ignores_the_name_and_tracks_the_work():
     dense = ExecutionPlan()
-    assert dense.is_dense
     assert ExecutionPlan(name="renamed").signature() == dense.signature()
     int8 = ExecutionPlan(precision=(("lm_head", "int8"),))
     assert int8.signature() != dense.signature()

@@ -45,15 +45,6 @@ class ExecutionPlan:
         """The part of the plan that is model state (skips are per request)."""
         return replace(self, skip_layers=(), skip_kv_heads=())
 
-    @property
-    def is_dense(self) -> bool:
-        return (
-            not self.precision
-            and self.ffn_density == 1.0
-            and not self.skip_layers
-            and not self.skip_kv_heads
-        )
-
 
 def _digest(fields: dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
