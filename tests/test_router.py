@@ -11,7 +11,7 @@ import torch
 from zcode.errors import ValidationError
 from zcode.hardware.cost_model import CostModel
 from zcode.harness.planner import Hints
-from zcode.harness.router import Router, features, fit, fit_router
+from zcode.harness.router import Router, fit, fit_router, prompt_embeddings
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
 
@@ -24,24 +24,23 @@ COEFFICIENTS |= {"dense-float32:calls": 0.0, "dense-float32:GFLOP": 0.0}
 
 def test_fit_recovers_a_linear_relation_and_round_trips(tmp_path):
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(200, 5, generator=generator)
+    raw = torch.randn(200, 5, generator=generator)  # 4 embedding features and a length
     true = torch.tensor([[0.0, 0.3], [0.0, -0.2], [0.0, 0.0], [0.0, 0.1], [0.0, 0.0]])
-    losses = (x @ true + torch.tensor([0.0, 1.0])).clamp(min=0)  # [200, 2]
-    router = fit(x, losses, [(), (1,)])
-    z = (x - router.feature_mean) / router.feature_scale
-    predicted = torch.cat([z, torch.ones(200, 1)], 1) @ router.weights
-    assert (predicted - losses).abs().max() < 0.05
-    assert router.num_parameters == 6 * 2 + 5 + 5
+    losses = (raw @ true + torch.tensor([0.0, 1.0])).clamp(min=0)  # [200, 2]
+    router = fit(raw, losses, [(), (1,)])
+    assert (router.predict_raw(raw) - losses).abs().max() < 0.05
+    assert router.num_parameters == 4 + 4 * 4 + 5 + 5 + 6 * 2
     router.save(tmp_path / "r.json")
     loaded = Router.load(tmp_path / "r.json")
-    assert loaded.depths == router.depths and torch.equal(loaded.weights, router.weights)
+    assert loaded.depths == router.depths
+    assert torch.equal(loaded.predict_raw(raw), router.predict_raw(raw))
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ValidationError, match="not a router artifact"):
         Router.load(tmp_path / "bad.json")
 
 
 def test_an_llm_router_needs_per_request_depth(tiny_checkpoint, tmp_path):
-    router = fit(torch.randn(4, 3), torch.rand(4, 2), [(), (1,)])
+    router = fit(torch.randn(4, 3), torch.rand(4, 2), [(), (1,)])  # 2-D embeddings
     router.save(tmp_path / "r.json")
     with pytest.raises(ValidationError, match="per_request_depth"):
         LLM(tiny_checkpoint("llama").path, router=tmp_path / "r.json")
@@ -54,15 +53,16 @@ def test_each_prompt_gets_the_plan_its_predicted_loss_allows(tiny_checkpoint, tm
     windows = [torch.randint(3, 250, (12,), generator=generator).tolist() for _ in range(12)]
     fitted = fit_router(llm, windows, skip_counts=(0, 1), order_windows=4)
     assert fitted.depths[0] == () and len(fitted.depths[1]) == 1
-    # A router whose prediction for skipping that layer is the prompt's first embedding feature
+    # A router whose prediction for skipping that layer is the prompt's first feature
     # (scaled): prompts far apart on it are predicted to lose very little and very much.
     embed = llm.model.model.embed_tokens
-    low, high = _extreme_prompts(embed, windows)
+    first = fitted.features(prompt_embeddings(embed, windows))[:, 0]
+    low, high = windows[int(first.argmin())], windows[int(first.argmax())]
     num_features = fitted.feature_mean.numel()
     weights = torch.zeros(num_features + 1, 2)
     weights[0, 1] = 1.0
     weights[-1, 1] = 0.05  # the intercept: the mean loss
-    ends = features(embed, [low, high])
+    ends = fitted.features(prompt_embeddings(embed, [low, high]))
     scale = torch.ones(num_features)
     scale[0] = (ends[1, 0] - ends[0, 0]) / 2 / 0.05  # low -> 0, high -> 0.1 nats/token
     router = dataclasses.replace(
@@ -87,9 +87,3 @@ def test_each_prompt_gets_the_plan_its_predicted_loss_allows(tiny_checkpoint, tm
     skipping = dataclasses.replace(unrouted, skip_layers=router.depths[1])
     for prompt, plan, out in zip((low, high), (skipping, unrouted), outs):
         assert out.token_ids == routed.generate(prompt, GREEDY, plan=plan)[0].token_ids
-
-
-def _extreme_prompts(embed, windows) -> tuple[list[int], list[int]]:
-    """The two windows with the lowest and highest first feature."""
-    first = features(embed, windows)[:, 0]
-    return windows[int(first.argmin())], windows[int(first.argmax())]

@@ -6,9 +6,10 @@ What it routes: skipped-layer sets, the k least important layers for k in the ro
 text). They need an engine with `per_request_depth`, where a request skips layers as data.
 
 What it reads: the mean input embedding of the prompt's tokens (no forward pass: the plan must be
-chosen before the prompt runs) and the log of its length, standardized. A ridge regression maps
-those features to each depth's log-perplexity increase on this input: (D + 2) x K weights, under
-0.1% of any model's parameters.
+chosen before the prompt runs), projected on the calibration windows' top principal directions
+(NUM_COMPONENTS), and the log of its length, standardized. A ridge regression maps those features
+to each depth's log-perplexity increase on this input. Its parameters (the projection, D x 16,
+and (16 + 2) x K weights) are under 0.01% of SmolLM2-135M's.
 
 Fitted by `fit_router` on calibration windows: each window's measured log-perplexity increase
 under each depth (prompt log-probs through the engine, the skips per request, all windows of one
@@ -27,6 +28,7 @@ from zcode.errors import ValidationError
 from zcode.sampling_params import SamplingParams
 
 RIDGE_PENALTIES = (0.1, 1.0, 10.0, 100.0, 1000.0)
+NUM_COMPONENTS = 16
 SCHEMA = 1
 
 
@@ -34,29 +36,39 @@ SCHEMA = 1
 class Router:
     depths: tuple[tuple[int, ...], ...]  # the skipped-layer sets it predicts for, sorted
     mean_log_loss: tuple[float, ...]  # each depth's mean on the calibration windows
-    feature_mean: torch.Tensor  # [F]
-    feature_scale: torch.Tensor  # [F]
-    weights: torch.Tensor  # [F + 1, K]: standardized features and 1 -> log loss per depth
+    center: torch.Tensor  # [D] the calibration windows' mean embedding
+    projection: torch.Tensor  # [D, Q] their top principal directions
+    feature_mean: torch.Tensor  # [Q + 1]
+    feature_scale: torch.Tensor  # [Q + 1]
+    weights: torch.Tensor  # [Q + 2, K]: standardized features and 1 -> log loss per depth
+
+    def features(self, raw: torch.Tensor) -> torch.Tensor:
+        """raw [N, D + 1] (prompt_embeddings) -> [N, Q + 1]: projected, and the log length."""
+        return torch.cat([(raw[:, :-1] - self.center) @ self.projection, raw[:, -1:]], dim=1)
+
+    def predict_raw(self, raw: torch.Tensor) -> torch.Tensor:
+        """raw [N, D + 1] -> [N, K] predicted log-perplexity increases (nats/token, >= 0)."""
+        z = (self.features(raw) - self.feature_mean) / self.feature_scale
+        return (torch.cat([z, torch.ones(len(z), 1)], dim=1) @ self.weights).clamp(min=0.0)
 
     def predict(self, embeddings: torch.nn.Module, token_ids: list[int]) -> list[float]:
-        """Predicted log-perplexity increase of this prompt under each depth (nats/token)."""
-        x = (features(embeddings, [token_ids]) - self.feature_mean) / self.feature_scale
-        x = torch.cat([x, torch.ones(1, 1)], dim=1)  # [1, F + 1]
-        return (x @ self.weights)[0].clamp(min=0.0).tolist()
+        """This prompt's predicted log-perplexity increase under each depth (nats/token)."""
+        return self.predict_raw(prompt_embeddings(embeddings, [token_ids]))[0].tolist()
 
     @property
     def num_parameters(self) -> int:
-        return self.weights.numel() + self.feature_mean.numel() + self.feature_scale.numel()
+        return (
+            sum(
+                t.numel()
+                for t in (self.center, self.projection, self.feature_mean, self.feature_scale)
+            )
+            + self.weights.numel()
+        )
 
     def save(self, path: Path) -> None:
-        blob = {
-            "schema": SCHEMA,
-            "depths": [list(d) for d in self.depths],
-            "mean_log_loss": list(self.mean_log_loss),
-            "feature_mean": self.feature_mean.tolist(),
-            "feature_scale": self.feature_scale.tolist(),
-            "weights": self.weights.tolist(),
-        }
+        blob = {"schema": SCHEMA, "depths": [list(d) for d in self.depths]}
+        blob["mean_log_loss"] = list(self.mean_log_loss)
+        blob |= {name: getattr(self, name).tolist() for name in TENSORS}
         Path(path).write_text(json.dumps(blob) + "\n")
 
     @classmethod
@@ -68,15 +80,16 @@ class Router:
             return cls(
                 tuple(tuple(d) for d in blob["depths"]),
                 tuple(blob["mean_log_loss"]),
-                torch.tensor(blob["feature_mean"]),
-                torch.tensor(blob["feature_scale"]),
-                torch.tensor(blob["weights"]),
+                *(torch.tensor(blob[name]) for name in TENSORS),
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValidationError(f"{path}: not a router artifact: {e}") from None
 
 
-def features(embeddings: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
+TENSORS = ("center", "projection", "feature_mean", "feature_scale", "weights")
+
+
+def prompt_embeddings(embeddings: torch.nn.Module, prompts: list[list[int]]) -> torch.Tensor:
     """[N, D + 1]: each prompt's mean input embedding (fp32) and log length."""
     rows = []
     with torch.inference_mode():
@@ -86,11 +99,21 @@ def features(embeddings: torch.nn.Module, prompts: list[list[int]]) -> torch.Ten
     return torch.stack(rows)
 
 
-def fit(x: torch.Tensor, losses: torch.Tensor, depths, penalties=RIDGE_PENALTIES) -> Router:
-    """x [N, F] features, losses [N, K] log-perplexity increases -> the ridge router whose
-    penalty has the least leave-one-out squared error."""
+def fit(
+    raw: torch.Tensor,
+    losses: torch.Tensor,
+    depths,
+    num_components: int = NUM_COMPONENTS,
+    penalties=RIDGE_PENALTIES,
+) -> Router:
+    """raw [N, D + 1] (prompt_embeddings), losses [N, K] log-perplexity increases -> the ridge
+    router on the top principal directions whose penalty has the least leave-one-out error."""
+    center = raw[:, :-1].mean(0)
+    q = min(num_components, len(raw) - 1, raw.shape[1] - 1)
+    _, _, projection = torch.pca_lowrank(raw[:, :-1] - center, q=q, center=False)  # [D, q]
+    x = torch.cat([(raw[:, :-1] - center) @ projection, raw[:, -1:]], dim=1)
     mean, scale = x.mean(0), x.std(0).clamp(min=1e-6)
-    z = torch.cat([(x - mean) / scale, torch.ones(len(x), 1)], dim=1).double()  # [N, F + 1]
+    z = torch.cat([(x - mean) / scale, torch.ones(len(x), 1)], dim=1).double()  # [N, q + 2]
     y = losses.double()
     best = None
     for penalty in penalties:
@@ -103,7 +126,7 @@ def fit(x: torch.Tensor, losses: torch.Tensor, depths, penalties=RIDGE_PENALTIES
         if best is None or loo < best[0]:
             best = (loo, weights)
     mean_loss = tuple(losses.mean(0).tolist())
-    return Router(tuple(depths), mean_loss, mean, scale, best[1].float())
+    return Router(tuple(depths), mean_loss, center, projection, mean, scale, best[1].float())
 
 
 def window_log_losses(llm, windows: list[list[int]], depths) -> torch.Tensor:
@@ -144,4 +167,4 @@ def fit_router(
     order = layer_order(llm, windows[:order_windows])
     depths = [tuple(sorted(order[:k])) for k in skip_counts]
     losses = window_log_losses(llm, windows, depths)
-    return fit(features(llm.model.model.embed_tokens, windows), losses, depths)
+    return fit(prompt_embeddings(llm.model.model.embed_tokens, windows), losses, depths)
