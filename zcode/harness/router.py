@@ -132,17 +132,13 @@ def fit(
 def window_log_losses(llm, windows: list[list[int]], depths) -> torch.Tensor:
     """[N, K]: each window's log-perplexity increase under each depth over no skipping."""
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
-    engine = llm.engine
 
     def mean_nll(skip: tuple[int, ...]) -> torch.Tensor:
-        seqs = [engine.add_request(w, params, skip_layers=skip) for w in windows]
-        finished = {}
-        while engine.has_unfinished():
-            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        outs = llm.generate(windows, params, skip_layers=skip)
         return torch.tensor(
             [
                 -sum(out.prompt_logprobs[i][w[i]] for i in range(1, len(w))) / (len(w) - 1)
-                for w, out in ((w, finished[s.request_id]) for w, s in zip(windows, seqs))
+                for w, out in zip(windows, outs)
             ]
         )
 
