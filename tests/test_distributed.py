@@ -46,7 +46,7 @@ RANK_TIMEOUT_S = 480  # a hang guard, not a speed bound: generous on a busy mach
 # SmolLM2 as stored where ggml.cpp does not build: the gguf package's dequantize, autotuned at
 # the first step of each process, takes minutes.
 SLOW_RANK_TIMEOUT_S = 900
-FAKE_GROUP = TPGroup(rank=0, world_size=2, compute=None, control=None)
+FAKE_GROUP = TPGroup(rank=0, world_size=2, compute=None, control=None, join=None)
 TP2 = {"tensor_parallel_size": 2}
 PP2 = {"pipeline_parallel_size": 2}
 
@@ -105,7 +105,7 @@ def test_each_rank_holds_half_of_the_routed_experts(tiny_checkpoint, expert_para
     per_rank = []
     for rank in range(2):
         net, _ = load_model(path)
-        shard_model(net, TPGroup(rank, 2, None, None), expert_parallel)
+        shard_model(net, TPGroup(rank, 2, None, None, None), expert_parallel)
         moes = [layer.mlp.moe for layer in net.model.layers if hasattr(layer.mlp, "moe")]
         assert [len(moe.experts) for moe in moes] == [4 if expert_parallel else 8] * 2
         per_rank.append(_expert_bytes(net))
@@ -128,7 +128,7 @@ def test_three_ranks_moe_parts_add_up_to_the_whole_layer(monkeypatch, expert_par
     whole = make_moe(top_k=3)
     x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4))
     parts = [
-        shard_moe(copy.deepcopy(whole), TPGroup(rank, 3, None, None), expert_parallel)
+        shard_moe(copy.deepcopy(whole), TPGroup(rank, 3, None, None, None), expert_parallel)
         for rank in range(3)
     ]
     if expert_parallel:
@@ -462,7 +462,7 @@ def test_each_stage_holds_only_its_layers_weights_and_kv_cache(tiny_checkpoint, 
     per_rank_bytes = []
     for rank, stage in enumerate(stages):
         net, _ = load_model(path, torch.float32)
-        split_pipeline(net, TPGroup(rank, 2, None, None))
+        split_pipeline(net, TPGroup(rank, 2, None, None, None))
         runner = LLMEngine(net, tokenizer, config).runner
         per_rank_bytes.append(weight_bytes(net))
         own = [all_layers[i] for i in stage]

@@ -42,7 +42,7 @@ def _load(path: str, world_size: int, rank: int) -> torch.nn.Module:
 
     net, _ = load_model(path)
     if world_size > 1:
-        shard_model(net, TPGroup(rank, world_size, compute=None, control=None))
+        shard_model(net, TPGroup(rank, world_size, compute=None, control=None, join=None))
     return net
 
 

@@ -128,8 +128,18 @@ def _tiny_tp_server(tiny_checkpoint, *options: str, torchrun_options=()) -> Remo
 
 
 def _stream_in_flight(server: RemoteServer) -> dict:
-    """Starts a long greedy stream and returns once the engine runs it (a tokenizer-less model
-    streams no text until the end); the dict gets the stream's `error` or last `finish_reason`
+    """Starts a long greedy stream (`_start_stream`) and returns once the engine runs it (a
+    tokenizer-less model streams no text until the end)."""
+    result = _start_stream(server)
+    deadline = time.monotonic() + EXIT_TIMEOUT_S
+    while server.metrics()["zcode:num_requests_running"] == 0:
+        assert time.monotonic() < deadline and result["thread"].is_alive(), server.output()
+        time.sleep(0.02)
+    return result
+
+
+def _start_stream(server: RemoteServer) -> dict:
+    """Starts a long greedy stream; the dict gets the stream's `error` or last `finish_reason`
     and is complete once its `thread` ends."""
     result = {}
 
@@ -145,10 +155,6 @@ def _stream_in_flight(server: RemoteServer) -> dict:
 
     result["thread"] = threading.Thread(target=consume)
     result["thread"].start()
-    deadline = time.monotonic() + EXIT_TIMEOUT_S
-    while server.metrics()["zcode:num_requests_running"] == 0:
-        assert time.monotonic() < deadline and result["thread"].is_alive(), server.output()
-        time.sleep(0.02)
     return result
 
 
@@ -194,6 +200,21 @@ def test_a_hung_follower_fails_the_request_after_the_collective_timeout(tiny_che
         follower = server.rank_pids()[1]
         stream = _stream_in_flight(server)
         os.kill(follower, signal.SIGSTOP)
+        _assert_failed_in_flight(server, stream, "Timed out")
+
+
+@pytest.mark.slow  # tens of seconds (in .ci/run)
+def test_a_follower_stopped_between_steps_fails_the_next_request_after_the_timeout(
+    tiny_checkpoint,
+):
+    """The follower stops (SIGSTOP) while it waits for rank 0's next step: rank 0's broadcast of
+    the step waits the collective timeout for it, then fails. (Before, rank 0 waited with the
+    followers' days-long idle timeout: the request and the launch hung.)"""
+    with _tiny_tp_server(
+        tiny_checkpoint, "--collective-timeout-s", "5", torchrun_options=("--shutdown-timeout", "5")
+    ) as server:
+        os.kill(server.rank_pids()[1], signal.SIGSTOP)
+        stream = _start_stream(server)  # its first step is the one rank 0 cannot hand over
         _assert_failed_in_flight(server, stream, "Timed out")
 
 

@@ -7,9 +7,14 @@ gloo, on CUDA tensors over NCCL. Two groups:
 - `compute`: the all-reduces and all-gathers of a forward pass (and the point-to-point sends of
   pipeline stages), with the config's timeout, so a rank that died or hangs fails the step
   within it instead of hanging the others;
-- `control`: rank 0's per-step broadcast of what to run; followers wait on it between steps
-  (an idle server may wait for days), so its timeout is long. A rank that dies closes its
-  sockets, which gloo reports at once, timeout or not.
+- `control`: rank 0's per-step broadcast of what to run. Followers wait on it between steps
+  (an idle server may wait for days), so their timeout is long; rank 0's is the config's, as
+  gloo's send waits for the receiver to take it: a follower that hangs (stopped, swapped out)
+  fails rank 0's next step within the timeout instead of hanging it. A rank that dies closes
+  its sockets, which gloo reports at once, timeout or not.
+
+And `join`: the join-time handshake (`all_gather_object`), over gloo with the join's timeout (a
+rank may still be building its kernels).
 
 A failed collective raises `RankFailure`, which the engine does not isolate to one request:
 the ranks no longer agree on what they computed, so every rank must stop and be restarted.
@@ -40,6 +45,7 @@ class TPGroup:
     world_size: int
     compute: dist.ProcessGroup
     control: dist.ProcessGroup
+    join: dist.ProcessGroup
 
     @property
     def is_leader(self) -> bool:
@@ -74,8 +80,11 @@ def init_distributed(config: ParallelConfig) -> TPGroup:
     dist.init_process_group(backend, timeout=JOIN_TIMEOUT)
     timeout = timedelta(seconds=config.collective_timeout_s)
     compute = dist.new_group(timeout=timeout)  # the launch's backend(s)
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return TPGroup(dist.get_rank(), world_size, compute, control)
+    # Each rank's gloo context keeps its own timeout: the groups need not agree on it.
+    control_timeout = timeout if dist.get_rank() == 0 else CONTROL_TIMEOUT
+    control = dist.new_group(backend="gloo", timeout=control_timeout)
+    join = dist.new_group(backend="gloo", timeout=JOIN_TIMEOUT)
+    return TPGroup(dist.get_rank(), world_size, compute, control, join)
 
 
 def _end_with_the_launcher() -> None:
@@ -123,9 +132,9 @@ def broadcast_object(obj: object, group: TPGroup) -> object:
 
 
 def all_gather_object(obj: object, group: TPGroup) -> list:
-    """Every rank's `obj` (pickled), in rank order, on every rank."""
+    """Every rank's `obj` (pickled), in rank order, on every rank; waits as long as the join."""
     out = [None] * group.world_size
-    _checked(group, dist.all_gather_object, out, obj, group=group.control)
+    _checked(group, dist.all_gather_object, out, obj, group=group.join)
     return out
 
 
