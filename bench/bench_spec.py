@@ -8,9 +8,13 @@ Workloads, from the held-out split of zcode.calibration (stdlib sources no calib
 (a) continuation: windows of held-out source, continued; (b) code editing: a held-out function
 followed by an instruction to repeat it with one name changed, and the new header, so the
 answer mostly copies the prompt (where prompt lookup pays). Methods: plain decoding, `ngram`
-(prompt lookup) and `skip_layers` (the model without every other inner layer drafts). Each
-cell is min / median of --repeats runs of decode tok/s (first token to last, greedy, batch B);
-ZCode's outputs are checked equal to plain decoding's (column "same"). llama.cpp (its GGUF
+(prompt lookup) and `skip_layers` (the model without every other inner layer drafts), each with
+every request drafting --num-draft-tokens per step (draft policy "fixed") and with the adaptive
+policy, which drafts per request and step what pays by measured acceptance and the cost model
+("drafts/step": drafted tokens per request and decode step, where it turns speculation down or
+off). Engines run round-robin within each repeat. Each cell is min / median of --repeats runs of
+decode tok/s (first token to last, greedy, batch B); ZCode's outputs are checked equal to plain
+decoding's (column "same"). llama.cpp (its GGUF
 file, Q4_1) with and without prompt lookup decoding (llama-cpp-python's
 LlamaPromptLookupDecoding) runs at batch 1 when llama_cpp is installed.
 Writes bench/results/spec.json.
@@ -31,9 +35,17 @@ from table_format import print_rows  # noqa: E402
 from zcode import LLM, SamplingParams  # noqa: E402
 from zcode.calibration import corpus_text  # noqa: E402
 from zcode.engine.llm_engine import LLMEngine  # noqa: E402
+from zcode.hardware.cost_model import CostModel  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "spec.json"
-METHODS = (None, "ngram", "skip_layers")
+# (name, EngineConfig.speculative, EngineConfig.draft_policy)
+METHODS = (
+    ("plain", None, "fixed"),
+    ("ngram", "ngram", "fixed"),
+    ("ngram adaptive", "ngram", "adaptive"),
+    ("skip_layers", "skip_layers", "fixed"),
+    ("skip_layers adaptive", "skip_layers", "adaptive"),
+)
 PROMPT_TOKENS = 192
 
 
@@ -62,44 +74,57 @@ def editing_prompts(tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
-def decode_run(engine: LLMEngine, prompts: list[list[int]], num_new: int) -> tuple[float, list]:
+def decode_run(
+    engine: LLMEngine, prompts: list[list[int]], num_new: int
+) -> tuple[float, list, int]:
+    """Decode tok/s (first token to last), the outputs, and the decode steps taken."""
     params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
-    start = time.perf_counter()
+    start, steps = time.perf_counter(), 0
     while engine.has_unfinished():
         engine.step()
+        steps += 1
     tokens_per_s = len(prompts) * (num_new - 1) / (time.perf_counter() - start)
-    return tokens_per_s, [s.output_token_ids for s in seqs]
+    return tokens_per_s, [s.output_token_ids for s in seqs], steps
 
 
 def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dict]:
-    cells = []
-    for method in METHODS:
+    """Every method's engine on the same prompts, round-robin within each repeat."""
+    cost = CostModel.load_or_fit()  # the adaptive policy's (fitted once per machine)
+    engines = {}
+    for name, method, policy in METHODS:
         config = dataclasses.replace(
             llm.config,
             speculative=method,
             num_draft_tokens=args.num_draft_tokens,
+            draft_policy=policy,
             enable_prefix_caching=False,  # repeats reuse their prompts
         )
-        engine = LLMEngine(llm.model, llm.tokenizer, config)
-        for workload, prompts in workloads.items():
-            for batch in batches:
-                runs = [
-                    decode_run(engine, prompts[:batch], args.num_new) for _ in range(args.repeats)
-                ]
+        engines[name] = LLMEngine(llm.model, llm.tokenizer, config, cost_model=cost)
+    cells = []
+    for workload, prompts in workloads.items():
+        for batch in batches:
+            runs = {name: [] for name in engines}
+            for _ in range(args.repeats):
+                for name, engine in engines.items():
+                    runs[name].append(decode_run(engine, prompts[:batch], args.num_new))
+            for name, engine in engines.items():
                 totals = engine.spec_totals
+                steps = sum(r[2] for r in runs[name])
                 cells.append(
                     {
-                        "method": method or "plain",
+                        "method": name,
                         "workload": workload,
                         "batch": batch,
-                        "tok_s": [r[0] for r in runs],
-                        "outputs": runs[0][1],
+                        "tok_s": [r[0] for r in runs[name]],
+                        "outputs": runs[name][0][1],
                         "acceptance": totals["num_accepted_tokens"] / totals["num_draft_tokens"]
                         if totals["num_draft_tokens"]
                         else None,
+                        # drafted tokens per request and step: where the policy drafts less
+                        "drafts_per_step": totals["num_draft_tokens"] / (batch * steps),
                     }
                 )
                 engine.spec_totals = dict.fromkeys(totals, 0)
@@ -168,10 +193,12 @@ def main() -> None:
                 f"{min(c['tok_s']):.1f} / {statistics.median(c['tok_s']):.1f}",
                 f"{ratio:.2f}x",
                 "-" if acceptance is None else f"{acceptance:.2f}",
+                f"{c['drafts_per_step']:.2f}" if "drafts_per_step" in c else "-",
                 same,
             )
         )
-    headers = ["method", "workload", "batch", "tok/s min / median", "vs plain", "accept", "same"]
+    headers = ["method", "workload", "batch", "tok/s min / median", "vs plain", "accept"]
+    headers += ["drafts/step", "same"]
     print(f"SmolLM2-135M {args.dtype}, {args.num_new} new tokens, {args.repeats} repeats")
     print_rows(headers, rows)
     RESULTS.parent.mkdir(exist_ok=True)

@@ -7,6 +7,10 @@ tested against transformers in test_real_model.py), alone, in mixed batches with
 do not speculate, and with the prefix cache reusing KV written around rejected drafts. Sampled
 outputs are checked for the target distribution by a chi-square test against probabilities
 computed by transformers, a test a wrong acceptance rule is shown to fail.
+
+Engines here draft every request's num_draft_tokens (draft_policy "fixed"): these tests need
+drafts made and count them, which the adaptive policy (tests/test_draft_policy.py) would cut
+wherever this machine's cost model says they do not pay.
 """
 
 import dataclasses
@@ -155,6 +159,7 @@ def test_greedy_outputs_are_those_of_transformers(name, method, tiny_checkpoint)
         block_size=BLOCK,
         speculative=method,
         num_draft_tokens=3,
+        draft_policy="fixed",
         **DRAFTERS[method],
     )
     outputs = llm.generate(prompts(), GREEDY)
@@ -176,6 +181,7 @@ def test_skip_layers_draft_of_an_identity_layer_is_always_accepted(tiny_checkpoi
         block_size=BLOCK,
         speculative="skip_layers",
         draft_skip_layers=(1,),
+        draft_policy="fixed",
     )
     layer = llm.model.model.layers[1]
     with torch.no_grad():
@@ -199,7 +205,8 @@ def test_mixed_batch_and_prefix_cache_match_plain_decoding(name, tiny_checkpoint
     published block would change its tokens."""
     path = tiny_checkpoint(name).path
     engine_args = dict(kv_cache_bytes=1 << 20, block_size=BLOCK, max_num_batched_tokens=16)
-    spec = LLM(path, speculative="ngram", num_draft_tokens=4, **engine_args).engine
+    spec = LLM(path, speculative="ngram", num_draft_tokens=4, draft_policy="fixed", **engine_args)
+    spec = spec.engine
     plain = LLM(path, enable_prefix_caching=False, **engine_args).engine
     first = [
         (ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, num_draft_tokens=k))
@@ -238,7 +245,10 @@ def test_num_draft_tokens_is_validated(tiny_checkpoint):
 def test_metrics_follow_the_engine_under_vllm_spec_decode_names(tiny_checkpoint):
     from zcode.server.metrics import Metrics
 
-    llm = LLM(tiny_checkpoint("llama").path, kv_cache_bytes=1 << 20, speculative="ngram")
+    llm = LLM(
+        tiny_checkpoint("llama").path, kv_cache_bytes=1 << 20, speculative="ngram",
+        draft_policy="fixed",
+    )  # fmt: skip
     llm.generate(prompts()[-1:], GREEDY)
     totals, per_pos = llm.engine.spec_totals, llm.engine.spec_accepted_per_pos
     metrics = Metrics("m")
@@ -260,6 +270,7 @@ def test_cli_speculative_options(tiny_checkpoint, capsys):
     capsys.readouterr()  # building the checkpoint writes progress to stderr
     for argv, message in [
         (["generate", "hi", "--num-draft-tokens", "2"], "need --speculative"),
+        (["generate", "hi", "--draft-policy", "fixed"], "need --speculative"),
         (["generate", "hi", "--speculative", "ngram", "--num-draft-tokens", "0"], "at least 1"),
         (["generate", "hi", "--speculative", "ngram", "--draft-skip-layers", "1"], "skip_layers"),
         (["generate", "hi", "--model", path, "--speculative", "mtp"], "llama has none"),
@@ -309,7 +320,10 @@ def test_sampled_outputs_keep_the_target_distribution(tiny_checkpoint, monkeypat
     probs = torch.tensor([joint[o] for o in outcomes], dtype=torch.float64)
 
     def statistic() -> float:
-        llm = LLM(checkpoint.path, kv_cache_bytes=4 << 20, max_num_seqs=256, speculative="ngram")
+        llm = LLM(
+            checkpoint.path, kv_cache_bytes=4 << 20, max_num_seqs=256, speculative="ngram",
+            draft_policy="fixed",
+        )  # fmt: skip
         llm.engine.drafter = FixedDrafter(list(likely[1:3]))
         requests = [
             (prompt, SamplingParams(max_tokens=num_tokens, top_k=top_k, seed=i, ignore_eos=True))
@@ -350,7 +364,9 @@ def test_default_model_greedy_outputs_are_those_of_plain_decoding(default_llm):
     want = [o.token_ids for o in default_llm.generate(ids, params)]
     plain = dataclasses.replace(params, num_draft_tokens=0)
     for method in ("ngram", "skip_layers"):
-        config = dataclasses.replace(default_llm.config, speculative=method, num_draft_tokens=3)
+        config = dataclasses.replace(
+            default_llm.config, speculative=method, num_draft_tokens=3, draft_policy="fixed"
+        )
         engine = LLMEngine(default_llm.model, default_llm.tokenizer, config)
         got = run(engine, [(p, params) for p in ids] + [(ids[0], plain)])
         assert [o.token_ids for o in got] == want + want[:1], method

@@ -39,7 +39,10 @@ from zcode.sampling_params import SamplingParams
 from zcode.server.metrics import Metrics
 
 NAMES = list(mtp_configs())
-ENGINE_ARGS = dict(kv_cache_bytes=1 << 20, block_size=BLOCK, speculative="mtp")
+# Every request drafts its num_draft_tokens: these tests count drafts (see test_spec_decode.py).
+ENGINE_ARGS = dict(
+    kv_cache_bytes=1 << 20, block_size=BLOCK, speculative="mtp", draft_policy="fixed"
+)
 OUTPUT_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
 
 
@@ -229,7 +232,8 @@ def test_mixed_batch_and_prefix_cache_match_plain_decoding(name, agreeable):
     second wave whose prompts reuse blocks written around kept and rejected drafts."""
     path = agreeable(name)
     engine_args = dict(kv_cache_bytes=1 << 20, block_size=BLOCK, max_num_batched_tokens=16)
-    spec = LLM(path, speculative="mtp", num_draft_tokens=3, **engine_args).engine
+    spec = LLM(path, speculative="mtp", num_draft_tokens=3, draft_policy="fixed", **engine_args)
+    spec = spec.engine
     plain = LLM(path, enable_prefix_caching=False, **engine_args).engine
     first = [
         (ids, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, num_draft_tokens=k))

@@ -14,6 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 SPECULATIVE_METHODS = ("ngram", "skip_layers", "mtp")
+DRAFT_POLICIES = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class EngineConfig:
     speculative: str | None = None
     num_draft_tokens: int = 3
     draft_skip_layers: tuple[int, ...] | None = None
+    # "adaptive": each step, each request drafts as many of its num_draft_tokens as pay by its
+    # measured acceptance and this machine's cost model (none where speculation does not pay,
+    # e.g. large batches; zcode.spec.policy), fixed where no cost model is fitted here or the
+    # request set num_draft_tokens; "fixed": always num_draft_tokens.
+    draft_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -72,6 +78,10 @@ class EngineConfig:
         if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(
                 f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}"
+            )
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(
+                f"draft_policy must be one of {DRAFT_POLICIES}, got {self.draft_policy!r}"
             )
         if self.draft_skip_layers is not None:
             object.__setattr__(self, "draft_skip_layers", tuple(self.draft_skip_layers))

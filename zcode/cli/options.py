@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zcode.config import SPECULATIVE_METHODS
+from zcode.config import DRAFT_POLICIES, SPECULATIVE_METHODS
 from zcode.distributed.config import ParallelConfig
 from zcode.errors import ValidationError
 
@@ -227,7 +227,14 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
         "--num-draft-tokens",
         type=int,
         metavar="K",
-        help="with --speculative: tokens drafted per step (default: 3)",
+        help="with --speculative: tokens drafted per step at most (default: 3)",
+    )
+    parser.add_argument(
+        "--draft-policy",
+        choices=DRAFT_POLICIES,
+        help="with --speculative: adaptive (default) drafts per request and step as many of "
+        "those tokens as pay by measured acceptance and this machine's cost model (none where "
+        "speculation does not pay); fixed always drafts them all",
     )
     parser.add_argument(
         "--draft-skip-layers",
@@ -240,10 +247,15 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
 def speculative_args(args: argparse.Namespace) -> dict:
     """The engine arguments of --speculative and its options (none if it is not given)."""
     if args.speculative is None:
-        if args.num_draft_tokens is not None or args.draft_skip_layers is not None:
-            raise ValidationError("--num-draft-tokens and --draft-skip-layers need --speculative")
+        given = (args.num_draft_tokens, args.draft_skip_layers, args.draft_policy)
+        if any(option is not None for option in given):
+            raise ValidationError(
+                "--num-draft-tokens, --draft-policy and --draft-skip-layers need --speculative"
+            )
         return {}
     engine_args = {"speculative": args.speculative}
+    if args.draft_policy is not None:
+        engine_args["draft_policy"] = args.draft_policy
     if args.num_draft_tokens is not None:
         if args.num_draft_tokens < 1:
             raise ValidationError(

@@ -23,12 +23,15 @@ from zcode.harness.plan import ExecutionPlan
 from zcode.harness.report import PlanReport
 from zcode.sampling_params import SamplingParams
 from zcode.spec.drafter import make_drafter
+from zcode.spec.policy import DraftPolicy
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: nn.Module, tokenizer, config: EngineConfig, cost_model=None) -> None:
+        """`cost_model`: this machine's zcode.hardware.cost_model.CostModel for the adaptive
+        draft policy (default: the one cached here, if any)."""
         self.model, self.tokenizer, self.config = model, tokenizer, config
         hf = model.config
         self.vocab_size = hf.vocab_size
@@ -75,10 +78,27 @@ class LLMEngine:
             self.drafter.attach(self.runner)
         elif config.speculative is not None:
             self.drafter = make_drafter(config.speculative, self.runner, config.draft_skip_layers)
+        self.draft_policy, self.draft_policy_name = self._draft_policy(cost_model)
         # vLLM's spec-decode counters, running totals: steps that verified drafts, drafted
         # tokens, accepted tokens, and accepted tokens by draft position.
         self.spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
         self.spec_accepted_per_pos = [0] * config.num_draft_tokens
+
+    def _draft_policy(self, cost_model) -> tuple[DraftPolicy | None, str]:
+        """The adaptive draft policy (None: every request drafts its num_draft_tokens) and how
+        its reports name it."""
+        if self.drafter is None or self.config.draft_policy == "fixed":
+            return None, "fixed"
+        if cost_model is None:
+            from zcode.hardware.cost_model import CostModel
+
+            cost_model = CostModel.cached()
+        if cost_model is None:
+            note = "fixed: no cost model is fitted on this machine (zcode hw --fit-cost)"
+            logger.info("speculative decoding drafts %s", note)
+            return None, note
+        num_layers = len(self.model.model.layers)
+        return DraftPolicy(cost_model, self.model, self.drafter.cost_plan(num_layers)), "adaptive"
 
     def add_request(
         self,
@@ -254,7 +274,7 @@ class LLMEngine:
         seq = self.sequences.pop(request_id, None)
         if seq is not None and not seq.is_finished:
             self.scheduler.finish(seq, "abort")
-            self.sampler.release(seq)
+            self._release(seq)
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every sequence that made progress.
@@ -265,6 +285,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
+        if self.draft_policy is not None:
+            scheduled = self.draft_policy.limit(scheduled, self.spec_totals)
         self._propose_drafts(scheduled)
         ran, failed = [], []
         for plan, rows in self._by_plan(scheduled):
@@ -385,9 +407,15 @@ class LLMEngine:
 
     def _fail(self, seq: Sequence) -> RequestOutput:
         self.scheduler.finish(seq, "error")
-        self.sampler.release(seq)
+        self._release(seq)
         self.sequences.pop(seq.request_id, None)
         return self._output(seq, [])
+
+    def _release(self, seq: Sequence) -> None:
+        """Drops what the sampler and the draft policy keep for a finished sequence."""
+        self.sampler.release(seq)
+        if self.draft_policy is not None:
+            self.draft_policy.forget(seq.seq_id)
 
     def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor) -> None:
         # logits row i predicts the token after position (computed + i)
@@ -418,7 +446,7 @@ class LLMEngine:
         if reason is not None:
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
-            self.sampler.release(seq)
+            self._release(seq)
             self.sequences.pop(seq.request_id, None)
 
     def _stop_check(self, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
@@ -478,6 +506,7 @@ class LLMEngine:
             signature=plan.signature(),
             speculative={
                 "method": self.config.speculative,
+                "policy": self.draft_policy_name,
                 "num_drafts": steps,
                 "num_draft_tokens": drafted,
                 "num_accepted_tokens": accepted,

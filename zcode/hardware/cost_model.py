@@ -23,6 +23,9 @@ Public API:
     cost.predict_decode_ms(model, plan=None, *, batch_size=1, context_len=512) -> float
         ms of one decode step of `batch_size` sequences at `context_len` tokens of context
         (= the per-token latency each sequence sees)
+    cost.predict_step_ms(model, plan=None, *, num_tokens, num_seqs, context_len=512) -> float
+        ms of one decode step computing `num_tokens` tokens over `num_seqs` sequences (a step
+        that verifies drafted tokens)
     cost.predict_prefill_ms(model, plan=None, *, prompt_len=256) -> float
         ms to prefill one prompt of `prompt_len` tokens (divide by prompt_len for ms/token)
 
@@ -289,8 +292,11 @@ class CostModel:
         return model
 
     @classmethod
-    def cached(cls, info: HardwareInfo, cache_dir: Path | None = None) -> "CostModel | None":
-        """This machine's fitted model if one is cached, else None; measures nothing."""
+    def cached(
+        cls, info: HardwareInfo | None = None, cache_dir: Path | None = None
+    ) -> "CostModel | None":
+        """This machine's fitted model if one is cached, else None; measures nothing (not even
+        the hardware probe when `info` is None)."""
         key = cost_key(info)
         cached = cls.load(cache_path(key, cache_dir))
         return cached if cached is not None and cached.fingerprint == key else None
@@ -306,9 +312,24 @@ class CostModel:
     ) -> float:
         """`modules`: {name: module} predicted in place of the model's own (a precision
         variant's modules, without swapping them in)."""
-        features = step_features(
-            model, plan, batch_size, context_len, num_seqs=batch_size, modules=modules
-        )
+        return self.predict_step_ms(
+            model, plan, num_tokens=batch_size, num_seqs=batch_size, context_len=context_len,
+            modules=modules,
+        )  # fmt: skip
+
+    def predict_step_ms(
+        self,
+        model: nn.Module,
+        plan: Plan = None,
+        *,
+        num_tokens: int,
+        num_seqs: int,
+        context_len: int = 512,
+        modules: Mapping[str, nn.Module] | None = None,
+    ) -> float:
+        """ms of one decode-like step computing `num_tokens` new tokens over `num_seqs`
+        sequences (more tokens than sequences: a step verifying drafted tokens)."""
+        features = step_features(model, plan, num_tokens, context_len, num_seqs, modules)
         return predict(self.decode, features)
 
     def predict_prefill_ms(
@@ -369,8 +390,9 @@ def stale_note(cost: CostModel) -> str:
     )
 
 
-def cost_key(info: HardwareInfo) -> str:
-    """The key a fitted model is cached under: the machine and the kernels it measured."""
+def cost_key(info: HardwareInfo | None = None) -> str:
+    """The key a fitted model is cached under: the machine and the kernels it measured (`info`
+    None: this machine, from its static facts, without probing)."""
     return f"{fingerprint(info)}-kernels{KERNELS_VERSION}"
 
 

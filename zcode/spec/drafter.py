@@ -4,6 +4,7 @@ from abc import ABC, abstractmethod
 
 from zcode.config import SPECULATIVE_METHODS
 from zcode.engine.sequence import Sequence
+from zcode.harness.plan import ExecutionPlan
 
 
 class Drafter(ABC):
@@ -16,6 +17,11 @@ class Drafter(ABC):
 
         Called after scheduling: each sequence's block table has room for its drafts, and its
         KV is computed up to (not including) its last token."""
+
+    def cost_plan(self, num_layers: int) -> ExecutionPlan | None:
+        """The plan whose decode step of the model costs what one draft step does (the draft
+        policy's yardstick, zcode.spec.policy); None: drafting is free next to a forward."""
+        return None
 
 
 def make_drafter(name: str, runner, draft_skip_layers: tuple[int, ...] | None) -> Drafter:

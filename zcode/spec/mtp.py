@@ -24,9 +24,16 @@ from torch import nn
 from zcode.engine.kv_cache import KVCache
 from zcode.engine.sequence import Sequence
 from zcode.forward_batch import ForwardBatch
+from zcode.harness.plan import ExecutionPlan
 from zcode.layers.attention import gather_cache, write_cache
 from zcode.models.mtp import MtpLayer, build_mtp_layer
 from zcode.spec.drafter import Drafter
+
+
+def mtp_cost_plan(num_layers: int) -> ExecutionPlan:
+    """What an MTP draft step costs: one decoder layer with the embedding and the head, the
+    model's step with all its layers but one skipped."""
+    return ExecutionPlan(name="mtp draft", skip_layers=tuple(range(1, num_layers)))
 
 
 class HiddenStates(nn.Module):
@@ -77,6 +84,9 @@ class MtpDrafter(Drafter):
         dtype = runner.model.model.norm.weight.dtype
         KVCache(self.cache_owners(), runner.kv_cache.num_blocks, runner.block_size, dtype)
         runner.hidden_observer = self.observe
+
+    def cost_plan(self, num_layers: int) -> ExecutionPlan:
+        return mtp_cost_plan(num_layers)
 
     def cache_owners(self) -> list[nn.Module]:
         return [self.mtp.mtp_block.self_attn, self.hidden]

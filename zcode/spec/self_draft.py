@@ -12,6 +12,7 @@ from torch import nn
 
 from zcode.engine.sequence import Sequence
 from zcode.errors import ValidationError
+from zcode.harness.plan import ExecutionPlan
 from zcode.models.base import Backbone
 from zcode.sparsity.layer_skip import SkippedLayer
 from zcode.spec.drafter import Drafter
@@ -43,6 +44,9 @@ class SkipLayersDrafter(Drafter):
                 f"got {list(skip_layer_ids)}"
             )
         self.runner, self.skip_layer_ids = runner, tuple(sorted(set(skip_layer_ids)))
+
+    def cost_plan(self, num_layers: int) -> ExecutionPlan:
+        return ExecutionPlan(name="draft", skip_layers=self.skip_layer_ids)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[list[int]]:

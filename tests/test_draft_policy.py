@@ -1,0 +1,160 @@
+"""The adaptive draft policy: how many tokens each request drafts per step, from its measured
+acceptance and a cost model (zcode/spec/policy.py).
+
+The policy's choice is checked against brute force over every draft count vector, under cost
+models written out here (a fixed cost per step plus a cost per token: bandwidth-bound when the
+fixed part dominates, compute-bound when the per-token part does); in the engine, outputs stay
+those of plain decoding whatever the policy picks, and the drafts it makes follow the cost
+model it is given.
+"""
+
+import dataclasses
+import itertools
+
+import pytest
+from test_spec_decode import prompts, run
+
+from zcode.engine.llm_engine import LLMEngine
+from zcode.llm import LLM
+from zcode.sampling_params import SamplingParams
+from zcode.spec.policy import PROBE_EVERY, DraftPolicy, expected_accepted
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+PROBES = GREEDY.max_tokens // PROBE_EVERY + 1  # the most drafts a request held at none makes
+
+
+@dataclasses.dataclass
+class LinearCost:
+    """ms = fixed_ms + ms_per_token * tokens for the verifying step; a draft step (any plan
+    but None) costs draft_ms whatever its rows."""
+
+    fixed_ms: float
+    ms_per_token: float
+    draft_ms: float = 0.0
+
+    def predict_step_ms(self, model, plan, *, num_tokens, num_seqs, context_len) -> float:
+        if plan is not None:
+            return self.draft_ms
+        return self.fixed_ms + self.ms_per_token * num_tokens
+
+
+def tokens_per_ms(cost: LinearCost, rates, drafts, num_seqs: int) -> float:
+    """The oracle's objective, written from the definition: expected tokens over step time."""
+    tokens = num_seqs + sum(expected_accepted(a, k) for a, k in zip(rates, drafts))
+    ms = cost.fixed_ms + cost.ms_per_token * (num_seqs + sum(drafts))
+    ms += cost.draft_ms * max(drafts, default=0)  # a draft step per position, rows batched
+    return tokens / ms
+
+
+def choose(cost: LinearCost, rates: list[float], max_drafts: int, draft_plan=None) -> list[int]:
+    policy = DraftPolicy(cost, model=None, draft_plan=draft_plan)
+    num_seqs = len(rates)
+    return policy.choose(
+        rates, [max_drafts] * num_seqs, num_tokens=num_seqs, num_seqs=num_seqs,
+        context_len=100, base_yield=num_seqs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "cost",
+    [LinearCost(10.0, 0.2), LinearCost(10.0, 1.0), LinearCost(2.0, 1.0), LinearCost(0.0, 1.0)],
+)
+@pytest.mark.parametrize("rates", [[0.9], [0.3], [0.95, 0.5, 0.1], [0.7, 0.7, 0.6, 0.2]])
+def test_free_drafts_are_chosen_as_brute_force_chooses_them(cost, rates):
+    max_drafts = 3
+    chosen = choose(cost, rates, max_drafts)
+    best = max(
+        itertools.product(range(max_drafts + 1), repeat=len(rates)),
+        key=lambda drafts: tokens_per_ms(cost, rates, drafts, len(rates)),
+    )
+    assert tokens_per_ms(cost, rates, chosen, len(rates)) == pytest.approx(
+        tokens_per_ms(cost, rates, best, len(rates))
+    ), (chosen, best)
+
+
+def test_speculation_is_off_where_the_step_is_compute_bound_and_on_where_it_is_not():
+    """A cost per token only: each draft costs a whole token's time and yields less than one
+    token. A fixed cost per step (the weights read once): drafts ride along at batch 1, and
+    stop paying as the batch grows."""
+    assert choose(LinearCost(0.0, 1.0), [0.9], 3) == [0]
+    assert choose(LinearCost(10.0, 1.0), [0.7], 3) == [3]
+    batch = [0.7] * 64
+    assert choose(LinearCost(10.0, 1.0), batch, 3) == [0] * 64
+
+
+def test_a_costly_draft_needs_a_high_acceptance():
+    draft = object()  # any plan: the cost model prices its steps at draft_ms
+    cost = LinearCost(10.0, 0.1, draft_ms=5.0)
+    assert choose(cost, [0.3], 4, draft_plan=draft) == [0]
+    assert choose(cost, [0.95], 4, draft_plan=draft) == [4]
+    assert sum(choose(cost, [0.95], 4)) == 4  # free drafts at the same rate
+
+
+# ---- in the engine ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return LLM(tiny_checkpoint("llama").path, kv_cache_bytes=1 << 20, block_size=4)
+
+
+def engine(tiny, cost, **config) -> LLMEngine:
+    config = dataclasses.replace(tiny.config, speculative="ngram", num_draft_tokens=3, **config)
+    return LLMEngine(tiny.model, tiny.tokenizer, config, cost_model=cost)
+
+
+def test_the_engine_drafts_where_the_cost_model_says_it_pays(tiny):
+    """The prompt that repeats itself, where n-gram lookup drafts at once. Compute-bound: only
+    the probes draft (one token per PROBE_EVERY steps); bandwidth-bound: every step may draft.
+    A request that sets num_draft_tokens drafts as it asked either way. Tokens are plain
+    decoding's in every case."""
+    loop = prompts()[-1]
+    plain = run(engine(tiny, None, draft_policy="fixed"), [(loop, dataclasses.replace(
+        GREEDY, num_draft_tokens=0))])[0].token_ids  # fmt: skip
+    asked = dataclasses.replace(GREEDY, num_draft_tokens=2)
+    compute_bound = engine(tiny, LinearCost(0.0, 1.0))
+    out, fixed = run(compute_bound, [(loop, GREEDY), (loop, asked)])
+    assert out.token_ids == fixed.token_ids == plain
+    assert out.plan.speculative["policy"] == "adaptive"
+    assert out.plan.speculative["num_draft_tokens"] <= PROBES
+    assert fixed.plan.speculative["num_draft_tokens"] > PROBES
+    bandwidth_bound = engine(tiny, LinearCost(10.0, 0.01))
+    out = run(bandwidth_bound, [(loop, GREEDY)])[0]
+    assert out.token_ids == plain
+    assert out.plan.speculative["num_draft_tokens"] > PROBES
+
+
+def test_without_a_fitted_cost_model_every_request_drafts_its_tokens(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("ZCODE_CACHE_DIR", str(tmp_path))  # nothing fitted there
+    out = run(engine(tiny, None), [(prompts()[-1], GREEDY)])[0]
+    assert out.plan.speculative["policy"].startswith("fixed: no cost model")
+    assert out.plan.speculative["num_draft_tokens"] > PROBES
+
+
+def test_draft_policy_is_validated():
+    from zcode.config import EngineConfig
+
+    with pytest.raises(ValueError, match="draft_policy must be one of"):
+        EngineConfig(draft_policy="sometimes")
+
+
+@pytest.mark.parametrize("num_seqs", [1, 4])
+@pytest.mark.parametrize("num_drafts", [1, 3])
+def test_predicted_gain_is_the_objective_over_plain_decoding(num_seqs, num_drafts):
+    cost = LinearCost(10.0, 1.0, draft_ms=2.0)
+    policy = DraftPolicy(cost, model=None, draft_plan=object())
+    gain = policy.predicted_gain(0.8, num_drafts, num_seqs=num_seqs, context_len=100)
+    rates = [0.8] * num_seqs
+    with_drafts = tokens_per_ms(cost, rates, [num_drafts] * num_seqs, num_seqs)
+    assert gain == pytest.approx(with_drafts / tokens_per_ms(cost, rates, [0] * num_seqs, num_seqs))
+
+
+def test_the_cli_passes_the_draft_policy_to_the_engine():
+    import argparse
+
+    from zcode.cli.options import add_speculative_options, speculative_args
+
+    parser = argparse.ArgumentParser()
+    add_speculative_options(parser)
+    args = parser.parse_args(["--speculative", "ngram", "--draft-policy", "fixed"])
+    assert speculative_args(args) == {"speculative": "ngram", "draft_policy": "fixed"}

@@ -1,0 +1,206 @@
+"""How many tokens each request drafts in a step: as many as pay, by the acceptance measured so
+far and the hardware cost model; none where speculation does not pay (e.g. large batches).
+
+A step of B sampling sequences that verifies k_i drafts for request i computes N0 + sum k_i
+tokens (N0: the step's tokens without drafts) and is expected to yield
+B + sum_i E(a_i, k_i) tokens, E(a, k) = a + a^2 + ... + a^k: draft j counts only if drafts
+1..j all were accepted, each taken as accepted with the request's acceptance rate a. The policy
+picks the k_i that maximise expected tokens per ms,
+
+    (B + sum_i E(a_i, k_i)) / (step_ms(N0 + sum_i k_i) + draft_ms(k))
+
+step_ms from the cost model's decode coefficients (`CostModel.predict_step_ms`), draft_ms the
+drafter's: a draft step over the rows still drafting, costed as the decode step of the
+drafter's `cost_plan()` (n-gram lookup: free). Drafts are added one at a time, the one most
+likely to be accepted first (request i's next draft counts with probability a_i^(k_i + 1));
+the best rate seen along that path wins, so a draft cost that pays only from the second draft
+on is not refused at the first.
+
+A request's acceptance rate: its own accepted / drafted tokens, shrunk toward the engine's rate
+over all requests (a prior worth PRIOR_TOKENS drafted tokens), itself shrunk toward
+PRIOR_ACCEPTANCE before much was measured. A request held at no drafts still drafts one token
+every PROBE_EVERY steps, so its estimate can recover when its text turns predictable.
+"""
+
+import heapq
+from collections.abc import Callable
+
+from torch import nn
+
+from zcode.engine.scheduler import ScheduledSeq
+from zcode.harness.plan import ExecutionPlan
+
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_TOKENS = 8
+PROBE_EVERY = 16
+MAX_ACCEPTANCE = 0.98  # E(a, k) grows without bound as a -> 1: no estimate is that sure
+CONTEXT_BUCKET = 256  # contexts are costed rounded up to this many tokens
+
+
+def expected_accepted(acceptance: float, num_drafts: int) -> float:
+    """E(a, k) = a + a^2 + ... + a^k: the expected accepted drafts of k."""
+    return sum(acceptance**j for j in range(1, num_drafts + 1))
+
+
+class DraftPolicy:
+    def __init__(
+        self, cost_model, model: nn.Module, draft_plan: ExecutionPlan | None, plan=None
+    ) -> None:
+        """`cost_model`: a fitted zcode.hardware.cost_model.CostModel; `draft_plan`: the plan
+        whose decode step costs what one draft step does (None: drafting is free); `plan`: the
+        plan the verifying steps run (None: the model as loaded)."""
+        self.cost, self.model = cost_model, model
+        self.draft_plan, self.plan = draft_plan, plan
+        self.steps_without_drafts: dict[int, int] = {}  # seq_id -> steps since it last drafted
+        self._ms: dict[tuple, float] = {}
+
+    def limit(
+        self, scheduled: list[ScheduledSeq], engine_totals: dict[str, int]
+    ) -> list[ScheduledSeq]:
+        """`scheduled` with each adaptive request's draft slots cut to the number that pays
+        (requests that set num_draft_tokens keep theirs). `engine_totals`: the engine's
+        num_draft_tokens / num_accepted_tokens so far."""
+        adaptive = [
+            i
+            for i, s in enumerate(scheduled)
+            if s.num_lookahead_tokens and s.seq.params.num_draft_tokens is None
+        ]
+        if not adaptive:
+            return scheduled
+        prior = _shrunk(
+            engine_totals["num_accepted_tokens"], engine_totals["num_draft_tokens"],
+            PRIOR_ACCEPTANCE,
+        )  # fmt: skip
+        rates = [
+            _shrunk(scheduled[i].seq.num_accepted_tokens, scheduled[i].seq.num_draft_tokens, prior)
+            for i in adaptive
+        ]
+        others = [s for i, s in enumerate(scheduled) if i not in adaptive]
+        fixed_drafts = [s.num_lookahead_tokens for s in others if s.num_lookahead_tokens]
+        drafts = self.choose(
+            rates,
+            [scheduled[i].num_lookahead_tokens for i in adaptive],
+            num_tokens=sum(s.num_new_tokens for s in scheduled) + sum(fixed_drafts),
+            num_seqs=len(scheduled),
+            context_len=max(s.seq.num_tokens for s in scheduled),
+            base_yield=sum(s.completes_prompt for s in scheduled)
+            + sum(expected_accepted(prior, k) for k in fixed_drafts),
+            fixed_drafts=fixed_drafts,
+        )
+        out = list(scheduled)
+        for i, k in zip(adaptive, drafts):
+            seq_id = scheduled[i].seq.seq_id
+            idle = self.steps_without_drafts.get(seq_id, 0)
+            if k == 0 and idle + 1 >= PROBE_EVERY:
+                k = 1  # a probe: without drafts, nothing would ever be measured again
+            self.steps_without_drafts[seq_id] = 0 if k else idle + 1
+            out[i] = ScheduledSeq(scheduled[i].seq, scheduled[i].num_new_tokens, k)
+        return out
+
+    def forget(self, seq_id: int) -> None:
+        self.steps_without_drafts.pop(seq_id, None)
+
+    def choose(
+        self,
+        rates: list[float],
+        max_drafts: list[int],
+        *,
+        num_tokens: int,
+        num_seqs: int,
+        context_len: int,
+        base_yield: float,
+        fixed_drafts: list[int] = (),
+    ) -> list[int]:
+        """Drafts per adaptive request (acceptance `rates`, at most `max_drafts` each) that
+        maximise expected tokens per ms in a step that, without them, computes `num_tokens`
+        tokens over `num_seqs` sequences and yields `base_yield` tokens; `fixed_drafts`: the
+        draft counts of requests that set theirs (their drafting costs too)."""
+        rates = [min(max(a, 0.0), MAX_ACCEPTANCE) for a in rates]
+        context = _bucket(context_len)
+        drafts = [0] * len(rates)
+        # rows[j]: the requests drafting a j-th token, which draft step j runs
+        rows = [0] * max([*max_drafts, *fixed_drafts, 0])
+        for k in fixed_drafts:
+            for j in range(k):
+                rows[j] += 1
+        tokens, num_drafted = base_yield, 0
+
+        def tokens_per_ms() -> float:
+            ms = self._step_ms(num_tokens + num_drafted, num_seqs, context)
+            return tokens / (ms + self._draft_ms(rows, context))
+
+        best, best_rate = list(drafts), tokens_per_ms()
+        # (-gain of request i's next draft, i): its acceptance to the power of its position
+        heap = [(-a, i) for i, a in enumerate(rates) if max_drafts[i] > 0]
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, i = heapq.heappop(heap)
+            rows[drafts[i]] += 1
+            drafts[i] += 1
+            tokens, num_drafted = tokens - neg_gain, num_drafted + 1
+            if drafts[i] < max_drafts[i]:
+                heapq.heappush(heap, (-(rates[i] ** (drafts[i] + 1)), i))
+            if (rate := tokens_per_ms()) > best_rate:
+                best, best_rate = list(drafts), rate
+        return best
+
+    def predicted_gain(
+        self, acceptance: float, num_drafts: int, *, num_seqs: int = 1, context_len: int = 512
+    ) -> float:
+        """Predicted decode speed with `num_drafts` drafts per request at this acceptance rate,
+        over plain decoding's, for a batch of `num_seqs` decoding requests."""
+        context = _bucket(context_len)
+        accepted = expected_accepted(min(acceptance, MAX_ACCEPTANCE), num_drafts)
+        ms = self._step_ms(num_seqs * (1 + num_drafts), num_seqs, context)
+        ms += self._draft_ms([num_seqs] * num_drafts, context)
+        return (1 + accepted) * self._step_ms(num_seqs, num_seqs, context) / ms
+
+    def _draft_ms(self, rows: list[int], context_len: int) -> float:
+        """Draft step j runs the rows[j] requests drafting a j-th token (none: no step)."""
+        if self.draft_plan is None:
+            return 0.0
+        return sum(self._draft_step_ms(n, context_len) for n in rows if n)
+
+    def _step_ms(self, num_tokens: int, num_seqs: int, context_len: int) -> float:
+        def exact(tokens: int) -> float:
+            return self._predict(self.plan, tokens, num_seqs, context_len)
+
+        return _interpolated(exact, num_tokens, num_seqs)
+
+    def _draft_step_ms(self, num_rows: int, context_len: int) -> float:
+        def exact(rows: int) -> float:
+            return self._predict(self.draft_plan, rows, rows, context_len)
+
+        return _interpolated(exact, num_rows, 1)
+
+    def _predict(self, plan, num_tokens: int, num_seqs: int, context_len: int) -> float:
+        """The cost model's step ms, remembered (its features walk every linear of the model)."""
+        key = (id(plan), num_tokens, num_seqs, context_len)
+        if key not in self._ms:
+            self._ms[key] = self.cost.predict_step_ms(
+                self.model, plan, num_tokens=num_tokens, num_seqs=num_seqs,
+                context_len=context_len,
+            )  # fmt: skip
+        return self._ms[key]
+
+
+def _interpolated(exact: Callable[[int], float], x: int, base: int) -> float:
+    """exact(x), from its values at base * 2^i around x, linearly in between: a step's predicted
+    work is linear in its tokens (but for the routed experts a MoE step touches, which grow
+    more slowly), and so a shape costs a few cost-model calls, not one per token count."""
+    lo = base
+    while lo * 2 <= x:
+        lo *= 2
+    if lo == x:
+        return exact(x)
+    share = (x - lo) / lo  # toward hi = 2 lo
+    return (1 - share) * exact(lo) + share * exact(2 * lo)
+
+
+def _bucket(context_len: int) -> int:
+    return -(-context_len // CONTEXT_BUCKET) * CONTEXT_BUCKET
+
+
+def _shrunk(accepted: int, drafted: int, prior: float) -> float:
+    """accepted / drafted, shrunk toward `prior` by PRIOR_TOKENS pseudo-drafts."""
+    return (accepted + PRIOR_TOKENS * prior) / (drafted + PRIOR_TOKENS)
