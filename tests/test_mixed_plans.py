@@ -1,8 +1,8 @@
 """Per-request plans in one batch (issue 17, phase 2): requests with different plans share each
-engine step, one forward per plan, and each gets exactly the tokens it gets running alone with
-its plan, for every dimension that is model state (FFN sparsity levels, precision levels) and
-with per-request skipped layers and KV heads among them; compiled decode gives eager's tokens for
-every plan of a mixed sequence of requests."""
+engine step, one forward per precision (FFN levels are per token, skips per row), and each gets
+exactly the tokens it gets running alone with its plan, for every dimension that is model state
+(FFN sparsity levels, precision levels) and with per-request skipped layers and KV heads among
+them; compiled decode gives eager's tokens for every plan of a mixed sequence of requests."""
 
 import dataclasses
 
@@ -95,6 +95,21 @@ def test_a_batch_of_four_plans_gives_each_request_its_own_tokens(kind, request):
     params = dataclasses.replace(GREEDY, max_tokens=1, logprobs=0)
     firsts = [out.logprobs[0] for out in llm.generate([PROMPTS[0]] * 4, params, plan=plans)]
     assert all(firsts[i] != firsts[j] for i in range(4) for j in range(i))
+
+
+def test_requests_at_different_ffn_levels_share_each_forward(ffn, monkeypatch):
+    """FFN levels are per token (a threshold per token in each sparse FFN): the four FFN plans,
+    one precision, run every step in one forward of all four rows."""
+    rows_per_forward = []
+    execute = ffn.engine.runner.execute
+
+    def counting(scheduled, token_levels=None):
+        rows_per_forward.append(len(scheduled))
+        return execute(scheduled, token_levels)
+
+    monkeypatch.setattr(ffn.engine.runner, "execute", counting)
+    ffn.generate(PROMPTS, GREEDY, plan=_ffn_plans(ffn))
+    assert rows_per_forward == [4] * GREEDY.max_tokens
 
 
 def test_per_prompt_hints_are_one_per_prompt(ffn):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from zcode.layers.mlp import GatedMLP
 from zcode.sparsity import kernel
-from zcode.sparsity.sparse_mlp import SparseMLP
+from zcode.sparsity.sparse_mlp import SparseMLP, tokens_at_levels
 from zcode.sparsity.thresholds import channel_scales
 
 KERNEL_MISSING = "the sparse C++ kernel does not build here (gcc is part of the set-up)"
@@ -45,6 +45,42 @@ def test_sparse_mlp_matches_masked_dense(use_kernel, num_tokens, score):
     torch.testing.assert_close(sparse(x), _oracle(mlp, x, t_in, t_mid, score))
 
 
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("dense_fraction", [1.0, 0.5])
+def test_each_token_at_its_own_level_is_that_level_alone(use_kernel, dense_fraction):
+    """Tokens at three levels (dense among them) in one call: each row is the masked dense
+    formula at its own thresholds."""
+    assert kernel.available() or not use_kernel, KERNEL_MISSING
+    mlp = _mlp(4)
+    x = torch.randn(6, 48)
+    scale_in, scale_mid = channel_scales(mlp, "teal")
+    levels = [(-1.0, -1.0), (float((x.abs() * scale_in).quantile(0.4)), 0.02), (1.0, 0.05)]
+    per_token = torch.tensor([levels[i % 3] for i in range(6)])  # [T, 2]
+    sparse = SparseMLP(mlp, 0.3, 0.1, use_kernel=use_kernel, dense_fraction=dense_fraction)
+    with tokens_at_levels([sparse], per_token[None]):
+        got = sparse(x)
+    for t, (t_in, t_mid) in enumerate(per_token.tolist()):
+        torch.testing.assert_close(got[t], _oracle(mlp, x[t : t + 1], t_in, t_mid)[0])
+    assert sparse.token_thresholds is None  # bound for the call only
+    torch.testing.assert_close(sparse(x), _oracle(mlp, x, 0.3, 0.1))
+
+
+def test_kernel_reads_the_union_of_the_tokens_own_rows():
+    """Poisoned rows, as below, with a threshold per token: a row kept by any token is read,
+    none other."""
+    assert kernel.available(), KERNEL_MISSING
+    torch.manual_seed(5)
+    x = torch.randn(3, 64)
+    w_t = torch.randn(64, 40)
+    thresh = torch.tensor([2.0, 1.0, 1.5])
+    masks = x.abs() > thresh[:, None]  # [T, K]
+    kept = masks.any(dim=0)
+    poisoned = torch.where(kept[:, None], w_t, float("nan"))
+    out = kernel.sparse_rows(x, torch.ones(64), thresh, poisoned, 1.0)
+    assert 0 < kept.float().mean() < 0.8
+    torch.testing.assert_close(out, (x * masks) @ torch.where(kept[:, None], w_t, 0.0))
+
+
 def test_dense_level_is_the_dense_mlp():
     mlp = _mlp(1)
     x = torch.randn(5, 48)
@@ -64,7 +100,7 @@ def test_kernel_never_reads_skipped_rows():
     kept = (x.abs() > thresh).any(dim=0)
     poisoned = w_t.clone()
     poisoned[~kept] = float("nan")
-    out = kernel.sparse_rows(x, ones, thresh, poisoned, 1.0)
+    out = kernel.sparse_rows(x, ones, torch.full((3,), thresh), poisoned, 1.0)
     expected = (x * (x.abs() > thresh)) @ torch.where(kept[:, None], w_t, 0.0)
     assert kept.float().mean() < 0.8  # the test skips rows at all
     torch.testing.assert_close(out, expected)
@@ -78,8 +114,9 @@ def test_dense_fallback_past_the_union_density():
     ones = torch.ones(64)
     poisoned = w_t.clone()
     poisoned[(x.abs() <= 0.5).all(dim=0)] = float("nan")  # rows no token keeps, if any
-    sparse = kernel.sparse_rows(x, ones, 0.5, w_t, 1.0)
-    fallback = kernel.sparse_rows(x, ones, 0.5, w_t, 0.5)
+    thresh = torch.full((32,), 0.5)
+    sparse = kernel.sparse_rows(x, ones, thresh, w_t, 1.0)
+    fallback = kernel.sparse_rows(x, ones, thresh, w_t, 0.5)
     torch.testing.assert_close(fallback, sparse)
     torch.testing.assert_close(fallback, (x * (x.abs() > 0.5)) @ w_t)
 

@@ -290,9 +290,10 @@ class LLMEngine:
         self._propose_drafts(scheduled)
         ran, failed = [], []
         for plan, rows in self._by_plan(scheduled):
-            if self.executor is not None and plan.signature() != self.runner.plan_signature:
+            model_state = plan.without_skips().signature()
+            if self.executor is not None and model_state != self.runner.plan_signature:
                 self.executor.apply(plan)  # without an executor the model runs as it is
-            rows_ran, rows_failed = _isolating_failures(self.runner.execute, rows, lambda s: s.seq)
+            rows_ran, rows_failed = _isolating_failures(self._execute, rows, lambda s: s.seq)
             ran += rows_ran
             failed += rows_failed
         if self.expert_cache is not None:
@@ -300,15 +301,24 @@ class LLMEngine:
         return [self._fail(s.seq) for s in failed] + self._update(ran)
 
     def _by_plan(self, scheduled: list[ScheduledSeq]) -> list[tuple[ExecutionPlan, list]]:
-        """The step's rows grouped by the plan they run, in order of first appearance: one
-        forward per plan, so requests with different plans share a step and each runs its own
-        (the runner's current plan first, saving a move)."""
+        """The step's rows grouped by what of their plans is model state (precision; without an
+        executor there is one plan), each group with its first row's plan: one forward per
+        group, so requests with different plans share a step and each runs its own (the group
+        of the runner's current plan first, saving a move)."""
         groups: dict[str, tuple[ExecutionPlan, list]] = {}
         default = self.default_plan
+        key = ExecutionPlan.signature if self.executor is None else self.executor.group_key
         for s in scheduled:
             plan = s.seq.plan or default
-            groups.setdefault(plan.signature(), (plan, []))[1].append(s)
-        return sorted(groups.values(), key=lambda g: g[0].signature() != self.runner.plan_signature)
+            groups.setdefault(key(plan), (plan, []))[1].append(s)
+        return sorted(groups.values(), key=lambda g: key(g[0]) != key(self.runner.plan))
+
+    def _execute(self, rows: list[ScheduledSeq]) -> list[torch.Tensor]:
+        """One forward of rows of one group; their FFN levels per token where they differ."""
+        levels = None
+        if self.executor is not None:
+            levels = self.executor.token_levels([s.seq.plan or self.default_plan for s in rows])
+        return self.runner.execute(rows, levels)
 
     def _propose_drafts(self, scheduled: list[ScheduledSeq]) -> None:
         """Fills `spec_token_ids` of the sequences scheduled with room for drafts. Drafting is

@@ -15,7 +15,7 @@ from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
 from zcode.models.base import Backbone
 from zcode.sparsity.expert_skip import AdaptiveMoE
-from zcode.sparsity.sparse_mlp import SparseMLP
+from zcode.sparsity.sparse_mlp import SparseMLP, tokens_at_levels
 
 LOGICAL_BLOCKS_PER_BLOCK = 4
 # (input_ids [T], batch, the backbone's final hidden states [T, D]) -> None
@@ -91,16 +91,19 @@ class ModelRunner:
         return 0 if self.graphs is None else self.graphs.num_compiles
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[torch.Tensor]:
+    def execute(self, scheduled: list[ScheduledSeq], token_levels=None) -> list[torch.Tensor]:
         """Runs one step; returns per scheduled sequence the logits it asked for, [n_i, V] fp32.
 
         A sequence asks for its last token's logits when this step completes its known tokens,
         and for every new token's logits while its prompt log-probabilities are wanted. Drafted
         tokens (`seq.spec_token_ids`) follow its known ones in the same query, each asking for its
-        logits: [1 + num_drafts, V] to verify them.
+        logits: [1 + num_drafts, V] to verify them. `token_levels`: (each layer's SparseMLP or
+        None, [B, L, 2] FFN thresholds of each sequence) when the sequences run different FFN
+        levels (PlanExecutor.token_levels); the step then runs eagerly.
         """
         if (
-            self.compiles_plan
+            token_levels is None
+            and self.compiles_plan
             and all(_is_last_token(s) for s in scheduled)
             and len({_skips(s.seq) for s in scheduled}) == 1  # one graph runs one plan
         ):
@@ -119,7 +122,14 @@ class ModelRunner:
         batch = ForwardBatch.build(query_lens, context_lens, tables, self.block_size, num_logits)
         if self.pages is not None:
             batch = self._with_paging(batch, [s.seq for s in scheduled], query_lens)
-        logits = self._forward(torch.tensor(input_ids, dtype=torch.int64), batch)  # [N, V]
+        input_ids = torch.tensor(input_ids, dtype=torch.int64)
+        if token_levels is None:
+            logits = self._forward(input_ids, batch)  # [N, V]
+        else:
+            mlps, per_seq = token_levels  # per_seq: [B, L, 2]
+            per_token = per_seq.repeat_interleave(torch.tensor(query_lens), dim=0)  # [T, L, 2]
+            with tokens_at_levels(mlps, per_token.transpose(0, 1)):
+                logits = self._forward(input_ids, batch)
         return list(logits.split(num_logits))
 
     @torch.inference_mode()

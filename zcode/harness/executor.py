@@ -1,13 +1,20 @@
 """The executor: the one code that moves the model to a plan (precision variant modules, FFN
 level) and declares that plan to the model runner, so compiled decode keys its graphs by the
 plan's signature and re-reads the model's tensors at every change. The engine calls it: each
-request carries its plan (`Sequence.plan`), and a step runs its rows grouped by plan, one forward
-per group, moving the model to each group's plan first. Skipped layers and KV heads stay per row
-(LLMEngine.add_request), not model state.
+request carries its plan (`Sequence.plan`), and a step runs its rows grouped by what must be
+model state, their precision (`group_key`), one forward per group, moving the model to each
+group's plan first. Within a group FFN levels are per token (`token_levels`: each SparseMLP
+takes a threshold per token), and skipped layers and KV heads per row (LLMEngine.add_request).
 """
+
+import dataclasses
+
+import torch
 
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
+
+FFN_LEVEL = ("ffn_sparsity_in", "ffn_sparsity_mid")  # the plan extras that name its FFN level
 
 
 class PlanExecutor:
@@ -17,6 +24,34 @@ class PlanExecutor:
         KV)."""
         self.engine, self.variants, self.sparsity = engine, variants, sparsity
         self.default = default or engine.runner.plan
+        self._sparse_ffns: list | None = None  # the modules token_levels last bound
+
+    def group_key(self, plan: ExecutionPlan) -> str:
+        """Rows whose plans share this key run in one forward: the plan less what is per row
+        (skips; the FFN level, when an artifact gives levels)."""
+        plan = plan.without_skips()
+        if self.sparsity is not None:
+            extras = tuple((k, v) for k, v in plan.extras if k not in FFN_LEVEL)
+            plan = dataclasses.replace(plan, extras=extras, ffn_density=1.0)
+        return plan.signature()
+
+    def token_levels(self, plans: list[ExecutionPlan]):
+        """For one forward of requests with these plans (one group_key): None when they share
+        one FFN level (the model's, once the group's plan is applied), else (each layer's
+        SparseMLP or None, [B, L, 2] thresholds of each request) for
+        zcode.sparsity.sparse_mlp.tokens_at_levels."""
+        levels = [_ffn_level(plan) for plan in plans]
+        if len(set(levels)) == 1:
+            return None
+        from zcode.sparsity.apply import ffn_thresholds, sparse_ffns
+
+        model = self.engine.model
+        mlps = sparse_ffns(model, self.sparsity)
+        if mlps != self._sparse_ffns:  # SparseMLPs swapped in: compiled graphs must see them
+            self._sparse_ffns = mlps
+            self.engine.runner.set_plan(self.engine.runner.plan)
+        per_level = {lv: ffn_thresholds(model, self.sparsity, *lv) for lv in set(levels)}
+        return mlps, torch.stack([per_level[lv] for lv in levels])
 
     def check(self, plan: ExecutionPlan) -> None:
         """Raises ValidationError unless this model can run `plan`'s precision and FFN level."""
@@ -64,3 +99,9 @@ class PlanExecutor:
             float(extras["ffn_sparsity_in"]),
             float(extras["ffn_sparsity_mid"]),
         )
+
+
+def _ffn_level(plan: ExecutionPlan) -> tuple[float, float]:
+    """(sparsity_in, sparsity_mid) of the plan's FFNs; (0, 0) is dense."""
+    extras = dict(plan.extras)
+    return tuple(float(extras.get(name, 0.0)) for name in FFN_LEVEL)

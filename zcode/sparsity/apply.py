@@ -8,6 +8,7 @@ cache holds (skipped layers, pruned heads) is applied before the engine sizes it
 `apply_to_llm` rebuilds the engine.
 """
 
+import torch
 from torch import nn
 
 from zcode.errors import ValidationError
@@ -94,17 +95,41 @@ def set_ffn_level(
     model: nn.Module, artifact: SparsityArtifact, sparsity_in: float, sparsity_mid: float
 ) -> None:
     """Moves every dense FFN to the level (swapping GatedMLP for SparseMLP on first use)."""
+    if sparsity_in or sparsity_mid:
+        sparse_ffns(model, artifact)
+    thresholds = ffn_thresholds(model, artifact, sparsity_in, sparsity_mid)  # [L, 2]
+    for layer, (thresh_in, thresh_mid) in zip(_all_layers(model), thresholds.tolist()):
+        if isinstance(layer.mlp, SparseMLP):
+            layer.mlp.set_thresholds(thresh_in, thresh_mid)
+
+
+def ffn_thresholds(
+    model: nn.Module, artifact: SparsityArtifact, sparsity_in: float, sparsity_mid: float
+) -> torch.Tensor:
+    """[L, 2] (t_in, t_mid) of each layer's FFN at this level; -1 (keep all) at the dense level
+    and for FFNs that have no level (MoE layers)."""
     dense = sparsity_in == 0 and sparsity_mid == 0
-    for i, layer in enumerate(_all_layers(model)):
-        mlp = getattr(layer, "mlp", None)
-        if dense:
-            thresh_in = thresh_mid = -1.0
-        else:
-            thresh_in, thresh_mid = artifact.table.at(i, sparsity_in, sparsity_mid)
-        if isinstance(mlp, SparseMLP):
-            mlp.set_thresholds(thresh_in, thresh_mid)
-        elif type(mlp) is GatedMLP and not dense:
-            layer.mlp = SparseMLP(mlp, thresh_in, thresh_mid, artifact.table.score)
+    return torch.tensor(
+        [
+            (-1.0, -1.0)
+            if dense or not _has_level(layer.mlp)
+            else artifact.table.at(i, sparsity_in, sparsity_mid)
+            for i, layer in enumerate(_all_layers(model))
+        ]
+    )
+
+
+def sparse_ffns(model: nn.Module, artifact: SparsityArtifact) -> list[SparseMLP | None]:
+    """Each decoder layer's FFN as a SparseMLP (a GatedMLP is swapped for one at the dense
+    level: same outputs), in layer order; None for FFNs that have no level (MoE layers)."""
+    for layer in _all_layers(model):
+        if type(layer.mlp) is GatedMLP:
+            layer.mlp = SparseMLP(layer.mlp, -1.0, -1.0, artifact.table.score)
+    return [layer.mlp if isinstance(layer.mlp, SparseMLP) else None for layer in _all_layers(model)]
+
+
+def _has_level(mlp: nn.Module) -> bool:
+    return type(mlp) is GatedMLP or isinstance(mlp, SparseMLP)
 
 
 def remove_sparsity(model: nn.Module) -> None:

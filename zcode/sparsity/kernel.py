@@ -1,5 +1,6 @@
 """The row-skipping CPU kernel behind SparseMLP: y = (x * [|x| > t]) @ W_t, reading only the rows
-of W_t whose input is kept by some token of the batch (the union of the tokens' masks).
+of W_t whose input is kept by some token of the batch (the union of the tokens' masks). Each
+token has its own threshold t, so requests at different sparsity levels share one call.
 
 W_t is the transposed weight, [K, N] row-major, so one input channel is one contiguous row: a
 skipped channel is a row never loaded. Past `dense_fraction` of rows kept, the kernel falls back to
@@ -25,16 +26,19 @@ _CPP = r"""
 #include <vector>
 
 // y[t, :] = sum over kept rows k of a[t, k] * w[k, :], a = x masked by |x| > thresh.
-// A row is kept by token t when |x[t, k]| * scale[k] > thresh (scale: the row's weight norm for
-// WINA-style scores, ones for plain TEAL).
-static torch::Tensor sparse_rows(const torch::Tensor& x, const torch::Tensor& scale, double thresh,
-                                 const torch::Tensor& w, double dense_fraction) {
-  // x: [T, K] fp32, scale: [K], w: [K, N] fp32 contiguous -> y: [T, N]
+// A row is kept by token t when |x[t, k]| * scale[k] > thresh[t] (scale: the row's weight norm
+// for WINA-style scores, ones for plain TEAL; thresh: each token's own, negative keeps all).
+static torch::Tensor sparse_rows(const torch::Tensor& x, const torch::Tensor& scale,
+                                 const torch::Tensor& thresh, const torch::Tensor& w,
+                                 double dense_fraction) {
+  // x: [T, K] fp32, scale: [K], thresh: [T] fp32, w: [K, N] fp32 contiguous -> y: [T, N]
   const int64_t T = x.size(0), K = x.size(1), N = w.size(1);
+  TORCH_CHECK(thresh.numel() == T, "sparse_rows: one threshold per token");
   auto xc = x.contiguous();
+  auto thc = thresh.contiguous();
   const float* xp = xc.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
-  const float th = static_cast<float>(thresh);
+  const float* th = thc.data_ptr<float>();
   std::vector<int64_t> rows;
   rows.reserve(K);
   std::vector<float> a(static_cast<size_t>(K) * T, 0.f);  // [K, T]: kept inputs, row-major by k
@@ -43,7 +47,7 @@ static torch::Tensor sparse_rows(const torch::Tensor& x, const torch::Tensor& sc
     const float sk = sp[k];
     for (int64_t t = 0; t < T; ++t) {
       float v = xp[t * K + k];
-      if (std::abs(v) * sk > th) { a[k * T + t] = v; any = true; }
+      if (std::abs(v) * sk > th[t]) { a[k * T + t] = v; any = true; }
     }
     if (any) rows.push_back(k);
   }
@@ -76,10 +80,10 @@ static torch::Tensor sparse_rows(const torch::Tensor& x, const torch::Tensor& sc
 
 // SwiGLU FFN with both inputs sparsified: down(silu(gate) * up), gate|up from one [K, 2I] weight.
 static torch::Tensor sparse_ffn(const torch::Tensor& x, const torch::Tensor& scale_in,
-                                double thresh_in, const torch::Tensor& w_gu,
-                                const torch::Tensor& scale_mid, double thresh_mid,
+                                const torch::Tensor& thresh_in, const torch::Tensor& w_gu,
+                                const torch::Tensor& scale_mid, const torch::Tensor& thresh_mid,
                                 const torch::Tensor& w_down, double dense_fraction) {
-  // x: [T, D]; w_gu: [D, 2I]; w_down: [I, D] -> [T, D]
+  // x: [T, D]; thresh_in, thresh_mid: [T]; w_gu: [D, 2I]; w_down: [I, D] -> [T, D]
   auto gu = sparse_rows(x, scale_in, thresh_in, w_gu, dense_fraction);  // [T, 2I]
   const int64_t I = w_down.size(0);
   auto h = torch::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);  // [T, I]
@@ -99,7 +103,7 @@ def _module():
 
     from zcode.kernels.cpp_build import build_lock
 
-    name = "zcode_sparse_rows_v2"
+    name = "zcode_sparse_rows_v3"  # v3: a threshold per token
     with build_lock(name):
         return load_inline(
             name=name,
@@ -122,24 +126,29 @@ def available() -> bool:
 
 
 def sparse_rows(
-    x: torch.Tensor, scale: torch.Tensor, thresh: float, w_t: torch.Tensor, dense_fraction: float
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    thresh: torch.Tensor,
+    w_t: torch.Tensor,
+    dense_fraction: float,
 ) -> torch.Tensor:
-    """x: [T, K] fp32, scale: [K], w_t: [K, N] fp32 contiguous -> [T, N]."""
+    """x: [T, K] fp32, scale: [K], thresh: [T] fp32 (each token's), w_t: [K, N] fp32 contiguous
+    -> [T, N]."""
     return _module().sparse_rows(x, scale, thresh, w_t, dense_fraction)
 
 
 def sparse_ffn(
     x: torch.Tensor,
     scale_in: torch.Tensor,
-    thresh_in: float,
+    thresh_in: torch.Tensor,
     w_gate_up_t: torch.Tensor,
     scale_mid: torch.Tensor,
-    thresh_mid: float,
+    thresh_mid: torch.Tensor,
     w_down_t: torch.Tensor,
     dense_fraction: float,
 ) -> torch.Tensor:
-    """x: [T, D]; scale_in: [D]; w_gate_up_t: [D, 2I]; scale_mid: [I]; w_down_t: [I, D] -> [T, D]
-    (all fp32)."""
+    """x: [T, D]; scale_in: [D]; thresh_in, thresh_mid: [T] (each token's); w_gate_up_t:
+    [D, 2I]; scale_mid: [I]; w_down_t: [I, D] -> [T, D] (all fp32)."""
     return _module().sparse_ffn(
         x, scale_in, thresh_in, w_gate_up_t, scale_mid, thresh_mid, w_down_t, dense_fraction
     )

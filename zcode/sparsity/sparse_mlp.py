@@ -6,7 +6,13 @@ h = silu(a @ Wg^T) * (a @ Wu^T), out = (h * [|h| * s_mid > t_mid]) @ Wd^T, each 
 masks (s: per-channel score scales, see thresholds.py). A batch reads the union of its
 tokens' kept rows; when the union passes `dense_fraction` of the rows the kernel multiplies the
 masked inputs densely instead (same numbers, no skipping, MKL speed).
+
+The thresholds are the module's level (`set_thresholds`), or, inside `tokens_at_levels`, each
+token's own: requests at different FFN levels (a dense one included: negative thresholds keep
+every input) then share one forward.
 """
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +42,7 @@ class SparseMLP(nn.Module):
             raise NotImplementedError("SparseMLP: sparsity on top of quantized FFN weights")
         self.intermediate_size = mlp.gate_proj.out_features
         self.thresh_in, self.thresh_mid = float(thresh_in), float(thresh_mid)
+        self.token_thresholds: torch.Tensor | None = None  # [T, 2] inside tokens_at_levels
         self.dense_fraction = dense_fraction
         scale_in, scale_mid = channel_scales(mlp, score)
         self.register_buffer("scale_in", scale_in, persistent=False)  # [D]
@@ -70,36 +77,58 @@ class SparseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> [T, D]
-        if self.is_dense:
+        if self.token_thresholds is not None:
+            thresh_in, thresh_mid = self.token_thresholds.unbind(1)  # [T] each
+        elif self.is_dense:
             gate, up = (x @ self.w_gate_up_t).split(self.intermediate_size, dim=-1)
             return (F.silu(gate) * up) @ self.w_down_t
+        else:
+            thresh_in = torch.full((x.shape[0],), self.thresh_in)
+            thresh_mid = torch.full((x.shape[0],), self.thresh_mid)
         if self.use_kernel:
             return kernel.sparse_ffn(
                 x,
                 self.scale_in,
-                self.thresh_in,
+                thresh_in,
                 self.w_gate_up_t,
                 self.scale_mid,
-                self.thresh_mid,
+                thresh_mid,
                 self.w_down_t,
                 self.dense_fraction,
             )
         gate_up = _sparse_rows_torch(
-            x, self.scale_in, self.thresh_in, self.w_gate_up_t, self.dense_fraction
+            x, self.scale_in, thresh_in, self.w_gate_up_t, self.dense_fraction
         )
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         h = F.silu(gate) * up  # [T, I]
-        return _sparse_rows_torch(
-            h, self.scale_mid, self.thresh_mid, self.w_down_t, self.dense_fraction
-        )
+        return _sparse_rows_torch(h, self.scale_mid, thresh_mid, self.w_down_t, self.dense_fraction)
+
+
+@contextmanager
+def tokens_at_levels(mlps: list[SparseMLP | None], thresholds: torch.Tensor):
+    """Inside, each of `mlps` (one per layer; None: an FFN without levels) runs each token at
+    its own thresholds: thresholds [L, T, 2], (t_in, t_mid) of the L layers' FFNs for the next
+    forward's T tokens (negative: dense)."""
+    bound = [(mlp, t) for mlp, t in zip(mlps, thresholds, strict=True) if mlp is not None]
+    try:
+        for mlp, layer_thresholds in bound:
+            mlp.token_thresholds = layer_thresholds
+        yield
+    finally:
+        for mlp, _ in bound:
+            mlp.token_thresholds = None
 
 
 def _sparse_rows_torch(
-    x: torch.Tensor, scale: torch.Tensor, thresh: float, w_t: torch.Tensor, dense_fraction: float
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    thresh: torch.Tensor,
+    w_t: torch.Tensor,
+    dense_fraction: float,
 ) -> torch.Tensor:
     """The kernel's contract in torch ops: index_select copies only the union's rows."""
-    # x: [T, K], scale: [K], w_t: [K, N] -> [T, N]
-    masked = x * (x.abs() * scale.to(x.dtype) > thresh)
+    # x: [T, K], scale: [K], thresh: [T], w_t: [K, N] -> [T, N]
+    masked = x * (x.abs() * scale.to(x.dtype) > thresh[:, None].to(x.dtype))
     rows = masked.ne(0).any(dim=0).nonzero().squeeze(1)  # [R]
     if rows.numel() > dense_fraction * x.shape[1]:
         return masked @ w_t
