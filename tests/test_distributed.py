@@ -190,8 +190,8 @@ def _run(llm: LLM, rounds: list, max_tokens: int = 6) -> dict:
     logits = []
     execute = llm.engine.runner.execute
 
-    def recording(scheduled):
-        out = execute(scheduled)
+    def recording(scheduled, token_levels=None):
+        out = execute(scheduled, token_levels)
         logits.extend(x.clone() for x in out if x.numel())
         return out
 

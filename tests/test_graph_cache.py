@@ -45,8 +45,8 @@ def _generate(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[in
     logits_by_step = []
     execute = engine.runner.execute
 
-    def recording(scheduled):
-        logits = execute(scheduled)
+    def recording(scheduled, token_levels=None):
+        logits = execute(scheduled, token_levels)
         logits_by_step.append([row[-1].clone() for row in logits])
         return logits
 

@@ -293,7 +293,9 @@ def test_compiled_moe_decode_matches_eager(tiny_checkpoint, name, fmt):
         engine = LLMEngine(net, None, config)
         seqs = [engine.add_request(p, params) for p in prompts]
         logits, execute = [], engine.runner.execute
-        engine.runner.execute = lambda s: logits.append(execute(s)) or logits[-1]
+        engine.runner.execute = lambda s, levels=None: (
+            logits.append(execute(s, levels)) or logits[-1]
+        )
         while engine.has_unfinished():
             engine.step()
         return engine, [s.output_token_ids for s in seqs], logits

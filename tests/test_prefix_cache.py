@@ -163,11 +163,11 @@ class Recorder:
         self.execute = engine.runner.execute
         engine.runner.execute = self
 
-    def __call__(self, scheduled):
+    def __call__(self, scheduled, token_levels=None):
         self.calls += [
             (s.seq.request_id, s.seq.num_computed_tokens, s.num_new_tokens) for s in scheduled
         ]
-        return self.execute(scheduled)
+        return self.execute(scheduled, token_levels)
 
     def tokens_run(self, request_id: str) -> int:
         return sum(n for rid, _, n in self.calls if rid == request_id)
