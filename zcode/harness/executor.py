@@ -56,7 +56,7 @@ class PlanExecutor:
     def check(self, plan: ExecutionPlan) -> None:
         """Raises ValidationError unless this model can run `plan`'s precision and FFN level."""
         self._precision_modules(plan.precision)
-        if "ffn_sparsity_in" in dict(plan.extras) and self.sparsity is None:
+        if _names_ffn_level(plan) and self.sparsity is None:
             raise ValidationError("the plan names an FFN level: load a sparsity artifact")
 
     def apply(self, plan: ExecutionPlan) -> None:
@@ -67,7 +67,7 @@ class PlanExecutor:
             from zcode.quant.variants import swap
 
             swap(self.engine.model, modules)
-        self._set_ffn_level(dict(plan.extras))
+        self._set_ffn_level(plan)
         self.engine.runner.set_plan(plan.without_skips())
 
     def _precision_modules(self, precision: tuple[tuple[str, str], ...]) -> dict | None:
@@ -86,19 +86,18 @@ class PlanExecutor:
             raise ValidationError("the plan's precision is none of the model's precision variants")
         return level.modules
 
-    def _set_ffn_level(self, extras: dict[str, str]) -> None:
-        if "ffn_sparsity_in" not in extras:
+    def _set_ffn_level(self, plan: ExecutionPlan) -> None:
+        if not _names_ffn_level(plan):
             return  # the FFNs as loaded
         if self.sparsity is None:
             raise ValidationError("the plan names an FFN level: load a sparsity artifact")
         from zcode.sparsity.apply import set_ffn_level
 
-        set_ffn_level(
-            self.engine.model,
-            self.sparsity,
-            float(extras["ffn_sparsity_in"]),
-            float(extras["ffn_sparsity_mid"]),
-        )
+        set_ffn_level(self.engine.model, self.sparsity, *_ffn_level(plan))
+
+
+def _names_ffn_level(plan: ExecutionPlan) -> bool:
+    return any(name in FFN_LEVEL for name, _ in plan.extras)
 
 
 def _ffn_level(plan: ExecutionPlan) -> tuple[float, float]:
