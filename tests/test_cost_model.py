@@ -117,8 +117,8 @@ def test_a_fit_on_a_busy_machine_is_recorded_and_reported(tmp_path, monkeypatch)
     monkeypatch.setattr(cost_fit, "measure_plans", lambda plans, settings: [])
     monkeypatch.setattr(cost_fit, "fit_coefficients", lambda features, ms: {"step": 1.0})
     monkeypatch.setattr(cost_fit.os, "cpu_count", lambda: 2)
-    for load, busy in ((0.2, False), (3.0, True)):
-        monkeypatch.setattr(cost_fit.os, "getloadavg", lambda load=load: (load, load, load))
+    for load, busy in ((0.2, False), (3.0, True)):  # cores other processes kept busy
+        monkeypatch.setattr(cost_fit, "measure_other_load", lambda fn, load=load: (fn(), load))
         cost, _ = cost_fit.fit_smollm2("k")
         assert cost.fit_load_per_core == load / 2 and cost.fitted_under_load is busy
         assert ("refit on an idle machine" in format_cost(cost)) is busy

@@ -55,7 +55,7 @@ def test_probe_measures_sane_values(measured):
     assert set(info.isa_flags) <= set(probe_mod.ISA_FLAGS_OF_INTEREST)
     # torch only picks its AVX2 / AVX512 kernels on a CPU that has AVX2.
     assert info.torch_cpu_capability in ("AVX2", "AVX512") and "avx2" in info.isa_flags
-    assert info.load_average >= 0
+    assert info.other_load_cores >= 0  # Linux: /proc/stat is readable
     json.dumps(dataclasses.asdict(info))
 
 
@@ -158,9 +158,24 @@ def test_format_report_mentions_bandwidth_and_every_flag(measured):
 
 
 def test_report_says_when_the_probe_ran_on_a_busy_machine(measured):
-    idle = dataclasses.replace(measured, load_average=0.0, num_logical_cores=2)
-    busy = dataclasses.replace(idle, load_average=1.9)
-    unknown = dataclasses.replace(idle, load_average=None)
+    idle = dataclasses.replace(measured, other_load_cores=0.0, num_logical_cores=2)
+    busy = dataclasses.replace(idle, other_load_cores=1.9)
+    unknown = dataclasses.replace(idle, other_load_cores=None)
     assert "zcode hw --refresh" in format_report(busy)
-    assert "load 1.9 on 2 cores" in format_report(busy)
+    assert "kept 1.9 of 2 cores busy" in format_report(busy)
     assert "refresh" not in format_report(idle) and "refresh" not in format_report(unknown)
+
+
+def test_other_load_is_the_cpu_time_of_other_processes_over_the_wall_time(monkeypatch):
+    """All processes used 3 CPU seconds in 2 wall seconds, 1 of them this process's own: the
+    others kept 1 core busy. A measurement's own threads never count as load."""
+    from zcode.hardware import load
+    from zcode.hardware.load import _Sample
+
+    samples = iter([_Sample(10.0, 100.0, 5.0), _Sample(12.0, 103.0, 6.0)])
+    monkeypatch.setattr(load, "_sample", lambda: next(samples))
+    assert load.measure_other_load(lambda: "result") == ("result", 1.0)
+    samples = iter([_Sample(10.0, 100.0, 5.0), _Sample(12.0, 101.0, 6.0)])  # own time only
+    assert load.measure_other_load(lambda: None) == (None, 0.0)
+    monkeypatch.setattr(load, "_sample", lambda: None)  # no /proc/stat
+    assert load.measure_other_load(lambda: 7) == (7, None)

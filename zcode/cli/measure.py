@@ -74,7 +74,7 @@ def add_commands(commands) -> None:
     hw.add_argument(
         "--fit-cost",
         action="store_true",
-        help="fit the cost model if this machine has none cached (about a minute); with "
+        help="fit the cost model if this machine has none cached (minutes); with "
         "--refresh, fit it again",
     )
     hw.set_defaults(run=_hw)

@@ -23,6 +23,7 @@ from zcode.hardware.cost_model import (
     predict,
     step_features,
 )
+from zcode.hardware.load import measure_other_load
 
 Formats = Callable[[list[str]], dict[str, str]]
 
@@ -96,9 +97,7 @@ class Measurement:
 def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
     """Measures FIT_PLANS at FIT_SETTINGS on this machine and fits a CostModel to them; returns
     it with the measurements it was fitted to."""
-    load_before = load_per_core()
-    measurements = measure_plans(FIT_PLANS, FIT_SETTINGS)
-    loads = [x for x in (load_before, load_per_core()) if x is not None]
+    measurements, other_load = measure_other_load(lambda: measure_plans(FIT_PLANS, FIT_SETTINGS))
     coefficients = {
         mode: fit_coefficients(
             [m.features for m in measurements if m.mode == mode],
@@ -111,17 +110,9 @@ def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
         coefficients[PREFILL],
         fingerprint,
         tuple(p.name for p in FIT_PLANS),
-        max(loads) if loads else None,
+        None if other_load is None else other_load / (os.cpu_count() or 1),
     )
     return cost, measurements
-
-
-def load_per_core() -> float | None:
-    """The 1-minute load average per logical core (None where the platform has none)."""
-    try:
-        return os.getloadavg()[0] / (os.cpu_count() or 1)
-    except (OSError, AttributeError):
-        return None
 
 
 def check_smollm2(

@@ -51,13 +51,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from scipy.optimize import nnls
 from torch import nn
 
-from zcode.hardware.probe import (
-    BUSY_LOAD_PER_CORE,
-    HardwareInfo,
-    default_cache_dir,
-    fingerprint,
-    probe,
-)
+from zcode.hardware.load import BUSY_LOAD_PER_CORE
+from zcode.hardware.probe import HardwareInfo, default_cache_dir, fingerprint, probe
 from zcode.harness.plan import ExecutionPlan
 from zcode.quant.gguf import row_bytes
 from zcode.quant.linear import QuantizedLinear, quantize_weight
@@ -261,8 +256,9 @@ class CostModel:
     prefill: dict[str, float]  # the same for prefill steps
     fingerprint: str  # the hardware this was fitted on
     fit_plans: tuple[str, ...] = ()  # names of the plans measured for the fit
-    # The highest 1-minute load average per logical core seen while fitting (None: unknown):
-    # steps timed on a busy machine are slower than idle, and so is every prediction.
+    # Cores other processes kept busy while fitting, per logical core (zcode.hardware.load;
+    # None: unknown): steps timed on a busy machine are slower than idle, and so is every
+    # prediction.
     fit_load_per_core: float | None = None
 
     @property
@@ -277,7 +273,7 @@ class CostModel:
         refresh: bool = False,
         cache_dir: Path | None = None,
     ) -> "CostModel":
-        """This machine's fitted model from the cache, else fitted now (about a minute) and
+        """This machine's fitted model from the cache, else fitted now (minutes) and
         cached. `info` defaults to the (cached) hardware probe."""
         info = info or probe(cache_dir=cache_dir)
         if not refresh and (cached := cls.cached(info, cache_dir)) is not None:
@@ -385,7 +381,8 @@ def format_cost(cost: CostModel | None) -> str:
 def stale_note(cost: CostModel) -> str:
     """What to do about a fit measured on a busy machine."""
     return (
-        f"the cost model was fitted at load {cost.fit_load_per_core:.2f} per core, so it "
+        f"the cost model was fitted while other processes kept {cost.fit_load_per_core:.0%} of "
+        "the cores busy, so it "
         "predicts slower than idle: refit on an idle machine (`zcode hw --fit-cost --refresh`)"
     )
 

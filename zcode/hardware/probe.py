@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from zcode.hardware.load import BUSY_LOAD_PER_CORE, measure_other_load
+
 logger = logging.getLogger(__name__)
 
 # fmt: off
@@ -30,7 +32,7 @@ ISA_FLAGS_OF_INTEREST = (
 # fmt: on
 DEFAULT_BUFFER_BYTES = 256 << 20  # far past any L2 and most L3s: a stream from DRAM
 DEFAULT_GEMM_SECONDS = 0.3
-_SCHEMA_VERSION = 2  # bump when HardwareInfo's fields change, so old cache files are not read
+_SCHEMA_VERSION = 3  # bump when HardwareInfo's fields change, so old cache files are not read
 _GEMM_SIZES = (1024, 2048)
 
 
@@ -61,7 +63,8 @@ class HardwareInfo:
     fp32_gflops: float
     bf16_gflops: float | None
     int8_gops: float | None  # torch._int_mm; None where this torch build lacks it on CPU
-    load_average: float | None  # 1-minute load average when measuring; None: unknown
+    # Cores other processes kept busy while measuring (zcode.hardware.load); None: unknown.
+    other_load_cores: float | None
     cuda_devices: tuple[CudaDevice, ...] | None
 
 
@@ -73,12 +76,7 @@ class Measurements:
     fp32_gflops: float
     bf16_gflops: float | None
     int8_gops: float | None
-    load_average: float | None
-
-
-# A probe run at a higher load average than this share of the cores says so in `zcode hw`: other
-# processes slowed its measurements (bandwidth read ~11 GB/s under load here, ~30 GB/s idle).
-BUSY_LOAD_PER_CORE = 0.25
+    other_load_cores: float | None
 
 
 def probe(
@@ -140,12 +138,13 @@ def format_report(info: HardwareInfo) -> str:
         info.torch_cpu_capability or "unknown"
     )
     buffer = _size(info.bandwidth_buffer_bytes)
-    if info.load_average is not None and (
-        info.load_average > BUSY_LOAD_PER_CORE * info.num_logical_cores
+    if info.other_load_cores is not None and (
+        info.other_load_cores > BUSY_LOAD_PER_CORE * info.num_logical_cores
     ):
         buffer += (
-            f"; measured at load {info.load_average:.1f} on {info.num_logical_cores} cores, "
-            "so lower than idle: `zcode hw --refresh` on an idle machine"
+            f"; measured while other processes kept {info.other_load_cores:.1f} of "
+            f"{info.num_logical_cores} cores busy, so lower than idle: `zcode hw --refresh` on "
+            "an idle machine"
         )
     matmul = (
         f"fp32 {_rate(info.fp32_gflops)}, bf16 {_rate(info.bf16_gflops)} GFLOP/s, "
@@ -170,16 +169,24 @@ def format_report(info: HardwareInfo) -> str:
 
 def measure(buffer_bytes: int, gemm_seconds: float) -> Measurements:
     """Best-of timings: other processes only ever make a run slower, never faster."""
-    load_average = _load_average()
-    read, copy, num_bytes = _bandwidth(buffer_bytes)
+
+    def rates() -> tuple:
+        return (
+            *_bandwidth(buffer_bytes),
+            _gemm_rate(torch.float32, gemm_seconds),
+            _optional(lambda: _gemm_rate(torch.bfloat16, gemm_seconds)),
+            _optional(lambda: _gemm_rate(torch.int8, gemm_seconds)),
+        )
+
+    (read, copy, num_bytes, fp32, bf16, int8), other_load = measure_other_load(rates)
     return Measurements(
         read_bandwidth_gbps=read,
         copy_bandwidth_gbps=copy,
         bandwidth_buffer_bytes=num_bytes,
-        fp32_gflops=_gemm_rate(torch.float32, gemm_seconds),
-        bf16_gflops=_optional(lambda: _gemm_rate(torch.bfloat16, gemm_seconds)),
-        int8_gops=_optional(lambda: _gemm_rate(torch.int8, gemm_seconds)),
-        load_average=load_average,
+        fp32_gflops=fp32,
+        bf16_gflops=bf16,
+        int8_gops=int8,
+        other_load_cores=other_load,
     )
 
 
@@ -230,13 +237,6 @@ def _time_once(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):  # no load average on this platform
-        return None
 
 
 def _optional(fn: Callable[[], float]) -> float | None:
