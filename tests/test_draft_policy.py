@@ -15,6 +15,8 @@ import pytest
 from test_spec_decode import prompts, run
 
 from zcode.engine.llm_engine import LLMEngine
+from zcode.errors import ValidationError
+from zcode.harness.plan import ExecutionPlan
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
 from zcode.spec.policy import PROBE_EVERY, DraftPolicy, expected_accepted
@@ -32,7 +34,9 @@ class LinearCost:
     ms_per_token: float
     draft_ms: float = 0.0
 
-    def predict_step_ms(self, model, plan, *, num_tokens, num_seqs, context_len) -> float:
+    def predict_step_ms(
+        self, model, plan, *, num_tokens, num_seqs, context_len, modules=None
+    ) -> float:
         if plan is not None:
             return self.draft_ms
         return self.fixed_ms + self.ms_per_token * num_tokens
@@ -83,7 +87,7 @@ def test_speculation_is_off_where_the_step_is_compute_bound_and_on_where_it_is_n
 
 
 def test_a_costly_draft_needs_a_high_acceptance():
-    draft = object()  # any plan: the cost model prices its steps at draft_ms
+    draft = ExecutionPlan(skip_layers=(1,))  # the cost model prices its steps at draft_ms
     cost = LinearCost(10.0, 0.1, draft_ms=5.0)
     assert choose(cost, [0.3], 4, draft_plan=draft) == [0]
     assert choose(cost, [0.95], 4, draft_plan=draft) == [4]
@@ -142,7 +146,7 @@ def test_draft_policy_is_validated():
 @pytest.mark.parametrize("num_drafts", [1, 3])
 def test_predicted_gain_is_the_objective_over_plain_decoding(num_seqs, num_drafts):
     cost = LinearCost(10.0, 1.0, draft_ms=2.0)
-    policy = DraftPolicy(cost, model=None, draft_plan=object())
+    policy = DraftPolicy(cost, model=None, draft_plan=ExecutionPlan(skip_layers=(1,)))
     gain = policy.predicted_gain(0.8, num_drafts, num_seqs=num_seqs, context_len=100)
     rates = [0.8] * num_seqs
     with_drafts = tokens_per_ms(cost, rates, [num_drafts] * num_seqs, num_seqs)
@@ -158,3 +162,31 @@ def test_the_cli_passes_the_draft_policy_to_the_engine():
     add_speculative_options(parser)
     args = parser.parse_args(["--speculative", "ngram", "--draft-policy", "fixed"])
     assert speculative_args(args) == {"speculative": "ngram", "draft_policy": "fixed"}
+
+
+def test_a_plan_caps_the_drafts_of_its_request(tiny):
+    """ExecutionPlan.num_draft_tokens: 0 turns speculation off for its request, 1 verifies at
+    most one draft a step, None keeps the engine's; a plan asking more than the engine's, or
+    drafts of an engine without a drafter, is refused. The signature leaves it out (drafting
+    changes no result)."""
+    loop = prompts()[-1]
+    spec = engine(tiny, None, draft_policy="fixed")
+    seqs = [
+        spec.add_request(loop, GREEDY, plan=ExecutionPlan(num_draft_tokens=n)) for n in (0, 1, None)
+    ]
+    finished = {}
+    while spec.has_unfinished():
+        finished |= {out.request_id: out for out in spec.step() if out.finished}
+    off, one, own = (finished[seq.request_id] for seq in seqs)
+    assert off.token_ids == one.token_ids == own.token_ids
+    assert off.plan is None and seqs[0].num_draft_tokens == 0  # never drafted
+    assert 0 < one.plan.speculative["num_draft_tokens"] <= one.plan.speculative["num_drafts"]
+    assert own.plan.speculative["num_draft_tokens"] > own.plan.speculative["num_drafts"]
+    with pytest.raises(ValidationError, match="more than the engine's 3"):
+        spec.add_request(loop, GREEDY, plan=ExecutionPlan(num_draft_tokens=4))
+    with pytest.raises(ValidationError, match="needs an engine built with speculative"):
+        tiny.engine.add_request(loop, GREEDY, plan=ExecutionPlan(num_draft_tokens=1))
+    assert not spec.has_unfinished() and not tiny.engine.has_unfinished()
+    assert ExecutionPlan(num_draft_tokens=0).signature() == ExecutionPlan().signature()
+    with pytest.raises(ValueError, match="num_draft_tokens must be >= 0"):
+        ExecutionPlan(num_draft_tokens=-1)

@@ -3,6 +3,7 @@ out by hand), and the candidates it builds from a model, a sparsity artifact and
 (predictions checked against the formulas computed here from the model's sizes)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -181,3 +182,48 @@ def test_latency_needs_a_cost_model(tiny_net):
     with pytest.raises(ValidationError, match="zcode hw --fit-cost"):
         planner.choose(Hints(max_latency_ms=10))
     assert planner.choose(Hints(max_quality_loss=10)).predicted_ms_per_token is None
+
+
+def test_speculation_meets_a_latency_target_without_a_loss(tiny_net):
+    """With free drafts (n-gram) and a step whose ms does not grow with its tokens, k drafts at
+    acceptance a make a token cost 1 / (1 + a + ... + a^k) of a step: the dense plan then meets
+    a target that alone it misses, where the plain planner must cut FFN rows (5% loss). Where a
+    verified token costs more than it saves (compute-bound), or nothing is accepted, no drafts
+    are predicted and the plan keeps its plain ms; a plan with num_draft_tokens=0 never drafts.
+    The acceptance is read at each choice (the engine's so far)."""
+    from zcode.hardware.cost_model import CostModel
+    from zcode.harness.planner import Speculation
+    from zcode.spec.policy import DraftPolicy
+
+    artifact = synthetic_artifact(tiny_net)
+    acceptance = [0.8]
+
+    def planner(cost):
+        spec = Speculation(DraftPolicy(cost, tiny_net, None), 3, lambda: acceptance[0])
+        return Planner(tiny_net, cost, None, artifact, True, speculation=spec)
+
+    cost = synthetic_cost_model()
+    linear_mb = sum(m.weight.nbytes for m in tiny_net.modules() if isinstance(m, torch.nn.Linear))
+    dense_ms = 1.0 + 2.0 * linear_mb / 1e6
+    target = Hints(max_latency_ms=dense_ms - 1e-6)
+    assert (
+        Planner(tiny_net, cost, None, artifact, True).choose(target).plan.name != "ffn in 0 / mid 0"
+    )
+    choice = planner(cost).choose(target)
+    assert choice.plan.name == "ffn in 0 / mid 0" and choice.target_met
+    assert choice.predicted_quality_loss_pct == 0.0
+    assert choice.predicted_ms_per_token == pytest.approx(dense_ms / (1 + 0.8 + 0.64 + 0.512))
+    assert (choice.speculation.num_draft_tokens, choice.speculation.acceptance) == (3, 0.8)
+
+    dense = choice.plan
+    off = planner(cost).choose(Hints(plan=replace(dense, num_draft_tokens=0)))
+    assert off.predicted_ms_per_token == pytest.approx(dense_ms)
+    assert off.speculation.num_draft_tokens == 0 and off.plan.num_draft_tokens == 0
+    two = planner(cost).choose(Hints(plan=replace(dense, num_draft_tokens=2)))
+    assert two.predicted_ms_per_token == pytest.approx(dense_ms / (1 + 0.8 + 0.64))
+
+    compute_bound = CostModel(COEFFICIENTS | {"dense-float32:GFLOP": 1e6}, COEFFICIENTS, "test")
+    choice = planner(compute_bound).choose(Hints(max_latency_ms=1e9), batch_size=16)
+    assert choice.speculation.num_draft_tokens == 0 and choice.speculation.gain == 1.0
+    acceptance[0] = 0.0
+    assert planner(cost).choose(target).speculation.num_draft_tokens == 0

@@ -235,10 +235,19 @@ def test_zcode_plan_prints_the_choice(tiny_checkpoint, artifact, tmp_path, capsy
     assert exit_info.value.code == 2 and "zcode hw --fit-cost" in capsys.readouterr().err
     # fp32 K and V of 16 dims per KV head (128 bytes a token), 2 layers x 2 KV heads: at most 3
     monkeypatch.setattr(
-        CostModel, "cached", classmethod(lambda cls, info, cache_dir=None: cost_model())
+        CostModel, "cached", classmethod(lambda cls, info=None, cache_dir=None: cost_model())
     )
-    cli.main([*argv, "--max-quality-loss", "50", "--max-kv-bytes", str(3 * 128)])
+    hints = ["--max-quality-loss", "50", "--max-kv-bytes", str(3 * 128)]
+    cli.main([*argv, *hints])
     row = json.loads(capsys.readouterr().out)
     assert row["kv_bytes_per_token"] <= 3 * 128 and row["target_met"]
     assert row["predicted_quality_loss_pct"] <= 50 and row["predicted_ms_per_token"] > 0
     assert "skip 1 KV heads" in row["plan"] or "skip 2 KV heads" in row["plan"]
+    assert "speculation_gain" not in row
+    # With drafts: the same plan, its ms per token over the predicted gain at the prior 0.5
+    cli.main([*argv, *hints, "--speculative", "ngram"])
+    drafting = json.loads(capsys.readouterr().out)
+    assert drafting["plan"] == row["plan"] and drafting["speculation_acceptance"] == 0.5
+    assert drafting["predicted_ms_per_token"] == pytest.approx(
+        row["predicted_ms_per_token"] / drafting["speculation_gain"]
+    )

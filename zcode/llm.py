@@ -20,11 +20,12 @@ from zcode.engine.request_output import RequestOutput
 from zcode.errors import ValidationError
 from zcode.harness.executor import PlanExecutor
 from zcode.harness.plan import ExecutionPlan
-from zcode.harness.planner import Hints, Planner
-from zcode.harness.report import PlanReport, plan_report
+from zcode.harness.planner import Hints, Planner, Speculation
+from zcode.harness.report import DecodeSteps, PlanReport, plan_report
 from zcode.kernels.cpp_build import build_all
 from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
+from zcode.spec.policy import engine_acceptance
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,16 @@ class LLM:
                 from zcode.hardware.cost_model import stale_note
 
                 logger.warning(stale_note(self.cost_model))
+        policy = self.engine.draft_policy
         key = (id(self.cost_model), id(self.precision_variants), id(self.sparsity), id(self.router))
+        key += (id(policy),)
         if self._planner is None or self._planner[0] != key:  # its candidates are memoized
+            speculation = None
+            if policy is not None:
+                totals = self.engine.spec_totals
+                speculation = Speculation(
+                    policy, self.config.num_draft_tokens, lambda: engine_acceptance(totals)
+                )
             planner = Planner(
                 self.model,
                 self.cost_model,
@@ -130,6 +139,7 @@ class LLM:
                 self.sparsity,
                 kv_paged=self.engine.runner.pages is not None,
                 router=self.router,
+                speculation=speculation,
             )
             self._planner = (key, planner)
         return self._planner[1]
@@ -194,7 +204,7 @@ class LLM:
             if h.plan is not None:
                 self.engine.validate_skips(h.plan.skip_layers, h.plan.skip_kv_heads)
         if all(h == Hints() for h in hints):  # the model's default plan
-            return self._run(token_lists, params, [None] * len(token_lists))[0]
+            return [out for out, _ in self._run(token_lists, params, [None] * len(token_lists))]
         # Predicted at the batch's mean context halfway through, up to a power of two (so the
         # planner's memoized candidates serve many requests).
         mean_len = sum(map(len, token_lists)) / len(token_lists) + params.max_tokens / 2
@@ -206,10 +216,11 @@ class LLM:
             if self.router is not None and not explicit:
                 routed = self.router.predict(self.model.model.embed_tokens, ids)
             choices.append(planner.choose(h, len(token_lists), context_len, routed))
-        outputs, step_ms = self._run(token_lists, params, [c.plan for c in choices])
-        for out, h, choice in zip(outputs, hints, choices):
-            report = plan_report(choice, h, step_ms)
+        outputs, ran = [], self._run(token_lists, params, [c.plan for c in choices])
+        for (out, steps), h, choice in zip(ran, hints, choices):
+            report = plan_report(choice, h, steps)
             out.plan = report if out.plan is None else replace_speculative(report, out.plan)
+            outputs.append(out)
         return outputs
 
     def _run(
@@ -217,10 +228,10 @@ class LLM:
         token_lists: list[list[int]],
         params: SamplingParams,
         plans: list[ExecutionPlan | None],
-    ) -> tuple[list[RequestOutput], list[float]]:
+    ) -> list[tuple[RequestOutput, DecodeSteps]]:
         """The one generate loop: all requests or none added, each under its plan (None: the
-        default), stepped to the end. Returns the outputs in order and the wall ms of each
-        decode step (every prompt in the cache)."""
+        default), stepped to the end. Returns each request's output, in order, and its decode
+        steps (those after every prompt is in the cache)."""
         seqs = []
         try:
             for ids, plan in zip(token_lists, plans):
@@ -239,17 +250,21 @@ class LLM:
                 self.engine.abort(seq.request_id)
             raise
         finished: dict[str, RequestOutput] = {}
-        step_ms, prefilled = [], False
+        steps = {seq.request_id: DecodeSteps() for seq in seqs}
+        prefilled = False
         while self.engine.has_unfinished():
             start = time.perf_counter()
             outs = self.engine.step()
-            if prefilled:
-                step_ms.append(1e3 * (time.perf_counter() - start))
-            prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in seqs)
+            ms = 1e3 * (time.perf_counter() - start)
             for out in outs:
+                if out.request_id not in steps:
+                    continue  # a request someone else added
+                if prefilled and out.delta_token_ids:
+                    steps[out.request_id].add(ms, len(out.delta_token_ids))
                 if out.finished:
                     finished[out.request_id] = out
-        return [finished[seq.request_id] for seq in seqs], step_ms
+            prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in seqs)
+        return [(finished[seq.request_id], steps[seq.request_id]) for seq in seqs]
 
     def stream(
         self,

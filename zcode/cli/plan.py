@@ -4,6 +4,7 @@ request's hints, printed without generating); the hint options `zcode generate` 
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from zcode.cli import options
@@ -12,8 +13,10 @@ from zcode.cli.options import (
     add_model_argument,
     add_quality_options,
     add_sparsity_option,
+    add_speculative_options,
     quality_profile,
     sparsity_args,
+    speculative_args,
 )
 from zcode.errors import ValidationError
 
@@ -79,13 +82,15 @@ def add_commands(commands) -> None:
         description="Print the execution plan the planner chooses for these hints: its "
         "predicted decode ms per token, predicted quality loss, KV bytes per token and the "
         "binding constraint, from the --sparsity artifact, --profile precision variants and "
-        "this machine's fitted cost model.",
+        "this machine's fitted cost model (with --speculative, the drafts' predicted gain in "
+        "the ms per token).",
     )
     add_model_argument(plan)
     add_dtype_option(plan)
     add_sparsity_option(plan)
     add_quality_options(plan)
     add_hint_options(plan)
+    add_speculative_options(plan)
     plan.add_argument(
         "--per-request-depth",
         action="store_true",
@@ -130,6 +135,7 @@ def _plan(args: argparse.Namespace) -> None:
         float_weights=profile is not None,
         **({"per_request_depth": True} if args.per_request_depth else {}),
         **sparsity_args(args),
+        **speculative_args(args),
     )
     if profile is not None:
         from zcode.quant.variants import attach_variants
@@ -154,6 +160,8 @@ def _print_plan(args: argparse.Namespace, llm) -> None:
         "binding": choice.binding,
         "target_met": choice.target_met,
     }
+    if choice.speculation is not None:  # --speculative, with the adaptive draft policy
+        row |= {f"speculation_{k}": v for k, v in asdict(choice.speculation).items()}
     if args.json:
         json.dump(row, sys.stdout)
         sys.stdout.write("\n")

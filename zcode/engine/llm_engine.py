@@ -115,11 +115,14 @@ class LLMEngine:
         skip_kv_heads: (layer, KV head) pairs whose heads add nothing to this request's
         attention (the query heads of that group included); it keeps no KV for either (both
         need `per_request_depth`). plan: the precision and FFN level its forwards run under
-        (its skips are ignored: pass them as skip_layers / skip_kv_heads); None: the default."""
+        and the drafts it verifies at most (its skips are ignored: pass them as skip_layers /
+        skip_kv_heads); None: the default."""
         self._validate(prompt_token_ids, params)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValidationError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         layers, heads = self.validate_skips(skip_layers, skip_kv_heads)
+        plan_drafts = plan.num_draft_tokens if isinstance(plan, ExecutionPlan) else None
+        num_lookahead_tokens = self._num_lookahead_tokens(params, plan_drafts)
         plan = self._request_plan(plan)
         grammar = None
         if params.structured_outputs is not None:
@@ -137,7 +140,7 @@ class LLMEngine:
         salt = join_salts(plan_salt, cache_salt, skips_salt)
         seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt, layers, heads, plan)
         seq.grammar = grammar
-        seq.num_lookahead_tokens = self._num_lookahead_tokens(params)
+        seq.num_lookahead_tokens = num_lookahead_tokens
         if seq.request_id in self.sequences:
             raise ValidationError(f"request id {seq.request_id!r} is already in use")
         self.sequences[seq.request_id] = seq
@@ -165,22 +168,23 @@ class LLMEngine:
                 f"{params.max_tokens} to generate)"
             )
 
-    def _num_lookahead_tokens(self, params: SamplingParams) -> int:
+    def _num_lookahead_tokens(self, params: SamplingParams, plan_drafts: int | None) -> int:
+        """Draft slots per step: the fewest of the engine's, the request's and its plan's."""
+        limits = [params.num_draft_tokens, plan_drafts]
+        limits = [n for n in limits if n is not None]
         if self.drafter is None:
-            if params.num_draft_tokens:
+            if any(limits):
                 raise ValidationError(
                     "num_draft_tokens needs an engine built with speculative decoding "
                     "(speculative='ngram', 'skip_layers' or 'mtp')"
                 )
             return 0
-        if params.num_draft_tokens is None:
-            return self.config.num_draft_tokens
-        if params.num_draft_tokens > self.config.num_draft_tokens:
-            raise ValidationError(
-                f"num_draft_tokens {params.num_draft_tokens} is more than the engine's "
-                f"{self.config.num_draft_tokens}"
-            )
-        return params.num_draft_tokens
+        for n in limits:
+            if n > self.config.num_draft_tokens:
+                raise ValidationError(
+                    f"num_draft_tokens {n} is more than the engine's {self.config.num_draft_tokens}"
+                )
+        return min([self.config.num_draft_tokens, *limits])
 
     @property
     def default_plan(self) -> ExecutionPlan:

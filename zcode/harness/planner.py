@@ -32,9 +32,17 @@ calibration noise).
 Predicted quality loss % = 100 * (exp(sum) - 1): a perplexity increase in percent.
 
 Latency: the one hardware cost model (zcode.hardware.cost_model) predicts every candidate's
-decode ms per step. An FFN level is the fraction of FFN weight rows a step reads, counting the
-row-skipping kernel's dense fallback (`ffn_read_fraction`); skipped KV heads are not in the cost
-model's features yet (their saved KV reads are not predicted: a conservative prediction).
+decode ms per step. With speculative decoding (an engine with a drafter and the adaptive draft
+policy, `Speculation`), a candidate's ms per token is its step's over the tokens a step is
+predicted to yield: the draft policy's predicted gain (zcode.spec.policy: verifying k drafts,
+drafting them, and E(a, k) of them accepted) at the engine's acceptance rate so far, for the
+draft count up to the plan's that it favours (none where no drafting pays, e.g. large
+batches). Drafting costs no quality, so a latency target is met by speculation where it can be
+before any lossy dimension is cut.
+
+An FFN level is the fraction of FFN weight rows a step reads, counting the row-skipping
+kernel's dense fallback (`ffn_read_fraction`); skipped KV heads are not in the cost model's
+features yet (their saved KV reads are not predicted: a conservative prediction).
 
 Search: with a latency target the least predicted loss among the plans meeting every target
 (latency, memory, quality), else the fastest; when no plan meets them all, the plan nearest to
@@ -44,7 +52,7 @@ a better plan by the same objective ("none" when none would).
 """
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -63,7 +71,7 @@ FALLBACK_ORDER = ("memory", "latency", "quality")  # which unmet target a fallba
 class Hints:
     """What a request asks of its plan; all optional, any combination."""
 
-    max_latency_ms: float | None = None  # predicted decode ms per step
+    max_latency_ms: float | None = None  # predicted decode ms per output token
     max_quality_loss: float | None = None  # predicted perplexity increase, %
     quality: str | None = None  # shorthand for a max_quality_loss (QUALITY_BUDGETS_PCT)
     max_kv_bytes: int | None = None  # KV cache bytes per token
@@ -119,13 +127,33 @@ def _positive(value, allow_zero: bool) -> bool:
 
 
 @dataclass(frozen=True)
+class Speculation:
+    """The engine's speculative decoding, as the planner predicts it."""
+
+    policy: object  # zcode.spec.policy.DraftPolicy: prices verifying and drafting
+    max_drafts: int  # the engine's num_draft_tokens
+    acceptance: Callable[[], float]  # the rate predicted with: the engine's so far
+
+
+@dataclass(frozen=True)
+class SpeculationPrediction:
+    acceptance: float  # the acceptance rate predicted with
+    num_draft_tokens: int  # drafts per step the prediction favours (0: none pays)
+    gain: float  # predicted decode speed over the same plan without drafts
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One plan the model can run, with its predictions."""
 
     plan: ExecutionPlan
-    ms_per_token: float | None  # cost model's decode ms per step; None without a cost model
+    # Cost model's decode ms per output token (per step, over the tokens a step yields with
+    # drafts); None without a cost model.
+    ms_per_token: float | None
     quality_loss_pct: float | None  # None where a dimension has no calibrated loss
     kv_bytes_per_token: int
+    speculation: SpeculationPrediction | None = None
+    modules: dict = field(default_factory=dict, compare=False, repr=False)  # its precision's
 
     def value(self, target: str) -> float:
         value = {
@@ -144,6 +172,7 @@ class PlanChoice:
     kv_bytes_per_token: int
     binding: str  # "latency", "quality", "memory", "override" or "none"
     target_met: bool  # every target given is met by the predictions
+    speculation: SpeculationPrediction | None = None
 
 
 def search(candidates: list[Candidate], hints: Hints) -> PlanChoice:
@@ -182,7 +211,13 @@ def search(candidates: list[Candidate], hints: Hints) -> PlanChoice:
 
 def _choice(c: Candidate, binding: str, target_met: bool) -> PlanChoice:
     return PlanChoice(
-        c.plan, c.ms_per_token, c.quality_loss_pct, c.kv_bytes_per_token, binding, target_met
+        c.plan,
+        c.ms_per_token,
+        c.quality_loss_pct,
+        c.kv_bytes_per_token,
+        binding,
+        target_met,
+        c.speculation,
     )
 
 
@@ -212,8 +247,10 @@ class Planner:
         sparsity=None,  # zcode.sparsity.artifact.SparsityArtifact
         kv_paged: bool = False,  # the engine keeps KV per head (per_request_depth)
         router=None,  # zcode.harness.router.Router: skipped-layer depths, routed by input
+        speculation: Speculation | None = None,  # the engine drafts (an adaptive policy)
     ) -> None:
         self.model, self.cost, self.kv_paged, self.router = model, cost, kv_paged, router
+        self.speculation = speculation if cost is not None else None
         self.kv_bytes_per_head = kv_bytes_per_head(model)
         self.precisions = precision_options(variants)
         self.ffn_levels = ffn_options(sparsity, any(p.touches_ffn for p in self.precisions))
@@ -286,7 +323,30 @@ class Planner:
                 ) from None
         losses = [o.log_loss for o in (precision, ffn, depth)]
         loss_pct = None if None in losses else 100 * math.expm1(sum(losses))
-        return Candidate(plan, ms, loss_pct, self.kv_bytes(depth))
+        return Candidate(plan, ms, loss_pct, self.kv_bytes(depth), modules=precision.modules)
+
+    def _speculating(
+        self, candidates: list[Candidate], batch_size: int, context_len: int
+    ) -> list[Candidate]:
+        """The candidates with the engine's drafting in their ms per token: each verifies up
+        to its plan's drafts (None: the engine's), as many as the predictions favour."""
+        if self.speculation is None:
+            return candidates
+        spec, acceptance = self.speculation, self.speculation.acceptance()
+        out = []
+        for c in candidates:
+            limit = c.plan.num_draft_tokens
+            drafts, gain = spec.policy.best_gain(
+                acceptance,
+                spec.max_drafts if limit is None else min(limit, spec.max_drafts),
+                num_seqs=batch_size,
+                context_len=context_len,
+                plan=c.plan,
+                modules=c.modules,
+            )
+            prediction = SpeculationPrediction(acceptance, drafts, gain)
+            out.append(replace(c, ms_per_token=c.ms_per_token / gain, speculation=prediction))
+        return out
 
     def kv_bytes(self, depth: Option) -> int:
         skipped_heads = [0] * len(self.kv_bytes_per_head)
@@ -320,6 +380,7 @@ class Planner:
         candidates = self.candidates(depth, batch_size, context_len)
         if routed is not None and depth is None:
             candidates = self._routed(candidates, routed)
+        candidates = self._speculating(candidates, batch_size, context_len)
         if not hints.limits():
             default = self.default_plan()
             if depth is not None:
@@ -373,6 +434,8 @@ class Planner:
             raise ValidationError(
                 f"plan {plan.name!r} is not one this model can run; its plans: {known[:8]}"
             )
+        drafting = replace(found.plan, num_draft_tokens=plan.num_draft_tokens)
+        found = self._speculating([replace(found, plan=drafting)], batch_size, context_len)[0]
         limits = hints.limits()
         met = all(found.value(t) <= limit for t, limit in limits.items())
         return _choice(found, "override", met)

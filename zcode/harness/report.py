@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass, field
 class PlanReport:
     plan: str  # the plan's name
     signature: str  # ExecutionPlan.signature(): the work it runs
-    predicted_ms_per_token: float | None = None  # the cost model's decode ms per step
-    measured_ms_per_token: float | None = None  # median wall ms of this request's decode steps
+    predicted_ms_per_token: float | None = None  # the cost model's decode ms per output token
+    measured_ms_per_token: float | None = None  # of this request's decode steps (DecodeSteps)
     predicted_quality_loss_pct: float | None = None  # predicted perplexity increase, %
     kv_bytes_per_token: int | None = None
     binding: str = "none"  # "latency", "quality", "memory", "override" or "none"
@@ -18,13 +18,34 @@ class PlanReport:
     targets: dict = field(default_factory=dict)  # the hints given: {"max_latency_ms": 20.0, ...}
     # Speculative decoding: drafted and accepted tokens, acceptance rate, mean accepted length.
     speculative: dict | None = None
+    # What the planner predicted of it: acceptance, drafts per step, gain over no drafts.
+    predicted_speculation: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def plan_report(choice, hints, step_ms: list[float]) -> PlanReport:
-    """The report of a planner's PlanChoice for these Hints, with the decode steps' wall ms."""
+@dataclass
+class DecodeSteps:
+    """A request's decode steps (after its first token): their wall ms and the tokens they
+    gave it (more than one a step where drafts were accepted)."""
+
+    ms: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def add(self, ms: float, num_tokens: int) -> None:
+        self.ms.append(ms)
+        self.num_tokens += num_tokens
+
+    def ms_per_token(self) -> float | None:
+        """The median step's ms over the mean tokens per step (robust to a slow step)."""
+        if not self.ms:
+            return None
+        return statistics.median(self.ms) * len(self.ms) / self.num_tokens
+
+
+def plan_report(choice, hints, steps: DecodeSteps) -> PlanReport:
+    """The report of a planner's PlanChoice for these Hints, with its decode steps."""
     targets = {
         "max_latency_ms": hints.max_latency_ms,
         "max_quality_loss": hints.quality_budget_pct,
@@ -34,10 +55,11 @@ def plan_report(choice, hints, step_ms: list[float]) -> PlanReport:
         plan=choice.plan.name,
         signature=choice.plan.signature(),
         predicted_ms_per_token=choice.predicted_ms_per_token,
-        measured_ms_per_token=statistics.median(step_ms) if step_ms else None,
+        measured_ms_per_token=steps.ms_per_token(),
         predicted_quality_loss_pct=choice.predicted_quality_loss_pct,
         kv_bytes_per_token=choice.kv_bytes_per_token,
         binding=choice.binding,
         target_met=choice.target_met,
         targets={k: v for k, v in targets.items() if v is not None},
+        predicted_speculation=choice.speculation and asdict(choice.speculation),
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from zcode.engine.request_output import RequestOutput
 from zcode.harness.planner import Hints, PlanChoice, Planner
-from zcode.harness.report import plan_report
+from zcode.harness.report import DecodeSteps, plan_report
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Planned:
 @dataclass
 class _Running:
     planned: Planned
-    step_ms: list[float] = field(default_factory=list)  # decode steps: it already had a token
+    steps: DecodeSteps = field(default_factory=DecodeSteps)
     num_tokens: int = 0
 
 
@@ -61,10 +61,10 @@ class RequestPlans:
             running = self._running.get(out.request_id)
             if running is None:
                 continue
-            if running.num_tokens and out.delta_token_ids:
-                running.step_ms.append(step_ms)
+            if running.num_tokens and out.delta_token_ids:  # a decode step: it had a token
+                running.steps.add(step_ms, len(out.token_ids) - running.num_tokens)
             running.num_tokens = len(out.token_ids)
             if out.finished:
                 del self._running[out.request_id]
                 planned = running.planned
-                out.plan = plan_report(planned.choice, planned.hints, running.step_ms)
+                out.plan = plan_report(planned.choice, planned.hints, running.steps)

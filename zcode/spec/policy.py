@@ -53,6 +53,7 @@ class DraftPolicy:
         self.draft_plan, self.plan = draft_plan, plan
         self.steps_without_drafts: dict[int, int] = {}  # seq_id -> steps since it last drafted
         self._ms: dict[tuple, float] = {}
+        self._signatures: dict[int, tuple] = {}  # id(plan) -> (plan, its signature)
 
     def limit(
         self, scheduled: list[ScheduledSeq], engine_totals: dict[str, int]
@@ -67,10 +68,7 @@ class DraftPolicy:
         ]
         if not adaptive:
             return scheduled
-        prior = _shrunk(
-            engine_totals["num_accepted_tokens"], engine_totals["num_draft_tokens"],
-            PRIOR_ACCEPTANCE,
-        )  # fmt: skip
+        prior = engine_acceptance(engine_totals)
         rates = [
             _shrunk(scheduled[i].seq.num_accepted_tokens, scheduled[i].seq.num_draft_tokens, prior)
             for i in adaptive
@@ -145,15 +143,32 @@ class DraftPolicy:
         return best
 
     def predicted_gain(
-        self, acceptance: float, num_drafts: int, *, num_seqs: int = 1, context_len: int = 512
+        self,
+        acceptance: float,
+        num_drafts: int,
+        *,
+        num_seqs: int = 1,
+        context_len: int = 512,
+        plan: ExecutionPlan | None = None,
+        modules: dict | None = None,
     ) -> float:
         """Predicted decode speed with `num_drafts` drafts per request at this acceptance rate,
-        over plain decoding's, for a batch of `num_seqs` decoding requests."""
+        over plain decoding's, for a batch of `num_seqs` decoding requests. `plan`, `modules`:
+        the verifying steps' plan and the precision modules it runs (CostModel.predict_step_ms;
+        default: the policy's plan)."""
+        verify = (plan or self.plan, modules)
         context = _bucket(context_len)
         accepted = expected_accepted(min(acceptance, MAX_ACCEPTANCE), num_drafts)
-        ms = self._step_ms(num_seqs * (1 + num_drafts), num_seqs, context)
+        ms = self._step_ms(num_seqs * (1 + num_drafts), num_seqs, context, *verify)
         ms += self._draft_ms([num_seqs] * num_drafts, context)
-        return (1 + accepted) * self._step_ms(num_seqs, num_seqs, context) / ms
+        return (1 + accepted) * self._step_ms(num_seqs, num_seqs, context, *verify) / ms
+
+    def best_gain(self, acceptance: float, max_drafts: int, **step) -> tuple[int, float]:
+        """(drafts per step, predicted gain) of the draft count up to `max_drafts` the
+        predictions favour at this acceptance; (0, 1.0) where no drafting pays. `step`:
+        predicted_gain's keyword arguments."""
+        gains = [(k, self.predicted_gain(acceptance, k, **step)) for k in range(1, max_drafts + 1)]
+        return max([(0, 1.0), *gains], key=lambda kg: kg[1])
 
     def _draft_ms(self, rows: list[int], context_len: int) -> float:
         """Draft step j runs the rows[j] requests drafting a j-th token (none: no step)."""
@@ -161,9 +176,11 @@ class DraftPolicy:
             return 0.0
         return sum(self._draft_step_ms(n, context_len) for n in rows if n)
 
-    def _step_ms(self, num_tokens: int, num_seqs: int, context_len: int) -> float:
+    def _step_ms(
+        self, num_tokens: int, num_seqs: int, context_len: int, plan=None, modules=None
+    ) -> float:
         def exact(tokens: int) -> float:
-            return self._predict(self.plan, tokens, num_seqs, context_len)
+            return self._predict(plan or self.plan, tokens, num_seqs, context_len, modules)
 
         return _interpolated(exact, num_tokens, num_seqs)
 
@@ -173,13 +190,19 @@ class DraftPolicy:
 
         return _interpolated(exact, num_rows, 1)
 
-    def _predict(self, plan, num_tokens: int, num_seqs: int, context_len: int) -> float:
+    def _predict(
+        self, plan, num_tokens: int, num_seqs: int, context_len: int, modules=None
+    ) -> float:
         """The cost model's step ms, remembered (its features walk every linear of the model)."""
-        key = (id(plan), num_tokens, num_seqs, context_len)
+        # The plan by its signature (skips in it; the name and drafts not), computed once per
+        # plan object: this runs for every draft the policy weighs.
+        if (known := self._signatures.get(id(plan))) is None or known[0] is not plan:
+            known = self._signatures[id(plan)] = (plan, plan and plan.signature())
+        key = (known[1], id(modules) if modules else None, num_tokens, num_seqs, context_len)
         if key not in self._ms:
             self._ms[key] = self.cost.predict_step_ms(
                 self.model, plan, num_tokens=num_tokens, num_seqs=num_seqs,
-                context_len=context_len,
+                context_len=context_len, modules=modules,
             )  # fmt: skip
         return self._ms[key]
 
@@ -199,6 +222,12 @@ def _interpolated(exact: Callable[[int], float], x: int, base: int) -> float:
 
 def _bucket(context_len: int) -> int:
     return -(-context_len // CONTEXT_BUCKET) * CONTEXT_BUCKET
+
+
+def engine_acceptance(totals: dict[str, int]) -> float:
+    """The engine's acceptance rate over all requests so far (LLMEngine.spec_totals), shrunk
+    toward PRIOR_ACCEPTANCE: every request's prior."""
+    return _shrunk(totals["num_accepted_tokens"], totals["num_draft_tokens"], PRIOR_ACCEPTANCE)
 
 
 def _shrunk(accepted: int, drafted: int, prior: float) -> float:
