@@ -135,3 +135,24 @@ def test_compiled_decode_follows_every_plan_of_a_mixed_sequence(tiny_checkpoint,
     batched = compiled.generate(PROMPTS, GREEDY, plan=plans)
     assert [out.token_ids for out in batched] == want
     assert compiled.engine.runner.num_graph_compiles > 0
+
+
+def test_a_plan_that_quantizes_ffns_at_a_sparse_level_is_refused(precision, ffn):
+    """The sparse FFN kernel reads rows of float weights: a precision level that swaps FFN
+    linears cannot run at a sparse FFN level (the planner never combines them; a plan given
+    directly to the engine is refused the same way), while its dense level runs."""
+    from zcode.harness.executor import PlanExecutor
+    from zcode.harness.planner import quantizes_ffn
+
+    # the levels of the same checkpoint (the float model's: the quantized one has no rows)
+    executor = PlanExecutor(precision.engine, precision.precision_variants, _artifact(ffn.model))
+    fast = precision.precision_variants.levels["fast"].plan
+    assert quantizes_ffn(fast.precision)
+
+    def at(mid: float) -> ExecutionPlan:
+        extras = (("ffn_sparsity_in", "0"), ("ffn_sparsity_mid", f"{mid:g}"))
+        return dataclasses.replace(fast, extras=extras)
+
+    with pytest.raises(ValidationError, match="quantizes FFN linears and names a sparse FFN"):
+        executor.check(at(0.5))
+    executor.check(at(0.0))

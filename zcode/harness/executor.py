@@ -13,6 +13,7 @@ import torch
 
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
+from zcode.harness.planner import quantizes_ffn
 
 FFN_LEVEL = ("ffn_sparsity_in", "ffn_sparsity_mid")  # the plan extras that name its FFN level
 
@@ -58,6 +59,11 @@ class PlanExecutor:
         self._precision_modules(plan.precision)
         if _names_ffn_level(plan) and self.sparsity is None:
             raise ValidationError("the plan names an FFN level: load a sparsity artifact")
+        if _ffn_level(plan) != (0.0, 0.0) and quantizes_ffn(plan.precision):
+            raise ValidationError(
+                "the plan quantizes FFN linears and names a sparse FFN level: the sparse FFN "
+                "kernel reads rows of float weights, so a plan has one or the other"
+            )
 
     def apply(self, plan: ExecutionPlan) -> None:
         """Moves the model to `plan`'s precision and FFN level, then declares it to the runner

@@ -453,17 +453,22 @@ def precision_options(variants) -> list[Option]:
     options = []
     for quality in ("fast", "balanced", "max"):
         level = variants.levels[quality]
-        touches_ffn = any(".mlp." in name for name, _ in level.plan.precision)
         options.append(
             Option(
                 level.plan.name,
                 level.predicted_kl,
                 precision=level.plan.precision,
                 modules=level.modules,
-                touches_ffn=touches_ffn,
+                touches_ffn=quantizes_ffn(level.plan.precision),
             )
         )
     return options
+
+
+def quantizes_ffn(precision: tuple[tuple[str, str], ...]) -> bool:
+    """Whether a plan's precision swaps an FFN linear: the sparse FFN kernel, which reads rows
+    of the float weights, cannot run on top of it."""
+    return any(".mlp." in name for name, _ in precision)
 
 
 def ffn_read_fraction(sparsity_in: float, sparsity_mid: float, dense_fraction: float) -> float:
