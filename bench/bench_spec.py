@@ -128,6 +128,8 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
                     }
                 )
                 engine.spec_totals = dict.fromkeys(totals, 0)
+            medians = {name: statistics.median(r[0] for r in runs[name]) for name in engines}
+            print(f"{workload} batch {batch}: median tok/s {medians}", flush=True)
     return cells
 
 
