@@ -123,8 +123,8 @@ class LLM:
 
                 logger.warning(stale_note(self.cost_model))
         policy = self.engine.draft_policy
-        key = (id(self.cost_model), id(self.precision_variants), id(self.sparsity), id(self.router))
-        key += (id(policy),)
+        inputs = (self.cost_model, self.precision_variants, self.sparsity, self.router, policy)
+        key = tuple(map(id, inputs))
         if self._planner is None or self._planner[0] != key:  # its candidates are memoized
             speculation = None
             if policy is not None:

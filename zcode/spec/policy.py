@@ -156,7 +156,7 @@ class DraftPolicy:
         over plain decoding's, for a batch of `num_seqs` decoding requests. `plan`, `modules`:
         the verifying steps' plan and the precision modules it runs (CostModel.predict_step_ms;
         default: the policy's plan)."""
-        verify = (plan or self.plan, modules)
+        verify = (plan, modules)
         context = _bucket(context_len)
         accepted = expected_accepted(min(acceptance, MAX_ACCEPTANCE), num_drafts)
         ms = self._step_ms(num_seqs * (1 + num_drafts), num_seqs, context, *verify)
