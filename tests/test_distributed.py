@@ -301,7 +301,12 @@ def _assert_same(tp: dict, single: dict, tol: float) -> None:
     assert tp["weight_bytes"] < 0.75 * single["weight_bytes"]
 
 
-@pytest.mark.parametrize("name", ["llama", "glm4"])
+# The default suite runs each model and each kind of split once; the other pairs are `slow` (in
+# .ci/run): two ranks start in ~10 s each, and the default suite has a 15-minute budget.
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("name", ["llama", pytest.param("glm4", marks=SLOW)])
 def test_tp2_matches_one_process_on_tiny_models(tiny_checkpoint, tmp_path, name):
     path = tiny_checkpoint(name).path
     rounds = _prompts(seed=1)
@@ -322,8 +327,16 @@ def one_process_runs(tiny_checkpoint) -> dict:
     return run
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
-@pytest.mark.parametrize("name", ["glm4_moe", "glm_moe_dsa"])
+@pytest.mark.parametrize(
+    "name, expert_parallel",
+    [
+        ("glm4_moe", True),
+        ("glm_moe_dsa", False),
+        pytest.param("glm4_moe", False, marks=SLOW),
+        pytest.param("glm_moe_dsa", True, marks=SLOW),
+    ],
+    ids=["glm4_moe-ep2", "glm_moe_dsa-tp2", "glm4_moe-tp2", "glm_moe_dsa-ep2"],
+)
 def test_moe_models_match_one_process(tiny_checkpoint, one_process_runs, tmp_path, name,
                                       expert_parallel):  # fmt: skip
     """MoE experts sliced (TP) or whole, 4 of 8 per rank (EP); glm_moe_dsa's MLA split by
@@ -372,7 +385,7 @@ def test_two_processes_match_one_process_on_smollm2_gguf_as_stored(tmp_path, par
     assert tp["weight_bytes"] < 0.75 * single["weight_bytes"]
 
 
-@pytest.mark.parametrize("parallel", [TP2, PP2], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("parallel", [TP2, pytest.param(PP2, marks=SLOW)], ids=["tp2", "pp2"])
 def test_a_dead_rank_fails_rank_0_with_a_clear_error(tiny_checkpoint, tmp_path, parallel):
     path = tiny_checkpoint("llama").path
     result = _launch(tmp_path, path, "float32", _prompts(2), die=True, parallel=parallel)
@@ -478,14 +491,10 @@ def test_each_stage_holds_only_its_layers_weights_and_kv_cache(tiny_checkpoint, 
         assert per_rank_bytes[0] == per_rank_bytes[1]
 
 
-# glm4 and the shared-indexer DSA variant are `slow` (in .ci/run): the default suite's budget.
-SLOW = pytest.mark.slow
-
-
 @pytest.mark.parametrize(
     "name",
     [
-        "llama",
+        pytest.param("llama", marks=SLOW),
         pytest.param("glm4", marks=SLOW),
         "glm4_moe",
         "glm_moe_dsa",

@@ -48,7 +48,11 @@ def single():
         yield s
 
 
-@pytest.fixture(scope="module", params=sorted(SPLITS))
+# Pipeline-parallel serving is `slow` (in .ci/run): the default suite's 15-minute budget.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(s, marks=pytest.mark.slow) if s == "pp2" else s for s in sorted(SPLITS)],
+)
 def tp(request):
     """A two-rank server, tensor- or pipeline-parallel (the fixture keeps its first name)."""
     launcher = torchrun()

@@ -165,6 +165,7 @@ def test_info_plans_the_published_glm_configs(published):
             assert r.decode_tok_s == pytest.approx(40e9 / (r.read_bytes_per_token + r.kv_bytes))
 
 
+@pytest.mark.slow  # the hardware probe runs in the empty cache: ~25 s (in .ci/run)
 def test_cli_prints_the_fit_plan(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "zcode.cli", "info", "glm-4.5-air", "--json", "--context", "1024"],
