@@ -177,6 +177,22 @@ def test_explicit_plans_and_skips(tiny_net):
     assert choice.predicted_quality_loss_pct == pytest.approx(2.0)
 
 
+def test_kv_groups_skipped_together_cost_what_calibration_measured_together(tiny_net):
+    """Single ablations of the two least important groups sum to 3.02%; calibration measured
+    them together at 10%: the candidate, and a caller naming the same set, predict 10%."""
+    artifact = synthetic_artifact(tiny_net)
+    artifact.head_count_ratios = {1: 1.01, 2: 1.10}
+    planner = Planner(tiny_net, synthetic_cost_model(), None, artifact, True)
+    by_name = {c.plan.name: c for c in planner.candidates()}
+    assert by_name["ffn in 0 / mid 0, skip 2 KV heads"].quality_loss_pct == pytest.approx(10.0)
+    assert by_name["ffn in 0 / mid 0, skip 1 KV heads"].quality_loss_pct == pytest.approx(1.0)
+    choice = planner.choose(Hints(skip_kv_heads=((1, 0), (0, 1)), max_quality_loss=5.0))
+    assert choice.predicted_quality_loss_pct == pytest.approx(10.0) and not choice.target_met
+    # a set calibration did not measure together: its single ablations, summed
+    choice = planner.choose(Hints(skip_kv_heads=((0, 1),)))
+    assert choice.predicted_quality_loss_pct == pytest.approx(2.0)
+
+
 def test_latency_needs_a_cost_model(tiny_net):
     planner = Planner(tiny_net, None, None, synthetic_artifact(tiny_net))
     with pytest.raises(ValidationError, match="zcode hw --fit-cost"):

@@ -185,10 +185,10 @@ def test_pruned_heads_match_transformers_with_their_outputs_zeroed(tiny_checkpoi
 
 
 def test_group_ablation_scores_match_transformers_perplexities(tiny_checkpoint):
-    """Oracle: transformers' perplexity of the same windows with the group's o_proj columns
-    zeroed, over its dense perplexity."""
+    """Oracle: transformers' perplexity of the same windows with the groups' o_proj columns
+    zeroed (each alone, then the least important together), over its dense perplexity."""
     from zcode.llm import LLM
-    from zcode.sparsity.head_skip import ablation_scores
+    from zcode.sparsity.head_skip import ablation_scores, joint_ablation_ratios, prune_order
 
     ckpt = tiny_checkpoint("llama")
     llm = LLM(ckpt.path, kv_cache_bytes=1 << 20)
@@ -214,18 +214,35 @@ def test_group_ablation_scores_match_transformers_perplexities(tiny_checkpoint):
     config = oracle.config
     head_dim = config.hidden_size // config.num_attention_heads
     width = config.num_attention_heads // config.num_key_value_heads * head_dim
+
+    def oracle_ratio(groups) -> float:
+        weights = [oracle.model.layers[i].self_attn.o_proj.weight for i, _ in groups]
+        kept = [w.detach().clone() for w in weights]
+        with torch.no_grad():
+            for w, (_, g) in zip(weights, groups):
+                w[:, g * width : (g + 1) * width] = 0
+            ratio = oracle_ppl() / dense
+            for w, k in zip(weights, kept):
+                w.copy_(k)
+        return ratio
+
     want = torch.zeros_like(got)
-    for i, layer in enumerate(oracle.model.layers):
-        weight = layer.self_attn.o_proj.weight
+    for i in range(config.num_hidden_layers):
         for g in range(config.num_key_value_heads):
-            with torch.no_grad():
-                kept = weight[:, g * width : (g + 1) * width].clone()
-                weight[:, g * width : (g + 1) * width] = 0
-                want[i, g] = oracle_ppl() / dense
-                weight[:, g * width : (g + 1) * width] = kept
+            want[i, g] = oracle_ratio([(i, g)])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert len(calls) == want.numel() and (want != 1).all()  # each group changed something
     # the model is left as it was
+    assert ablation_scores(llm, tokens, window).equal(got)
+
+    # the k least important groups removed together
+    order = prune_order(got)
+    counts = tuple(range(1, len(order) + 1))
+    assert len(counts) >= 2
+    joint = joint_ablation_ratios(llm, tokens, window, got, counts + (len(order) + 1,))
+    assert list(joint) == list(counts)  # no count beyond the groups a model can lose
+    for k in counts:
+        assert joint[k] == pytest.approx(oracle_ratio(order[:k]), rel=1e-4)
     assert ablation_scores(llm, tokens, window).equal(got)
 
 
@@ -244,11 +261,13 @@ def test_artifact_round_trip_and_wrong_model(tmp_path, tiny_checkpoint):
         levels=[FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.02)],
         layer_scores=torch.rand(num_layers),
         head_scores=torch.rand(num_layers, 2),
+        head_count_ratios={1: 1.01, 2: 1.1},
     )
     path = tmp_path / "a.pt"
     artifact.save(path)
     loaded = SparsityArtifact.load(path)
     assert loaded.levels == artifact.levels
+    assert loaded.head_count_ratios == {1: 1.01, 2: 1.1}
     torch.testing.assert_close(loaded.table.thresh_mid, table.thresh_mid)
     loaded.check_model(net)
     assert loaded.best_level(1.01) == artifact.levels[0]

@@ -37,6 +37,9 @@ class SparsityArtifact:
     levels: list[FFNLevel]
     layer_scores: torch.Tensor  # [L] block influence
     head_scores: torch.Tensor  # [L, KVH] perplexity ratio with each KV group removed
+    # {k: perplexity ratio with the k least important groups removed together}; empty in an
+    # artifact written before it was measured
+    head_count_ratios: dict[int, float] = field(default_factory=dict)
     predictor: dict | None = None  # FFNPredictor.state() and its held-out metrics
     notes: dict = field(default_factory=dict)
 
@@ -68,6 +71,7 @@ class SparsityArtifact:
             "levels": [asdict(lv) for lv in self.levels],
             "layer_scores": self.layer_scores,
             "head_scores": self.head_scores,
+            "head_count_ratios": self.head_count_ratios,
             "predictor": self.predictor,
             "notes": self.notes,
         }
@@ -91,6 +95,7 @@ class SparsityArtifact:
             levels=[FFNLevel(**lv) for lv in blob["levels"]],
             layer_scores=blob["layer_scores"],
             head_scores=blob["head_scores"],
+            head_count_ratios=blob.get("head_count_ratios", {}),
             predictor=blob["predictor"],
             notes=blob["notes"],
         )

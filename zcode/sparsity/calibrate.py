@@ -1,7 +1,7 @@
 """`zcode calibrate`: one pass over calibration text records activation thresholds and layer
-importance, then KV-group importance (by ablation) and every candidate FFN level are scored on a
-separate calibration slice; the result is a SparsityArtifact. (Latency is the hardware cost
-model's: `zcode hw --fit-cost`.)
+importance, then KV-group importance (by ablation: each group alone, and the least important
+together) and every candidate FFN level are scored on a separate calibration slice; the result
+is a SparsityArtifact. (Latency is the hardware cost model's: `zcode hw --fit-cost`.)
 
 Held-out text is never touched here: quality claims are made on it by the bench.
 """
@@ -14,7 +14,12 @@ from zcode.ppl import perplexity
 from zcode.sampling_params import SamplingParams
 from zcode.sparsity.apply import remove_sparsity, set_ffn_level
 from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
-from zcode.sparsity.head_skip import ablation_scores, gqa_attentions
+from zcode.sparsity.head_skip import (
+    HEAD_COUNTS,
+    ablation_scores,
+    gqa_attentions,
+    joint_ablation_ratios,
+)
 from zcode.sparsity.layer_skip import BlockInfluence
 from zcode.sparsity.predictor import FFNInputRecorder, predictor_state, train_predictors
 from zcode.sparsity.thresholds import ActivationRecorder
@@ -67,7 +72,7 @@ def calibrate(
     windows = [record[i : i + WINDOW] for i in range(0, len(record) - 1, WINDOW)]
     num_groups = sum(a.num_kv_heads for a in gqa_attentions(model).values())
     bar = tqdm(
-        total=len(windows) + num_groups + len(levels) + len(PREDICTOR_KEEPS),
+        total=len(windows) + num_groups + len(HEAD_COUNTS) + len(levels) + len(PREDICTOR_KEEPS),
         desc="calibrate",
         disable=not progress,
     )
@@ -79,12 +84,16 @@ def calibrate(
                 bar.update()
     table = acts.table()
     inputs = ffn_inputs.stacked()
+    head_scores = ablation_scores(llm, evaluate, WINDOW, bar.update)
     artifact = SparsityArtifact(
         fingerprint=fingerprint(model),
         table=table,
         levels=[],
         layer_scores=bi.scores(),
-        head_scores=ablation_scores(llm, evaluate, WINDOW, bar.update),
+        head_scores=head_scores,
+        head_count_ratios=joint_ablation_ratios(
+            llm, evaluate, WINDOW, head_scores, on_count=bar.update
+        ),
         notes={"calibration_tokens": num_tokens, "eval_tokens": num_eval_tokens},
     )
     artifact.predictor = {}

@@ -11,6 +11,7 @@ code.
 """
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -27,6 +28,27 @@ def gqa_attentions(model: nn.Module) -> dict[int, Attention]:
     }
 
 
+HEAD_COUNTS = (1, 2, 4, 8, 16)  # KV groups removed together, least important first
+
+
+@contextmanager
+def _ablated(attns: dict[int, Attention], groups: list[tuple[int, int]]):
+    """The model with the (layer, kv group) pairs' o_proj columns zeroed, restored on exit."""
+    kept = []
+    try:
+        for i, g in groups:
+            attn = attns[i]
+            width = attn.num_heads // attn.num_kv_heads * attn.head_dim
+            weight = attn.o_proj.weight  # [D, H * Dh]
+            cols = slice(g * width, (g + 1) * width)
+            kept.append((weight, cols, weight[:, cols].clone()))
+            weight[:, cols] = 0
+        yield
+    finally:
+        for weight, cols, columns in kept:
+            weight[:, cols] = columns
+
+
 @torch.no_grad()
 def ablation_scores(
     llm, tokens: list[int], window: int, on_group: Callable[[], None] = lambda: None
@@ -34,24 +56,43 @@ def ablation_scores(
     """[L, KVH] perplexity of `tokens` with each KV group removed, over the dense perplexity
     (higher: the group matters more); zeros for layers without GQA attention. Calls `on_group`
     after each group (a progress bar)."""
-    model = llm.model
-    attns = gqa_attentions(model)
+    attns = gqa_attentions(llm.model)
     num_groups = max((a.num_kv_heads for a in attns.values()), default=1)
-    scores = torch.zeros(len(model.model.layers), num_groups)
+    scores = torch.zeros(len(llm.model.model.layers), num_groups)
     dense = perplexity(llm, tokens, window, window).perplexity
     for i, attn in attns.items():
-        width = attn.num_heads // attn.num_kv_heads * attn.head_dim
-        weight = attn.o_proj.weight  # [D, H * Dh]
         for g in range(attn.num_kv_heads):
-            cols = slice(g * width, (g + 1) * width)
-            kept = weight[:, cols].clone()
-            weight[:, cols] = 0
-            try:
+            with _ablated(attns, [(i, g)]):
                 scores[i, g] = perplexity(llm, tokens, window, window).perplexity / dense
-            finally:
-                weight[:, cols] = kept
             on_group()
     return scores
+
+
+@torch.no_grad()
+def joint_ablation_ratios(
+    llm,
+    tokens: list[int],
+    window: int,
+    scores: torch.Tensor,
+    counts: tuple[int, ...] = HEAD_COUNTS,
+    on_count: Callable[[], None] = lambda: None,
+) -> dict[int, float]:
+    """{k: perplexity of `tokens` with the k least important KV groups (prune_order of
+    `scores`) removed together, over the dense perplexity}, for each k in `counts` there are
+    that many groups to remove. Groups do not act alone: on SmolLM2-135M the four least
+    important each cost under 0.1% alone and 9% together (held-out), so a plan's loss is
+    measured for the set it removes, not summed from single ablations."""
+    attns = gqa_attentions(llm.model)
+    order = prune_order(scores)
+    dense = perplexity(llm, tokens, window, window).perplexity
+    ratios = {}
+    for k in counts:
+        if k > len(order):
+            break
+        with _ablated(attns, order[:k]):
+            ratios[k] = perplexity(llm, tokens, window, window).perplexity / dense
+        on_count()
+    return ratios
 
 
 def prune_order(scores: torch.Tensor) -> list[tuple[int, int]]:
