@@ -7,9 +7,10 @@
    that combine on a float model: precision variants quantize FFNs, which sparse FFNs cannot read
    yet), against the planner's prediction; Spearman rank correlation over the plans.
 2. Latency (the hardware cost model): over a grid of (max_latency_ms, max_quality_loss) targets,
-   the plan chosen, its predicted and measured batch-1 decode ms/token, and whether the measured
-   ms/token is within 10% of the latency target. Needs this machine's fitted cost model
-   (`zcode hw --fit-cost`, or --fit-cost here).
+   the plan chosen, its predicted and measured batch-1 decode ms/token (min / median of
+   --repeats runs, targets round-robin), and whether the fastest run is within 10% of the
+   latency target. Needs this machine's fitted cost model (`zcode hw --fit-cost`, or
+   --fit-cost here).
 
 The sparsity artifact is read from --artifact or the cache (zcode calibrate), else calibrated
 now. Writes bench/results/plan.json.
@@ -79,28 +80,40 @@ def quality_rows(llm: LLM, candidates: list[Candidate], heldout: list[int]) -> l
     return rows
 
 
-def latency_rows(llm: LLM, candidates: list[Candidate], prompt: list[int]) -> list[dict]:
+def latency_rows(
+    llm: LLM, candidates: list[Candidate], prompt: list[int], repeats: int
+) -> list[dict]:
+    """Each target's plan generated `repeats` times, targets round-robin within a repeat; a
+    run's measured ms/token is its report's (the median decode step's). A target is met when
+    the fastest run is within 10% of it: the cost model predicts the idle machine (its fit
+    takes best-of step times), and other processes only ever make a run slower."""
     ms = sorted(c.ms_per_token for c in candidates)
     targets = [ms[round(q * (len(ms) - 1))] for q in LATENCY_QUANTILES]
+    grid = [(target, budget) for target in targets for budget in QUALITY_BUDGETS_PCT]
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     llm.generate(prompt, params, max_latency_ms=targets[-1])  # warm-up: kernels, allocator
-    rows = []
-    for target in targets:
-        for budget in QUALITY_BUDGETS_PCT:
+    reports = {cell: [] for cell in grid}
+    for _ in range(repeats):
+        for target, budget in grid:
             out = llm.generate(prompt, params, max_latency_ms=target, max_quality_loss=budget)[0]
-            report = out.plan
-            rows.append(
-                {
-                    "max_latency_ms": target,
-                    "max_quality_loss": budget,
-                    "plan": report.plan,
-                    "binding": report.binding,
-                    "target_met": report.target_met,
-                    "predicted_ms": report.predicted_ms_per_token,
-                    "measured_ms": report.measured_ms_per_token,
-                    "within_10pct": report.measured_ms_per_token <= 1.1 * target,
-                }
-            )
+            reports[target, budget].append(out.plan)
+    rows = []
+    for (target, budget), runs in reports.items():
+        measured = [r.measured_ms_per_token for r in runs]
+        report = runs[0]
+        rows.append(
+            {
+                "max_latency_ms": target,
+                "max_quality_loss": budget,
+                "plan": report.plan,
+                "binding": report.binding,
+                "target_met": report.target_met,
+                "predicted_ms": report.predicted_ms_per_token,
+                "measured_ms_min": min(measured),
+                "measured_ms_median": statistics.median(measured),
+                "within_10pct": min(measured) <= 1.1 * target,
+            }
+        )
     return rows
 
 
@@ -113,6 +126,7 @@ def main() -> None:
     parser.add_argument("--calibration-eval-tokens", type=int, default=1024)
     parser.add_argument("--heldout-tokens", type=int, default=4096)
     parser.add_argument("--num-plans", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each latency target")
     parser.add_argument("--fit-cost", action="store_true", help="fit the cost model if missing")
     args = parser.parse_args()
     if args.quick:
@@ -143,9 +157,17 @@ def main() -> None:
     if llm.cost_model is None:
         print("latency: no fitted cost model on this machine (zcode hw --fit-cost, or --fit-cost)")
     else:
-        latency = latency_rows(llm, candidates, heldout[:64])
+        latency = latency_rows(llm, candidates, heldout[:64], args.repeats)
         print_rows(
-            ["max ms", "max +ppl %", "plan", "binding", "predicted ms", "measured ms", "<=1.1x"],
+            [
+                "max ms",
+                "max +ppl %",
+                "plan",
+                "binding",
+                "predicted ms",
+                "measured ms min / median",
+                "<=1.1x",
+            ],
             [
                 (
                     f"{r['max_latency_ms']:.2f}",
@@ -153,14 +175,17 @@ def main() -> None:
                     r["plan"],
                     r["binding"],
                     f"{r['predicted_ms']:.2f}",
-                    f"{r['measured_ms']:.2f}",
+                    f"{r['measured_ms_min']:.2f} / {r['measured_ms_median']:.2f}",
                     "yes" if r["within_10pct"] else "no",
                 )
                 for r in latency
             ],
         )
         met = statistics.mean(r["within_10pct"] for r in latency)
-        print(f"targets met by measured ms/token within 10%: {met:.0%} of {len(latency)}")
+        print(
+            f"targets met by measured ms/token within 10% (fastest of {args.repeats} runs): "
+            f"{met:.0%} of {len(latency)}"
+        )
     RESULTS.mkdir(exist_ok=True)
     blob = {"spearman": rho, "quality": quality, "latency": latency}
     (RESULTS / "plan.json").write_text(json.dumps(blob, indent=2) + "\n")

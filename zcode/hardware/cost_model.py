@@ -59,7 +59,9 @@ from zcode.quant.linear import QuantizedLinear, quantize_weight
 
 logger = logging.getLogger(__name__)
 
-_SCHEMA_VERSION = 1  # bump when the features change, so old fits are not read
+# Bump when the features or the fit's settings change, so old fits are not read (2: decode
+# steps of 16 sequences).
+_SCHEMA_VERSION = 2
 DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.\d+\.")
