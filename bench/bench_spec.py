@@ -2,21 +2,22 @@
 same run, and the acceptance behind it.
 
     .venv/bin/python bench/bench_spec.py [--quick] [--dtype bfloat16] [--batches 1,4,16]
-        [--num-new 64] [--repeats 3] [--num-draft-tokens 3]
+        [--num-new 64] [--repeats 3] [--num-draft-tokens 3] [--methods ngram,quantized,...]
+        [--workloads continuation,"code editing"]
 
 Workloads, from the held-out split of zcode.calibration (stdlib sources no calibration saw):
 (a) continuation: windows of held-out source, continued; (b) code editing: a held-out function
 followed by an instruction to repeat it with one name changed, and the new header, so the
 answer mostly copies the prompt (where prompt lookup pays). Methods: plain decoding, `ngram`
-(prompt lookup) and `skip_layers` (the model without every other inner layer drafts), each with
-every request drafting --num-draft-tokens per step (draft policy "fixed") and with the adaptive
-policy, which drafts per request and step what pays by measured acceptance and the cost model
-("drafts/step": drafted tokens per request and decode step, where it turns speculation down or
-off). Engines run round-robin within each repeat. Each cell is min / median of --repeats runs of
-decode tok/s (first token to last, greedy, batch B); ZCode's outputs are checked equal to plain
-decoding's (column "same"). llama.cpp (its GGUF
-file, Q4_1) with and without prompt lookup decoding (llama-cpp-python's
-LlamaPromptLookupDecoding) runs at batch 1 when llama_cpp is installed.
+(prompt lookup), `skip_layers` (the model without every other inner layer drafts) and
+`quantized` (the model with int8 weights drafts), each with every request drafting
+--num-draft-tokens per step (draft policy "fixed") and with the adaptive policy, which drafts
+per request and step what pays by measured acceptance and the cost model ("drafts/step":
+drafted tokens per request and decode step, where it turns speculation down or off). Engines
+run round-robin within each repeat. Each cell is min / median of --repeats runs of decode tok/s
+(first token to last, greedy, batch B); ZCode's outputs are checked equal to plain decoding's
+(column "same"). llama.cpp (its GGUF file, Q4_1) with and without prompt lookup decoding
+(llama-cpp-python's LlamaPromptLookupDecoding) runs at batch 1 when llama_cpp is installed.
 Writes bench/results/spec.json.
 """
 
@@ -45,6 +46,8 @@ METHODS = (
     ("ngram adaptive", "ngram", "adaptive"),
     ("skip_layers", "skip_layers", "fixed"),
     ("skip_layers adaptive", "skip_layers", "adaptive"),
+    ("quantized", "quantized", "fixed"),
+    ("quantized adaptive", "quantized", "adaptive"),
 )
 PROMPT_TOKENS = 192
 
@@ -95,6 +98,8 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
     cost = CostModel.load_or_fit()  # the adaptive policy's (fitted once per machine)
     engines = {}
     for name, method, policy in METHODS:
+        if name != "plain" and name not in args.methods:
+            continue
         config = dataclasses.replace(
             llm.config,
             speculative=method,
@@ -169,15 +174,26 @@ def main() -> None:
     parser.add_argument("--num-new", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-draft-tokens", type=int, default=3)
+    names = [name for name, _, _ in METHODS[1:]]
+    parser.add_argument(
+        "--methods", default=",".join(names), help=f"besides plain, some of: {', '.join(names)}"
+    )
+    parser.add_argument("--workloads", default="continuation,code editing")
     args = parser.parse_args()
+    args.methods = args.methods.split(",")
+    unknown = set(args.methods) - set(names)
+    if unknown:
+        parser.error(f"unknown methods {sorted(unknown)}; known: {', '.join(names)}")
     batches = [1] if args.quick else [int(b) for b in args.batches.split(",")]
     if args.quick:
         args.num_new = 16
     llm = LLM(None, dtype=args.dtype)
     count = max(batches)
+    makers = {"continuation": continuation_prompts, "code editing": editing_prompts}
     workloads = {
-        "continuation": continuation_prompts(llm.tokenizer, count),
-        "code editing": editing_prompts(llm.tokenizer, count),
+        name: make(llm.tokenizer, count)
+        for name, make in makers.items()
+        if name in args.workloads.split(",")
     }
     cells = zcode_cells(llm, workloads, batches, args) + llama_cpp_cells(workloads, args)
     plain = {(c["workload"], c["batch"]): c for c in cells if c["method"] == "plain"}

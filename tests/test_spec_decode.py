@@ -24,13 +24,18 @@ from zcode.engine.llm_engine import LLMEngine
 from zcode.engine.request_output import RequestOutput
 from zcode.errors import ValidationError
 from zcode.llm import LLM
+from zcode.quant.linear import QuantizedLinear
 from zcode.sampling_params import SamplingParams
 from zcode.spec.drafter import Drafter
 from zcode.spec.ngram import NgramDrafter
 from zcode.spec.rejection import rejection_sample
 
 BLOCK = 4  # small blocks: drafts and rollbacks cross block boundaries often
-DRAFTERS = {"ngram": {}, "skip_layers": {"draft_skip_layers": (1,)}}
+DRAFTERS = {
+    "ngram": {},
+    "skip_layers": {"draft_skip_layers": (1,)},
+    "quantized": {"draft_format": "int4-g32"},  # the coarsest: more rejections to roll back
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 CHI2_ALPHA = 1e-3  # deterministic seeds: the statistic is fixed, so this is no flake rate
 
@@ -148,7 +153,9 @@ def test_rejection_rule_keeps_the_target_distribution(one_hot):
         ("llama", "skip_layers"),
         ("glm4_moe", "ngram"),
         ("glm4_moe", "skip_layers"),
+        ("glm4_moe", "quantized"),
         ("glm_moe_dsa", "ngram"),
+        ("glm_moe_dsa", "quantized"),
     ],
 )
 def test_greedy_outputs_are_those_of_transformers(name, method, tiny_checkpoint):
@@ -190,6 +197,31 @@ def test_skip_layers_draft_of_an_identity_layer_is_always_accepted(tiny_checkpoi
     llm.generate(prompts(), GREEDY)
     totals = llm.engine.spec_totals
     assert totals["num_accepted_tokens"] >= 0.95 * totals["num_draft_tokens"] > 0, totals
+
+
+def test_a_bf16_draft_is_nearly_always_accepted(tiny_checkpoint):
+    """The model with bf16 weights drafts what the fp32 model would, so nearly every draft is
+    accepted unless the draft ran at the wrong positions or read the wrong KV; the model is
+    back in fp32 after each draft (the outputs are transformers')."""
+    checkpoint = tiny_checkpoint("llama")
+    llm = LLM(
+        checkpoint.path,
+        kv_cache_bytes=1 << 20,
+        block_size=BLOCK,
+        speculative="quantized",
+        draft_format="bf16",
+        draft_policy="fixed",
+    )
+    outputs = llm.generate(prompts(), GREEDY)
+    for prompt, out in zip(prompts(), outputs, strict=True):
+        assert out.token_ids == oracle_greedy(checkpoint.oracle, prompt, GREEDY.max_tokens)
+    totals = llm.engine.spec_totals
+    assert totals["num_accepted_tokens"] >= 0.9 * totals["num_draft_tokens"] > 0, totals
+    assert not any(isinstance(m, QuantizedLinear) for m in llm.model.modules())
+    with pytest.raises(ValidationError, match="draft_format must be one of"):
+        LLM(checkpoint.path, kv_cache_bytes=1 << 20, speculative="quantized", draft_format="int3")
+    with pytest.raises(ValidationError, match="draft_format needs"):
+        LLM(checkpoint.path, kv_cache_bytes=1 << 20, speculative="ngram", draft_format="int8")
 
 
 def test_skip_layers_draft_refuses_dsa(tiny_checkpoint):
@@ -273,6 +305,8 @@ def test_cli_speculative_options(tiny_checkpoint, capsys):
         (["generate", "hi", "--draft-policy", "fixed"], "need --speculative"),
         (["generate", "hi", "--speculative", "ngram", "--num-draft-tokens", "0"], "at least 1"),
         (["generate", "hi", "--speculative", "ngram", "--draft-skip-layers", "1"], "skip_layers"),
+        (["generate", "hi", "--draft-format", "int8"], "need --speculative"),
+        (["generate", "hi", "--speculative", "ngram", "--draft-format", "int8"], "quantized"),
         (["generate", "hi", "--model", path, "--speculative", "mtp"], "llama has none"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
@@ -363,7 +397,7 @@ def test_default_model_greedy_outputs_are_those_of_plain_decoding(default_llm):
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     want = [o.token_ids for o in default_llm.generate(ids, params)]
     plain = dataclasses.replace(params, num_draft_tokens=0)
-    for method in ("ngram", "skip_layers"):
+    for method in ("ngram", "skip_layers", "quantized"):
         config = dataclasses.replace(
             default_llm.config, speculative=method, num_draft_tokens=3, draft_policy="fixed"
         )

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # torch stays out of the CLI's start-up, which reads this mod
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-SPECULATIVE_METHODS = ("ngram", "skip_layers", "mtp")
+SPECULATIVE_METHODS = ("ngram", "skip_layers", "quantized", "mtp")
 DRAFT_POLICIES = ("adaptive", "fixed")
 
 
@@ -46,13 +46,15 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     # Speculative decoding (vLLM's method names where they exist): "ngram" (prompt lookup),
     # "skip_layers" (the model without `draft_skip_layers` drafts; default: every other inner
-    # layer) or "mtp" (the checkpoint's MTP layer; its KV and the target's hidden states take
+    # layer), "quantized" (the model with its linears in `draft_format` drafts, default int8)
+    # or "mtp" (the checkpoint's MTP layer; its KV and the target's hidden states take
     # cache memory beside kv_cache_bytes); each step verifies up to `num_draft_tokens` drafted
     # tokens per request. Outputs are those of plain decoding; SamplingParams.num_draft_tokens
     # overrides the count per request (0: this request does not speculate).
     speculative: str | None = None
     num_draft_tokens: int = 3
     draft_skip_layers: tuple[int, ...] | None = None
+    draft_format: str | None = None
     # "adaptive": each step, each request drafts as many of its num_draft_tokens as pay by its
     # measured acceptance and this machine's cost model (none where speculation does not pay,
     # e.g. large batches; zcode.spec.policy), fixed where no cost model is fitted here or the

@@ -221,7 +221,8 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
         choices=SPECULATIVE_METHODS,
         help="speculative decoding: drafts verified by the model in one forward, outputs "
         "unchanged; ngram: prompt lookup, skip_layers: the model without some layers drafts, "
-        "mtp: the checkpoint's MTP layer (GLM-4.5+ / GLM-5 HF checkpoints)",
+        "quantized: the model with int8 (--draft-format) weights drafts, mtp: the checkpoint's "
+        "MTP layer (GLM-4.5+ / GLM-5 HF checkpoints)",
     )
     parser.add_argument(
         "--num-draft-tokens",
@@ -242,15 +243,27 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> None:
         help='with --speculative skip_layers: the layers the draft skips, e.g. "3,5,7" '
         "(default: every other inner layer)",
     )
+    parser.add_argument(
+        "--draft-format",
+        metavar="FORMAT",
+        help="with --speculative quantized: the draft's weight format, e.g. int8 (default), "
+        "int4-g32, w4a8",
+    )
 
 
 def speculative_args(args: argparse.Namespace) -> dict:
     """The engine arguments of --speculative and its options (none if it is not given)."""
     if args.speculative is None:
-        given = (args.num_draft_tokens, args.draft_skip_layers, args.draft_policy)
+        given = (
+            args.num_draft_tokens,
+            args.draft_skip_layers,
+            args.draft_format,
+            args.draft_policy,
+        )
         if any(option is not None for option in given):
             raise ValidationError(
-                "--num-draft-tokens, --draft-policy and --draft-skip-layers need --speculative"
+                "--num-draft-tokens, --draft-policy, --draft-skip-layers and --draft-format need "
+                "--speculative"
             )
         return {}
     engine_args = {"speculative": args.speculative}
@@ -274,6 +287,10 @@ def speculative_args(args: argparse.Namespace) -> dict:
                 f'--draft-skip-layers takes layer numbers like "3,5,7", got '
                 f"{args.draft_skip_layers!r}"
             ) from None
+    if args.draft_format is not None:
+        if args.speculative != "quantized":
+            raise ValidationError("--draft-format needs --speculative quantized")
+        engine_args["draft_format"] = args.draft_format
     return engine_args
 
 

@@ -77,7 +77,7 @@ class LLMEngine:
         if self.drafter is not None:
             self.drafter.attach(self.runner)
         elif config.speculative is not None:
-            self.drafter = make_drafter(config.speculative, self.runner, config.draft_skip_layers)
+            self.drafter = make_drafter(self.runner, config)
         self.draft_policy, self.draft_policy_name = self._draft_policy(cost_model)
         # vLLM's spec-decode counters, running totals: steps that verified drafts, drafted
         # tokens, accepted tokens, and accepted tokens by draft position.

@@ -4,6 +4,7 @@ from abc import ABC, abstractmethod
 
 from zcode.config import SPECULATIVE_METHODS
 from zcode.engine.sequence import Sequence
+from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 
 
@@ -24,10 +25,16 @@ class Drafter(ABC):
         return None
 
 
-def make_drafter(name: str, runner, draft_skip_layers: tuple[int, ...] | None) -> Drafter:
-    """`runner`: the engine's ModelRunner (a self-draft runs its model on its KV cache). The
-    MTP drafter is made by the engine itself, before the runner: its caches count in the KV
-    budget (zcode.spec.mtp.MtpDrafter)."""
+def make_drafter(runner, config) -> Drafter:
+    """The drafter `config.speculative` names (zcode.config.EngineConfig); `runner`: the
+    engine's ModelRunner (a self-draft runs its model on its KV cache). The MTP drafter is made
+    by the engine itself, before the runner: its caches count in the KV budget
+    (zcode.spec.mtp.MtpDrafter)."""
+    name = config.speculative
+    if config.draft_skip_layers is not None and name != "skip_layers":
+        raise ValidationError("draft_skip_layers needs speculative='skip_layers'")
+    if config.draft_format is not None and name != "quantized":
+        raise ValidationError("draft_format needs speculative='quantized'")
     if name == "ngram":
         from zcode.spec.ngram import NgramDrafter
 
@@ -35,5 +42,9 @@ def make_drafter(name: str, runner, draft_skip_layers: tuple[int, ...] | None) -
     if name == "skip_layers":
         from zcode.spec.self_draft import SkipLayersDrafter
 
-        return SkipLayersDrafter(runner, draft_skip_layers)
+        return SkipLayersDrafter(runner, config.draft_skip_layers)
+    if name == "quantized":
+        from zcode.spec.self_draft import QuantizedDrafter
+
+        return QuantizedDrafter(runner, config.draft_format or "int8")
     raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {name!r}")

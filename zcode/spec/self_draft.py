@@ -1,11 +1,13 @@
 """Self-drafting: the same model under a cheaper plan proposes, the full plan verifies.
 
-The cheaper plan skips decoder layers (LayerSkip / Draft & Verify style). It reads the full
-model's KV of the computed context for the layers it keeps, and writes its own KV of the draft
-positions into the slots the verifying forward then overwrites, so it needs no cache of its own.
+The cheaper plan skips decoder layers (LayerSkip / Draft & Verify style), or runs every linear
+in a quantized weight format (`QuantizedDrafter`: int8 by default, whose greedy tokens are
+mostly the full model's). It reads the full model's KV of the computed context, and writes its
+own KV of the draft positions into the slots the verifying forward then overwrites, so it needs
+no cache of its own.
 """
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
@@ -18,13 +20,37 @@ from zcode.sparsity.layer_skip import SkippedLayer
 from zcode.spec.drafter import Drafter
 
 
+class SelfDrafter(Drafter):
+    """Drafts greedily with the engine's own model while `cheaper()` holds it in the cheaper
+    plan, one eager decode forward per draft position."""
+
+    runner = None  # the engine's ModelRunner
+
+    def cheaper(self) -> AbstractContextManager:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        with self.cheaper():
+            for step in range(max(max_num_tokens, default=0)):
+                rows = [i for i, n in enumerate(max_num_tokens) if n > step]
+                # Row i feeds its newest token (the last known one, then its latest draft).
+                input_ids = [drafts[i][-1] if drafts[i] else seqs[i].token_ids[-1] for i in rows]
+                context_lens = [seqs[i].num_tokens + len(drafts[i]) for i in rows]
+                logits = self.runner.decode_eager([seqs[i] for i in rows], input_ids, context_lens)
+                for i, token in zip(rows, logits.argmax(-1).tolist()):  # logits: [R, V]
+                    drafts[i].append(token)
+        return drafts
+
+
 def default_skip_layers(num_layers: int) -> tuple[int, ...]:
     """Every other layer strictly inside the stack: about half the cost; the first and last
     layers, whose removal breaks small models outright, always run."""
     return tuple(range(1, num_layers - 1, 2))
 
 
-class SkipLayersDrafter(Drafter):
+class SkipLayersDrafter(SelfDrafter):
     def __init__(self, runner, skip_layer_ids: tuple[int, ...] | None = None) -> None:
         """runner: the engine's ModelRunner; skip_layer_ids: the decoder layers the draft
         skips (default: `default_skip_layers`)."""
@@ -48,19 +74,34 @@ class SkipLayersDrafter(Drafter):
     def cost_plan(self, num_layers: int) -> ExecutionPlan:
         return ExecutionPlan(name="draft", skip_layers=self.skip_layer_ids)
 
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in seqs]
-        with _skipping(self.runner.model, self.skip_layer_ids):
-            for step in range(max(max_num_tokens, default=0)):
-                rows = [i for i, n in enumerate(max_num_tokens) if n > step]
-                # Row i feeds its newest token (the last known one, then its latest draft).
-                input_ids = [drafts[i][-1] if drafts[i] else seqs[i].token_ids[-1] for i in rows]
-                context_lens = [seqs[i].num_tokens + len(drafts[i]) for i in rows]
-                logits = self.runner.decode_eager([seqs[i] for i in rows], input_ids, context_lens)
-                for i, token in zip(rows, logits.argmax(-1).tolist()):  # logits: [R, V]
-                    drafts[i].append(token)
-        return drafts
+    def cheaper(self) -> AbstractContextManager:
+        return _skipping(self.runner.model, self.skip_layer_ids)
+
+
+class QuantizedDrafter(SelfDrafter):
+    def __init__(self, runner, fmt: str = "int8") -> None:
+        """runner: the engine's ModelRunner; fmt: the weight format (zcode.quant.linear.FORMATS)
+        every quantizable linear of the draft runs in: round-to-nearest copies, built once
+        (their bytes beside the model's: a quarter of an fp32 model's in int8)."""
+        from zcode.quant.apply import quantizable_modules, quantize_linear
+        from zcode.quant.linear import FORMATS
+
+        if fmt not in FORMATS:
+            raise ValidationError(f"draft_format must be one of {sorted(FORMATS)}, got {fmt!r}")
+        model = runner.model
+        self.runner, self.format = runner, fmt
+        self.modules = {
+            name: quantize_linear(model.get_submodule(name), fmt)
+            for name in quantizable_modules(model)
+        }
+
+    def cost_plan(self, num_layers: int) -> ExecutionPlan:
+        return ExecutionPlan(
+            name="draft", precision=tuple((name, self.format) for name in sorted(self.modules))
+        )
+
+    def cheaper(self) -> AbstractContextManager:
+        return _swapped(self.runner.model, self.modules)
 
 
 @contextmanager
@@ -75,3 +116,16 @@ def _skipping(model: nn.Module, layer_ids: tuple[int, ...]):
     finally:
         for i, layer in originals.items():
             layers[i] = layer
+
+
+@contextmanager
+def _swapped(model: nn.Module, modules: dict[str, nn.Module]):
+    """The model with `modules` in place by name, its own restored on exit."""
+    from zcode.quant.variants import swap
+
+    originals = {name: model.get_submodule(name) for name in modules}
+    try:
+        swap(model, modules)
+        yield
+    finally:
+        swap(model, originals)
