@@ -69,7 +69,7 @@ from zcode.quant.linear import QuantizedLinear  # noqa: E402
 from zcode.quant.planner import module_formats, plan  # noqa: E402
 from zcode.quant.report import draw_pareto  # noqa: E402
 from zcode.quant.sensitivity import SingleSequenceRunner, profile_sensitivity  # noqa: E402
-from zcode.quant.variants import attach_variants  # noqa: E402
+from zcode.quant.variants import attach_variants, swap  # noqa: E402
 from zcode.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -151,12 +151,6 @@ class Config:
             yield
         finally:
             swap(model, originals)
-
-
-def swap(model: nn.Module, modules: dict[str, nn.Module]) -> None:
-    for name, module in modules.items():
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, module)
 
 
 def decode_seconds(llm: LLM, prompt_ids: list[int], num_new: int) -> float:

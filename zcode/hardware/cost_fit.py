@@ -137,6 +137,7 @@ def measure_plans(
     processes spreads over all plans instead of spoiling the one measured while it lasted."""
     from zcode import LLM
     from zcode.quant import apply_precision, quantizable_modules
+    from zcode.quant.variants import swap, swapped
 
     llms = {
         dtype: LLM(None, dtype=dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES)
@@ -149,13 +150,12 @@ def measure_plans(
         rows = {(mode, b, n): _features(model, formats, mode, b, n) for mode, b, n in settings}
         originals = dict(model.named_modules())
         quantized = apply_precision(model, formats)
-        _swap(model, {name: originals[name] for name in quantized})
+        swap(model, {name: originals[name] for name in quantized})
         prepared.append((spec, llms[spec.dtype], quantized, rows))
     best: dict[tuple[int, tuple[str, int, int]], float] = {}
     for _ in range(num_rounds):
         for i, (_, llm, quantized, rows) in enumerate(prepared):
-            originals = _swap(llm.model, quantized)
-            try:
+            with swapped(llm.model, quantized):
                 _measure_decode(llm.engine, 1, 16)  # warm-up: first calls pick kernels
                 for setting in rows:
                     mode, b, n = setting
@@ -165,24 +165,11 @@ def measure_plans(
                         else _measure_prefill(llm.engine, n)
                     )
                     best[i, setting] = min(ms, best.get((i, setting), float("inf")))
-            finally:
-                _swap(llm.model, originals)
     return [
         Measurement(spec, *setting, features, best[i, setting])
         for i, (spec, _, _, rows) in enumerate(prepared)
         for setting, features in rows.items()
     ]
-
-
-def _swap(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
-    """Puts `modules` in place by name; returns the ones they replaced."""
-    replaced = {}
-    for name, module in modules.items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        replaced[name] = getattr(parent, child)
-        setattr(parent, child, module)
-    return replaced
 
 
 def _features(

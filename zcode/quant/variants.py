@@ -18,6 +18,8 @@ afterwards; KV computed under a variant is salted by the plan, so its requests r
 prefix-cache blocks among themselves only.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from torch import nn
@@ -211,10 +213,24 @@ class PrecisionVariants:
         )
 
 
-def swap(model: nn.Module, modules: dict[str, nn.Module]) -> None:
+def swap(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """Puts `modules` in place by name; returns the ones they replaced."""
+    replaced = {}
     for name, module in modules.items():
         parent, _, child = name.rpartition(".")
+        replaced[name] = getattr(model.get_submodule(parent), child)
         setattr(model.get_submodule(parent), child, module)
+    return replaced
+
+
+@contextmanager
+def swapped(model: nn.Module, modules: dict[str, nn.Module]) -> Iterator[None]:
+    """The model with `modules` in place by name, its own put back on exit."""
+    replaced = swap(model, modules)
+    try:
+        yield
+    finally:
+        swap(model, replaced)
 
 
 def attach_variants(llm, profile: dict, budget: str, memory_cap: str | int, **options) -> dict:

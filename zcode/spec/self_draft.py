@@ -7,6 +7,7 @@ own KV of the draft positions into the slots the verifying forward then overwrit
 no cache of its own.
 """
 
+from abc import abstractmethod
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
@@ -26,8 +27,9 @@ class SelfDrafter(Drafter):
 
     runner = None  # the engine's ModelRunner
 
+    @abstractmethod
     def cheaper(self) -> AbstractContextManager:
-        raise NotImplementedError
+        """The model in the draft's plan while it is held, as it was after."""
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[list[int]]:
@@ -101,7 +103,9 @@ class QuantizedDrafter(SelfDrafter):
         )
 
     def cheaper(self) -> AbstractContextManager:
-        return _swapped(self.runner.model, self.modules)
+        from zcode.quant.variants import swapped
+
+        return swapped(self.runner.model, self.modules)
 
 
 @contextmanager
@@ -116,16 +120,3 @@ def _skipping(model: nn.Module, layer_ids: tuple[int, ...]):
     finally:
         for i, layer in originals.items():
             layers[i] = layer
-
-
-@contextmanager
-def _swapped(model: nn.Module, modules: dict[str, nn.Module]):
-    """The model with `modules` in place by name, its own restored on exit."""
-    from zcode.quant.variants import swap
-
-    originals = {name: model.get_submodule(name) for name in modules}
-    try:
-        swap(model, modules)
-        yield
-    finally:
-        swap(model, originals)
