@@ -6,6 +6,8 @@ over the gathered, padded context), and for MLA the expansion of the latent thro
 as zcode.layers.mla.MLAttention does it. CPU variants:
 - attention `decode-grouped`: one query per sequence, the query heads of a KV head multiplied as
   one group against that head's keys, no padding or KV-head repetition;
+- attention `cpp-paged`: the C++ kernel of zcode.kernels.paged_attention (what eager decode runs),
+  the context read in place from the pages;
 - mla `absorbed`: kv_b_proj folded into the query and the output (the DeepSeek decode trick):
   attention runs in the latent space, so the context is never expanded to H heads.
 """
@@ -14,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from zcode.forward_batch import ForwardBatch
+from zcode.kernels import paged_attention
 from zcode.kernels.paged import BLOCK_SIZE, random_batch
 from zcode.kernels.registry import define_op, register
 from zcode.layers.attention import gather_cache, padded_attention
@@ -85,6 +88,18 @@ def decode_grouped(
     probs = scores.softmax(dim=-1)
     out = torch.einsum("bkgl,blkd->bkgd", probs, values.float()).to(q.dtype)
     return out.reshape(num_seqs, -1, head_dim)[batch.token_index]
+
+
+@register(
+    "attention",
+    "cpp-paged",
+    supports=lambda q, c, batch, s: _rows(batch) == "decode" and paged_attention.supports(q, c),
+)
+def cpp_paged(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float):
+    """The layers' eager decode path: the C++ kernel reads the context from the pages."""
+    first = batch.query_index[:, 0]  # [B] each sequence's query
+    out = paged_attention.decode(q[first], kv_cache, batch.context_slots, batch.attn_mask, scale)
+    return out[batch.token_index]
 
 
 # --- MLA -------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ any CPU (and on aarch64), fast where the ISA exists:
 - gemv.cpp: fp32 on AVX-512 F/BW/VL, bf16 with AVX512_BF16, W4A8 / W8A8 with AVX512_VNNI; each
   op without its features takes its portable loops.
 - moe.cpp: AVX-512 F/BW/VL + BF16; otherwise portable loops (fp32 and bf16).
+- attention.cpp: portable loops only (decode attention is a small part of a step).
 The portable loops do the same integer dot products exactly and sum fp32 in another order.
 
 `python -m zcode.kernels` builds every source now (`make install` runs it), so neither
@@ -82,11 +83,12 @@ def build_lock(name: str) -> Iterator[Path]:
 
 def build_all() -> dict[str, bool]:
     """Builds (or loads the cached builds of) every C++ kernel source: {name: built}."""
-    from zcode.kernels import gemv, ggml, moe
+    from zcode.kernels import gemv, ggml, moe, paged_attention
     from zcode.sparsity import kernel as sparse_rows
 
     return {
         "gemv": gemv.available(),
+        "attention": paged_attention.available(),
         "ggml": ggml.available(),
         "moe": moe.fused_available(),
         "sparse_rows": sparse_rows.available(),

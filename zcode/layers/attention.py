@@ -1,5 +1,7 @@
 """Grouped-query attention over the paged KV cache (Llama, GLM-4, GLM-4.5 MoE, Gemma 3)."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -8,6 +10,14 @@ from zcode.forward_batch import ForwardBatch
 from zcode.layers.linear import Linear, linear_group
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import apply_rotary
+
+
+@functools.cache
+def _paged_attention():
+    """zcode.kernels.paged_attention, imported on first use (zcode.kernels imports this module)."""
+    from zcode.kernels import paged_attention
+
+    return paged_attention
 
 
 def write_cache(cache: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -140,6 +150,13 @@ class Attention(nn.Module):
         qk = apply_rotary(torch.cat([q, k], dim=1), *rope, interleaved=self.interleaved_rope)
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         kv_new = torch.stack([k, v], dim=1)  # [T, 2, KVH, D]
+        # The paged KV keeps every position; a sliding window only masks the older ones.
+        mask = (
+            batch.attn_mask
+            if self.sliding_window is None
+            else batch.window_mask(self.sliding_window)
+        )
+        decode = batch.query_index.shape[1] == 1
         if batch.slot_mapping.dim() == 2:  # pages per KV head (EngineConfig.per_request_depth)
             # This step's KV joins the gathered context here and reaches the pages after the
             # last layer (LayerPaging.write_pending).
@@ -148,20 +165,25 @@ class Attention(nn.Module):
             batch.paging.pending.append((batch.slot_mapping, kv_new))
         else:
             write_cache(self.cache["kv"], kv_new, batch.slot_mapping)
+            cache, kernel = self.cache["kv"], _paged_attention()
+            if decode and not torch.compiler.is_compiling() and kernel.supports(q, cache):
+                # Eager decode: the kernel reads the context in place from the pages.
+                first = batch.query_index[:, 0]  # [B] each sequence's query
+                out = kernel.decode(q[first], cache, batch.context_slots, mask, self.scale)
+                return self._output(out[batch.token_index], batch)
             kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]
-        # The paged KV keeps every position; a sliding window only masks the older ones.
-        mask = (
-            batch.attn_mask
-            if self.sliding_window is None
-            else batch.window_mask(self.sliding_window)
-        )
-        if torch.compiler.is_compiling() and batch.query_index.shape[1] == 1:  # compiled decode
+        if torch.compiler.is_compiling() and decode:  # compiled decode
             out = decode_attention(q[batch.query_index[:, 0]], kv, mask, self.scale)
             out = out[batch.token_index]
         else:
             out = padded_attention(
                 q, kv[:, :, 0], kv[:, :, 1], batch, self.scale, mask
             )  # [T, H, D]
+        return self._output(out, batch)
+
+    def _output(self, out: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # out: [T, H, D] -> [T, hidden]
+        num_tokens, num_heads = out.shape[:2]
         if batch.kv_head_keep is not None:  # heads a row's request skips add nothing
             group = num_heads // self.num_kv_heads
             keep = batch.kv_head_keep.repeat_interleave(group, dim=1)  # [T, H]
