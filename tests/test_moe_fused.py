@@ -204,28 +204,65 @@ def test_quantized_experts_match_reference(fmt, num_tokens):
         torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 4, 9])
-def test_gguf_experts_match_reference(num_tokens):
-    """GGUF Q8_0 / Q4_K experts, as the loader makes them from a file's stacked expert tensors:
-    at decode all selected gate/up in one ggml_gemv call."""
-    from gguf import GGMLQuantizationType
-
+def gguf_moe(types_by_projection: dict, with_shared: bool, seed: int = 5) -> MoE:
+    """A MoE whose experts (and shared expert, with_shared) are random GGUF weights, as the
+    loader makes them from a file's stacked expert tensors; expert e's projection p is of type
+    types_by_projection[p][e % len]."""
     from zcode.quant.gguf import GgufWeight, format_name
 
-    generator = torch.Generator().manual_seed(5)
+    generator = torch.Generator().manual_seed(seed)
     moe = make_moe(top_k=4, inter=256)
-    for expert in moe.experts:
-        for name, qtype in (
-            ("gate_proj", GGMLQuantizationType.Q8_0),
-            ("up_proj", GGMLQuantizationType.Q8_0),
-            ("down_proj", GGMLQuantizationType.Q4_K),
-        ):
-            old = getattr(expert, name)
+    mlps = [*moe.experts, moe.shared_experts] if with_shared else list(moe.experts)
+    for index, mlp in enumerate(mlps):
+        for name, types in types_by_projection.items():
+            qtype = types[index % len(types)]
+            old = getattr(mlp, name)
             packed = GgufWeight.random(qtype, old.out_features, old.in_features, generator)
-            setattr(expert, name, QuantizedLinear(packed, None, format_name(qtype)))
-    x = torch.randn(num_tokens, HIDDEN, generator=generator)
+            setattr(mlp, name, QuantizedLinear(packed, None, format_name(qtype)))
+    return moe
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 8, 9])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_gguf_experts_match_reference(num_tokens, with_shared):
+    """GGUF experts: at decode (up to 8 tokens) with a GGUF shared expert too, the whole layer
+    is one ggml_moe call; otherwise the modules (all selected gate/up in one ggml_gemv call).
+    Either way what the loop over the same modules computes."""
+    from gguf import GGMLQuantizationType as Q
+
+    moe = gguf_moe(
+        {"gate_proj": [Q.Q8_0, Q.Q4_0], "up_proj": [Q.Q8_0, Q.Q5_0], "down_proj": [Q.Q4_K, Q.Q6_K]},
+        with_shared,
+    )
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
+        takes_op = moe.gguf_weights(x) is not None
+        assert takes_op == (with_shared and num_tokens <= 8)
         torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-4)
+
+
+def test_gguf_op_skips_experts_held_elsewhere():
+    """Expert id -1 (another rank's expert) adds nothing; a step whose tokens all go elsewhere
+    is the shared expert alone; an id past the routed experts is refused."""
+    from gguf import GGMLQuantizationType as Q
+
+    moe = gguf_moe({p: [Q.Q4_1] for p in ("gate_proj", "up_proj", "down_proj")}, True)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(7))
+    weights = torch.rand(3, 2, generator=torch.Generator().manual_seed(8))
+    expert_ids = torch.tensor([[1, -1], [-1, -1], [5, 1]])
+    lists = moe.gguf_weights(x)
+    with torch.inference_mode():
+        out = torch.ops.zcode.ggml_moe(x, weights, expert_ids, *lists, NUM_EXPERTS)
+        expected = moe.shared_experts(x)
+        for t, row in enumerate(expert_ids.tolist()):
+            for slot, e in enumerate(row):
+                if e >= 0:
+                    expected[t] += weights[t, slot] * moe.experts[e](x[t : t + 1])[0]
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-4)
+        with pytest.raises(RuntimeError, match="outside"):
+            torch.ops.zcode.ggml_moe(
+                x, weights, torch.full((3, 2), NUM_EXPERTS), *lists, NUM_EXPERTS
+            )
 
 
 def test_swapped_expert_and_hooks_leave_the_fused_path():

@@ -1111,6 +1111,38 @@ bool is_block32(int64_t type) { return block_shape(type).first == QK; }
 
 }  // namespace
 
+namespace {
+
+// x [M, K] fp32 (contiguous, M <= MAX_ROWS) times weights ws of types `types`, checked by the
+// caller -> out [M, sum N_s] (row stride sum N_s).
+void gemv_into(const float* xp, int64_t M, int64_t K, const std::vector<torch::Tensor>& ws,
+               at::IntArrayRef types, float* out) {
+  std::vector<int64_t> offsets{0};
+  bool needs32 = false, needs256 = false;
+  for (size_t s = 0; s < ws.size(); ++s) {
+    offsets.push_back(offsets.back() + ws[s].size(0));
+    needs32 |= is_block32(types[s]);
+    needs256 |= is_k_quant(types[s]);
+  }
+  if (M == 0 || offsets.back() == 0) return;
+  Activations act32, act256;
+  if (needs32) act32 = quantize_activations(xp, M, K, QK);
+  if (needs256) act256 = quantize_activations(xp, M, K, QK_K);
+  const Input in{xp, K, &act32, &act256};
+  switch (M) {
+    case 1: gemv_rows<1>(in, ws, types, offsets, out); break;
+    case 2: gemv_rows<2>(in, ws, types, offsets, out); break;
+    case 3: gemv_rows<3>(in, ws, types, offsets, out); break;
+    case 4: gemv_rows<4>(in, ws, types, offsets, out); break;
+    case 5: gemv_rows<5>(in, ws, types, offsets, out); break;
+    case 6: gemv_rows<6>(in, ws, types, offsets, out); break;
+    case 7: gemv_rows<7>(in, ws, types, offsets, out); break;
+    case 8: gemv_rows<8>(in, ws, types, offsets, out); break;
+  }
+}
+
+}  // namespace
+
 torch::Tensor ggml_gemv(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
                         at::IntArrayRef ggml_types) {
   // x: [M, K] float; ws[s]: uint8 [N_s, row_bytes] of ggml type ggml_types[s]
@@ -1120,33 +1152,105 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const std::vector<torch::Tensor>
               "ggml_gemv: one ggml type per weight, and at least one weight");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(M <= MAX_ROWS, "ggml_gemv takes up to ", MAX_ROWS, " rows, got ", M);
-  std::vector<int64_t> offsets{0};
-  bool needs32 = false, needs256 = false;
+  int64_t N = 0;
   for (size_t s = 0; s < ws.size(); ++s) {
     check_rows(ws[s], ggml_types[s], K, "ggml_gemv");
-    offsets.push_back(offsets.back() + ws[s].size(0));
-    needs32 |= is_block32(ggml_types[s]);
-    needs256 |= is_k_quant(ggml_types[s]);
+    N += ws[s].size(0);
   }
-  auto out = torch::empty({M, offsets.back()}, x.options().dtype(at::kFloat));
-  if (M == 0 || offsets.back() == 0) return out;
+  auto out = torch::empty({M, N}, x.options().dtype(at::kFloat));
   const auto xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  Activations act32, act256;
-  if (needs32) act32 = quantize_activations(xp, M, K, QK);
-  if (needs256) act256 = quantize_activations(xp, M, K, QK_K);
-  const Input in{xp, K, &act32, &act256};
-  float* o = out.data_ptr<float>();
-  switch (M) {
-    case 1: gemv_rows<1>(in, ws, ggml_types, offsets, o); break;
-    case 2: gemv_rows<2>(in, ws, ggml_types, offsets, o); break;
-    case 3: gemv_rows<3>(in, ws, ggml_types, offsets, o); break;
-    case 4: gemv_rows<4>(in, ws, ggml_types, offsets, o); break;
-    case 5: gemv_rows<5>(in, ws, ggml_types, offsets, o); break;
-    case 6: gemv_rows<6>(in, ws, ggml_types, offsets, o); break;
-    case 7: gemv_rows<7>(in, ws, ggml_types, offsets, o); break;
-    case 8: gemv_rows<8>(in, ws, ggml_types, offsets, o); break;
+  gemv_into(xf.data_ptr<float>(), M, K, ws, ggml_types, out.data_ptr<float>());
+  return out;
+}
+
+torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
+                       const torch::Tensor& expert_ids, const std::vector<torch::Tensor>& gate,
+                       const std::vector<torch::Tensor>& up, const std::vector<torch::Tensor>& down,
+                       at::IntArrayRef gate_types, at::IntArrayRef up_types,
+                       at::IntArrayRef down_types, int64_t num_routed) {
+  // x: [T, D] float (T <= MAX_ROWS); weights, expert_ids: [T, k] (id -1: an expert not held
+  // here); gate/up/down[e]: uint8 GGUF rows of expert e ([I_e, .], [I_e, .], [D, .]), experts
+  // num_routed.. the shared ones (every token, weight 1) -> [T, D] fp32:
+  //   sum over routed e in ascending id of w_te down_e(silu(gate_e x_t) up_e x_t), then + shared.
+  // The routed experts of any token run on every token (the bytes read are the same; weight 0
+  // where not routed), as zcode.layers.moe.MoE._routed_decode does through the modules.
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "ggml_moe: x must be 2-D float");
+  const int64_t T = x.size(0), D = x.size(1), E = static_cast<int64_t>(gate.size());
+  TORCH_CHECK(T <= MAX_ROWS, "ggml_moe takes up to ", MAX_ROWS, " tokens, got ", T);
+  TORCH_CHECK(up.size() == gate.size() && down.size() == gate.size() &&
+                  gate_types.size() == gate.size() && up_types.size() == gate.size() &&
+                  down_types.size() == gate.size() && 0 <= num_routed && num_routed <= E,
+              "ggml_moe: one gate, up and down weight and type per expert");
+  TORCH_CHECK(weights.dim() == 2 && expert_ids.dim() == 2 && weights.size(0) == T &&
+                  expert_ids.sizes() == weights.sizes(),
+              "ggml_moe: weights and expert_ids must be [T, k]");
+  const auto ids = expert_ids.to(at::kLong).contiguous();
+  const auto w = weights.to(at::kFloat).contiguous();
+  const int64_t k = ids.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  // The experts this step runs (ascending id, then the shared ones) and each token's gain.
+  std::vector<int64_t> active;
+  for (int64_t i = 0; i < T * k; ++i) {
+    const int64_t e = id[i];
+    TORCH_CHECK(-1 <= e && e < num_routed, "ggml_moe: expert id ", e, " outside [-1, ",
+                num_routed, ")");
+    if (e >= 0) active.push_back(e);
   }
+  std::sort(active.begin(), active.end());
+  active.erase(std::unique(active.begin(), active.end()), active.end());
+  const int64_t num_active_routed = static_cast<int64_t>(active.size());
+  for (int64_t e = num_routed; e < E; ++e) active.push_back(e);
+  std::vector<float> gain(active.size() * T, 0.f);  // [A, T]
+  for (int64_t a = 0; a < static_cast<int64_t>(active.size()); ++a)
+    for (int64_t t = 0; t < T; ++t) {
+      if (a >= num_active_routed) {
+        gain[a * T + t] = 1.f;
+        continue;
+      }
+      for (int64_t j = 0; j < k; ++j)
+        if (id[t * k + j] == active[a]) gain[a * T + t] += w.data_ptr<float>()[t * k + j];
+    }
+  for (int64_t a = 0; a < static_cast<int64_t>(active.size()); ++a) {
+    const int64_t e = active[a], I = gate[e].size(0);
+    check_rows(gate[e], gate_types[e], D, "ggml_moe gate");
+    check_rows(up[e], up_types[e], D, "ggml_moe up");
+    TORCH_CHECK(up[e].size(0) == I && down[e].size(0) == D, "ggml_moe: expert ", e,
+                " has gate/up of ", I, " and ", up[e].size(0), " rows, down of ", down[e].size(0));
+    check_rows(down[e], down_types[e], I, "ggml_moe down");
+  }
+  auto out = torch::zeros({T, D}, x.options().dtype(at::kFloat));
+  if (T == 0 || active.empty()) return out;
+  const auto xf = x.to(at::kFloat).contiguous();
+  // Gate and up of every active expert in one call: x read and quantized once.
+  std::vector<torch::Tensor> gate_up;
+  std::vector<int64_t> gate_up_types;
+  int64_t width = 0;
+  for (const int64_t e : active) {
+    gate_up.push_back(gate[e]), gate_up.push_back(up[e]);
+    gate_up_types.push_back(gate_types[e]), gate_up_types.push_back(up_types[e]);
+    width += 2 * gate[e].size(0);
+  }
+  std::vector<float> h(T * width);  // [T, sum of 2 I_e]
+  gemv_into(xf.data_ptr<float>(), T, D, gate_up, gate_up_types, h.data());
+  // Each expert's down projection of silu(gate) * up, times its gain, into `sum` [T, D].
+  std::vector<float> act, expert_out(T * D);
+  int64_t column = 0;
+  const auto run_expert = [&](int64_t a, float* sum) {
+    const int64_t e = active[a], I = gate[e].size(0);
+    act.resize(T * I);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < I; ++i) {
+        const float g = h[t * width + column + i], u = h[t * width + column + I + i];
+        act[t * I + i] = g / (1.f + std::exp(-g)) * u;
+      }
+    column += 2 * I;
+    gemv_into(act.data(), T, I, {down[e]}, {down_types[e]}, expert_out.data());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t d = 0; d < D; ++d) sum[t * D + d] += gain[a * T + t] * expert_out[t * D + d];
+  };
+  // The routed experts sum in id order into `out`, then the shared ones add to that sum.
+  float* o = out.data_ptr<float>();
+  for (int64_t a = 0; a < static_cast<int64_t>(active.size()); ++a) run_expert(a, o);
   return out;
 }
 
@@ -1181,11 +1285,15 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
 // zcode namespace, which gemv.cpp defines too).
 TORCH_LIBRARY_FRAGMENT(zcode, m) {
   m.def("ggml_gemv(Tensor x, Tensor[] ws, int[] ggml_types) -> Tensor");
+  m.def("ggml_moe(Tensor x, Tensor weights, Tensor expert_ids, Tensor[] gate, Tensor[] up, "
+        "Tensor[] down, int[] gate_types, int[] up_types, int[] down_types, int num_routed) "
+        "-> Tensor");
   m.def("ggml_dequantize(Tensor data, int ggml_type, int in_features, Tensor? row_ids=None) "
         "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zcode, CPU, m) {
   m.impl("ggml_gemv", &ggml_gemv);
+  m.impl("ggml_moe", &ggml_moe);
   m.impl("ggml_dequantize", &ggml_dequantize);
 }

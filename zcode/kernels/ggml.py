@@ -9,6 +9,12 @@ Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it
   with sums per 16 for the K-quants; fp32 scales amax / 127, round half to even), and each block
   is an exact integer dot product (VNNI, or int8 loops the compiler vectorizes); float rows
   multiply fp32 x.
+- `torch.ops.zcode.ggml_moe(x, weights, expert_ids, gate, up, down, gate_types, up_types,
+  down_types, num_routed)`: a MoE layer's decode step (x [T, D], T <= MAX_ROWS) over experts
+  of GGUF weights in one call: the routed experts of the step (ascending id) and the shared ones
+  (list entries from num_routed on), gate and up of all of them as one GEMV, SiLU * up, each
+  down GEMV, the routing-weighted sum -> [T, D] fp32; what MoE._routed_decode and the shared
+  expert compute through their modules, without a Python call per expert;
 - `torch.ops.zcode.ggml_dequantize(data, ggml_type, in_features, row_ids=None)`: rows
   [R, row_bytes] -> fp32 [R, K], or only rows row_ids [T] -> [T, K] (an embedding lookup, ~3 us),
   bit for bit the `gguf` package's dequantize (also the prefill path: row tiles dequantized, then
@@ -49,6 +55,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("zcode::ggml_gemv")
     def _(x, ws, ggml_types):
         return x.new_empty(x.shape[0], sum(w.shape[0] for w in ws), dtype=torch.float32)
+
+    @torch.library.register_fake("zcode::ggml_moe")
+    def _(x, weights, expert_ids, gate, up, down, gate_types, up_types, down_types, num_routed):
+        return x.new_empty(x.shape, dtype=torch.float32)
 
     @torch.library.register_fake("zcode::ggml_dequantize")
     def _(data, ggml_type, in_features, row_ids=None):

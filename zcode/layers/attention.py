@@ -165,12 +165,12 @@ class Attention(nn.Module):
             batch.paging.pending.append((batch.slot_mapping, kv_new))
         else:
             write_cache(self.cache["kv"], kv_new, batch.slot_mapping)
-            cache, kernel = self.cache["kv"], _paged_attention()
-            if decode and not torch.compiler.is_compiling() and kernel.supports(q, cache):
-                # Eager decode: the kernel reads the context in place from the pages.
-                first = batch.query_index[:, 0]  # [B] each sequence's query
-                out = kernel.decode(q[first], cache, batch.context_slots, mask, self.scale)
-                return self._output(out[batch.token_index], batch)
+            if decode and not torch.compiler.is_compiling():  # compiled: inductor's loops below
+                cache, kernel = self.cache["kv"], _paged_attention()
+                if kernel.supports(q, cache):  # the kernel reads the context in place
+                    first = batch.query_index[:, 0]  # [B] each sequence's query
+                    out = kernel.decode(q[first], cache, batch.context_slots, mask, self.scale)
+                    return self._output(out[batch.token_index], batch)
             kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]
         if torch.compiler.is_compiling() and decode:  # compiled decode
             out = decode_attention(q[batch.query_index[:, 0]], kv, mask, self.scale)

@@ -3,10 +3,12 @@ routed SwiGLU experts and an always-on shared expert.
 
 The experts stay modules (`experts.E.{gate,up,down}_proj`, HF names): the loader, the weight
 formats (QuantizedLinear) and expert skipping replace them one by one. A step runs them one of
-two ways, neither a Python loop over the step's experts on the float path:
+three ways, only the last a Python loop over the step's experts:
 - fp32 / bf16 `Linear` experts: `torch.ops.zcode.moe_fused` (zcode/kernels/moe.cpp), one C++ call
   for the routed and the shared experts over lists of the experts' weights (gathered once, and
   again when a module is swapped);
+- GGUF experts (QuantizedLinear of GgufWeight, as a GGUF file loads) at eager decode:
+  `torch.ops.zcode.ggml_moe` (zcode/kernels/ggml.cpp), likewise one call, on the stored blocks;
 - any other module (QuantizedLinear of any format, hooked modules): `routed_by_module`, the
   experts' own forwards; at decode all selected experts' gate/up projections are one group GEMV
   (`linear_group`: the activation read and quantized once). Compiled graphs call it as the
@@ -31,6 +33,9 @@ from torch import nn
 from zcode.layers.linear import Linear, linear_group
 from zcode.layers.mlp import GatedMLP
 from zcode.quant.formats import GEMV_MAX_ROWS
+from zcode.quant.gguf import GEMV_MAX_ROWS as GGUF_GEMV_MAX_ROWS
+from zcode.quant.gguf import GgufWeight, ggml_available, has_kernel
+from zcode.quant.linear import QuantizedLinear
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 _PROJECTIONS = operator.itemgetter("gate_proj", "up_proj", "down_proj")
@@ -101,6 +106,8 @@ class MoE(nn.Module):
         self._projections: tuple = ()
         self._fused_weights: tuple[list, list, list] | None = None
         self._hook_dicts: list[dict] = []
+        self._gguf_projections: tuple = ()
+        self._gguf_weights: tuple | None = None
         self.register_buffer("expert_counts", None, persistent=False)
         self._register()
 
@@ -126,6 +133,9 @@ class MoE(nn.Module):
         shared one: x [T, D], weights / expert_ids [T, top_k] -> [T, D]."""
         if (lists := self.fused_weights(x)) is not None:
             return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 1)
+        if (gguf := self.gguf_weights(x)) is not None:
+            out = torch.ops.zcode.ggml_moe(x, weights, expert_ids, *gguf, len(self.experts))
+            return out.to(x.dtype)
         if torch.compiler.is_compiling():
             routed = torch.ops.zcode.moe_modules(x, weights, expert_ids, self.layer_key)
         else:
@@ -155,6 +165,27 @@ class MoE(nn.Module):
         if lists[0][0].requires_grad and torch.is_grad_enabled():  # the op has no backward
             return None
         return lists
+
+    def gguf_weights(self, x: torch.Tensor) -> tuple | None:
+        """(gate, up, down data lists, then their ggml types), routed experts then the shared
+        one, when every projection is a GGUF weight on its C++ kernel and this is a decode step
+        (`torch.ops.zcode.ggml_moe`); gathered once per set of modules, as fused_weights."""
+        if not 0 < x.shape[0] <= GGUF_GEMV_MAX_ROWS or x.device.type != "cpu":
+            return None
+        if not _ggml_available():
+            return None
+        mlps = (*self.experts, self.shared_experts)
+        if not _all_gated_mlps(mlps):
+            return None
+        if torch.compiler.is_compiling():  # compiled graphs keep the opaque zcode::moe_modules
+            return None
+        projections = tuple(map(_PROJECTIONS, map(_SUBMODULES, mlps)))
+        if projections != self._gguf_projections:
+            self._gguf_projections = projections
+            self._gguf_weights = _gguf_lists(projections)
+        if self._gguf_weights is None or _hooked(mlps, projections):
+            return None
+        return self._gguf_weights
 
     @staticmethod
     def _gather(projections: tuple, dtype: torch.dtype) -> tuple[list, list, list] | None:
@@ -235,6 +266,24 @@ def _hooked(mlps: tuple, projections: tuple) -> bool:
     return any(itertools.chain.from_iterable(map(_HOOKS, modules)))
 
 
+def _gguf_lists(projections: tuple) -> tuple | None:
+    """The projections' GGUF rows as ggml_moe takes them, or None unless every one is a
+    QuantizedLinear of a GgufWeight on its C++ kernel, without bias."""
+    linears = [p for trio in projections for p in trio]
+    if not all(
+        isinstance(p, QuantizedLinear)
+        and p.kernel == "fast"
+        and p.bias is None
+        and type(p.packed) is GgufWeight
+        and has_kernel(p.packed.ggml_type)
+        for p in linears
+    ):
+        return None
+    data = ([trio[i].packed.data for trio in projections] for i in range(3))
+    types = ([trio[i].packed.ggml_type for trio in projections] for i in range(3))
+    return (*data, *types)
+
+
 # Compiled graphs name a MoE layer by key (an opaque op takes no module): id -> layer.
 _LAYERS: weakref.WeakValueDictionary[int, MoE] = weakref.WeakValueDictionary()
 
@@ -249,6 +298,11 @@ def _moe_modules(
 @_moe_modules.register_fake
 def _(x, weights, expert_ids, layer):
     return torch.empty_like(x)
+
+
+@torch.compiler.assume_constant_result
+def _ggml_available() -> bool:
+    return ggml_available()
 
 
 @torch.compiler.assume_constant_result  # compiled graphs take the answer, not the build
