@@ -102,12 +102,12 @@ class MoE(nn.Module):
         )
         self.shared_experts = GatedMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts)
         # (projection modules per expert, shared last) -> their weights as three lists, or None
-        # where they are not all plain float Linears of one dtype; and those modules' hook dicts.
+        # where they are not all plain float Linears of one dtype; their GGUF rows and types, or
+        # None where they are not all GGUF weights; and those modules' hook dicts.
         self._projections: tuple = ()
         self._fused_weights: tuple[list, list, list] | None = None
-        self._hook_dicts: list[dict] = []
-        self._gguf_projections: tuple = ()
         self._gguf_weights: tuple | None = None
+        self._hook_dicts: list[dict] = []
         self.register_buffer("expert_counts", None, persistent=False)
         self._register()
 
@@ -144,8 +144,8 @@ class MoE(nn.Module):
 
     def fused_weights(self, x: torch.Tensor) -> tuple[list, list, list] | None:
         """(gate, up, down) weight lists, routed experts then the shared one, when the C++ op
-        runs this step; checked per step in C (~20 us at 128 experts): a swapped module or a
-        hook (calibration expects its module's own calls) sends the step to the modules."""
+        runs this step: a swapped module or a hook (calibration expects its module's own calls)
+        sends the step to the modules."""
         if x.dtype not in FUSED_DTYPES or x.device.type != "cpu" or not _fused_available():
             return None
         mlps = (*self.experts, self.shared_experts)
@@ -153,14 +153,8 @@ class MoE(nn.Module):
             return None
         if torch.compiler.is_compiling():  # traced once per graph; dynamo guards the modules
             return self._gather(tuple((m.gate_proj, m.up_proj, m.down_proj) for m in mlps), x.dtype)
-        projections = tuple(map(_PROJECTIONS, map(_SUBMODULES, mlps)))
-        if projections != self._projections:
-            self._projections = projections
-            self._fused_weights = self._gather(projections, x.dtype)
-            modules = itertools.chain(mlps, itertools.chain.from_iterable(projections))
-            self._hook_dicts = list(itertools.chain.from_iterable(map(_HOOKS, modules)))
-        lists = self._fused_weights
-        if lists is None or lists[0][0].dtype != x.dtype or any(self._hook_dicts):
+        lists, _ = self._weight_lists(mlps, x.dtype)
+        if lists is None or lists[0][0].dtype != x.dtype:
             return None
         if lists[0][0].requires_grad and torch.is_grad_enabled():  # the op has no backward
             return None
@@ -179,13 +173,22 @@ class MoE(nn.Module):
             return None
         if torch.compiler.is_compiling():  # compiled graphs keep the opaque zcode::moe_modules
             return None
+        return self._weight_lists(mlps, x.dtype)[1]
+
+    def _weight_lists(self, mlps: tuple, dtype: torch.dtype) -> tuple:
+        """(float lists for moe_fused, GGUF lists for ggml_moe), each None where the experts'
+        projections are not all of that kind, both None while any module has a hook; gathered
+        again only when a module was swapped (compared in C, ~20 us at 128 experts)."""
         projections = tuple(map(_PROJECTIONS, map(_SUBMODULES, mlps)))
-        if projections != self._gguf_projections:
-            self._gguf_projections = projections
+        if projections != self._projections:
+            self._projections = projections
+            self._fused_weights = self._gather(projections, dtype)
             self._gguf_weights = _gguf_lists(projections)
-        if self._gguf_weights is None or _hooked(mlps, projections):
-            return None
-        return self._gguf_weights
+            modules = itertools.chain(mlps, itertools.chain.from_iterable(projections))
+            self._hook_dicts = list(itertools.chain.from_iterable(map(_HOOKS, modules)))
+        if any(self._hook_dicts):
+            return None, None
+        return self._fused_weights, self._gguf_weights
 
     @staticmethod
     def _gather(projections: tuple, dtype: torch.dtype) -> tuple[list, list, list] | None:
