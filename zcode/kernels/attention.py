@@ -97,9 +97,7 @@ def decode_grouped(
 )
 def cpp_paged(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float):
     """The layers' eager decode path: the C++ kernel reads the context from the pages."""
-    first = batch.query_index[:, 0]  # [B] each sequence's query
-    out = paged_attention.decode(q[first], kv_cache, batch.context_slots, batch.attn_mask, scale)
-    return out[batch.token_index]
+    return paged_attention.decode_batch(q, kv_cache, batch, batch.attn_mask, scale)
 
 
 # --- MLA -------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from zcode.forward_batch import ForwardBatch
 from zcode.kernels.cpp_build import build_ops
 
 SOURCE = Path(__file__).with_name("attention.cpp")
@@ -60,3 +61,15 @@ def decode(
     if mask is not None:
         mask = mask.expand(q.shape[0], -1, -1, -1)
     return torch.ops.zcode.paged_decode_attention(q, kv_cache, context_slots, mask, scale)
+
+
+def decode_batch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: ForwardBatch,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """A decode batch's packed queries q [T, H, D] (one per sequence) -> [T, H, D]."""
+    first = batch.query_index[:, 0]  # [B] each sequence's query
+    return decode(q[first], kv_cache, batch.context_slots, mask, scale)[batch.token_index]

@@ -168,9 +168,8 @@ class Attention(nn.Module):
             if decode and not torch.compiler.is_compiling():  # compiled: inductor's loops below
                 cache, kernel = self.cache["kv"], _paged_attention()
                 if kernel.supports(q, cache):  # the kernel reads the context in place
-                    first = batch.query_index[:, 0]  # [B] each sequence's query
-                    out = kernel.decode(q[first], cache, batch.context_slots, mask, self.scale)
-                    return self._output(out[batch.token_index], batch)
+                    out = kernel.decode_batch(q, cache, batch, mask, self.scale)  # [T, H, D]
+                    return self._output(out, batch)
             kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]
         if torch.compiler.is_compiling() and decode:  # compiled decode
             out = decode_attention(q[batch.query_index[:, 0]], kv, mask, self.scale)

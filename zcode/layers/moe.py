@@ -164,14 +164,12 @@ class MoE(nn.Module):
         """(gate, up, down data lists, then their ggml types), routed experts then the shared
         one, when every projection is a GGUF weight on its C++ kernel and this is a decode step
         (`torch.ops.zcode.ggml_moe`); gathered once per set of modules, as fused_weights."""
+        if torch.compiler.is_compiling():  # compiled graphs keep the opaque zcode::moe_modules
+            return None
         if not 0 < x.shape[0] <= GGUF_GEMV_MAX_ROWS or x.device.type != "cpu":
             return None
-        if not _ggml_available():
-            return None
         mlps = (*self.experts, self.shared_experts)
-        if not _all_gated_mlps(mlps):
-            return None
-        if torch.compiler.is_compiling():  # compiled graphs keep the opaque zcode::moe_modules
+        if not (_all_gated_mlps(mlps) and ggml_available()):
             return None
         return self._weight_lists(mlps, x.dtype)[1]
 
@@ -301,11 +299,6 @@ def _moe_modules(
 @_moe_modules.register_fake
 def _(x, weights, expert_ids, layer):
     return torch.empty_like(x)
-
-
-@torch.compiler.assume_constant_result
-def _ggml_available() -> bool:
-    return ggml_available()
 
 
 @torch.compiler.assume_constant_result  # compiled graphs take the answer, not the build
