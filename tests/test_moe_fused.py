@@ -9,6 +9,7 @@ decode of the tiny MoE checkpoints against eager.
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -222,11 +223,11 @@ def gguf_moe(types_by_projection: dict, with_shared: bool, seed: int = 5) -> MoE
     return moe
 
 
-@pytest.mark.parametrize("num_tokens", [1, 4, 8, 9])
+@pytest.mark.parametrize("num_tokens", [1, 4, 9, 40, 65])
 @pytest.mark.parametrize("with_shared", [True, False])
 def test_gguf_experts_match_reference(num_tokens, with_shared):
-    """GGUF experts: at decode (up to 8 tokens) with a GGUF shared expert too, the whole layer
-    is one ggml_moe call; otherwise the modules (all selected gate/up in one ggml_gemv call).
+    """GGUF experts with a GGUF shared expert too: the whole layer is one ggml_moe call (40
+    and 65 tokens: ~20 and ~32 a routed expert, in chunks of 8 rows); otherwise the modules.
     Either way what the loop over the same modules computes."""
     from gguf import GGMLQuantizationType as Q
 
@@ -237,7 +238,7 @@ def test_gguf_experts_match_reference(num_tokens, with_shared):
     x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(6))
     with torch.inference_mode():
         takes_op = moe.gguf_weights(x) is not None
-        assert takes_op == (with_shared and num_tokens <= 8)
+        assert takes_op == with_shared
         torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-4)
 
 
@@ -307,12 +308,29 @@ def test_copied_layer_has_its_own_key():
     assert _LAYERS[twin.layer_key] is twin and _LAYERS[moe.layer_key] is moe
 
 
+def gguf_experts(net, qtype) -> None:
+    """Every expert projection of `net` (shared ones too) as a GgufWeight of its float weight,
+    quantized by the `gguf` package, as a GGUF file of the checkpoint would load them."""
+    from gguf import quantize
+
+    from zcode.quant.gguf import GgufWeight, format_name
+
+    for name, module in list(net.named_modules()):
+        if "experts." in name and isinstance(module, torch.nn.Linear):
+            blocks = quantize(module.weight.detach().float().numpy(), qtype)
+            data = torch.from_numpy(blocks.view(np.uint8))
+            packed = GgufWeight(data, qtype, module.in_features)
+            net.set_submodule(name, QuantizedLinear(packed, None, format_name(qtype)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name, fmt", [("glm4_moe", None), ("glm_moe_dsa", None), ("glm4_moe", "int8")]
+    "name, fmt",
+    [("glm4_moe", None), ("glm_moe_dsa", None), ("glm4_moe", "int8"), ("glm4_moe", "gguf-q8_0")],
 )
-def test_compiled_moe_decode_matches_eager(tiny_checkpoint, name, fmt):
-    """Float experts: moe_fused in the graph; int8 experts: the opaque zcode::moe_modules."""
+def test_compiled_moe_decode_matches_eager(tiny_checkpoint, monkeypatch, name, fmt):
+    """Float experts: moe_fused in the graph; int8 and GGUF experts: the opaque zcode::moe_eager
+    (GGUF: ggml_moe inside it)."""
     from zcode.config import EngineConfig
     from zcode.engine.llm_engine import LLMEngine
     from zcode.loader import load_model
@@ -320,7 +338,13 @@ def test_compiled_moe_decode_matches_eager(tiny_checkpoint, name, fmt):
     from zcode.sampling_params import SamplingParams
 
     net, _ = load_model(tiny_checkpoint(name).path)
-    if fmt is not None:
+    if fmt == "gguf-q8_0":
+        from gguf import GGMLQuantizationType
+
+        gguf_experts(net, GGMLQuantizationType.Q8_0)
+        x = torch.randn(1, net.config.hidden_size)
+        assert net.model.layers[1].mlp.gguf_weights(x) is not None  # ggml_moe at decode
+    elif fmt is not None:
         apply_precision(net, {n: fmt for n in quantizable_modules(net) if ".experts." in n})
     prompts = [[5, 9, 14, 3, 22, 7], [40, 41, 2, 3, 90, 12, 13, 60, 61]]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -338,7 +362,13 @@ def test_compiled_moe_decode_matches_eager(tiny_checkpoint, name, fmt):
         return engine, [s.output_token_ids for s in seqs], logits
 
     _, eager_tokens, eager_logits = generate(compile=False)
+    gguf_steps = []  # the layers' ggml_moe calls, which compiled graphs make inside moe_eager
+    gguf_weights = MoE.gguf_weights
+    monkeypatch.setattr(
+        MoE, "gguf_weights", lambda m, x: gguf_steps.append(gguf_weights(m, x)) or gguf_steps[-1]
+    )
     compiled, tokens, logits = generate(compile=True)
+    assert any(w is not None for w in gguf_steps) == (fmt == "gguf-q8_0")
     assert compiled.stats()["num_graph_compiles"] > 0
     assert compiled.runner.graphs.direct  # later steps called the graph without dynamo
     assert tokens == eager_tokens

@@ -23,7 +23,7 @@
 //                       w = d sc_i (q - 32);
 //   F32, F16, BF16 rows.
 //
-// Decode GEMV (ggml_gemv): x [M, K] (M <= MAX_ROWS) is quantized to int8 inside the call as
+// Decode GEMV (ggml_gemv): x [M, K] is quantized to int8 inside the call as
 // llama.cpp does: blocks of 32 with a scale and the scaled code sum (its Q8_0 / Q8_1) for the
 // 32-blocks types, blocks of 256 with sums per 16 (its Q8_K) for the K-quants; the scales here
 // are fp32 amax / 127 and codes round half to even. Every weight block's codes are unsigned (Q8_0:
@@ -32,7 +32,9 @@
 // partial sums are scaled and added in fp32. Float rows multiply fp32 activations (fp16 and
 // bf16 widened exactly to fp32). The op takes a list of weights sharing x, each of its own type
 // (Q4_K_M files mix Q4_K and Q6_K in one q/k/v group), returns [M, N_0 + N_1 + ...] fp32, and
-// quantizes x once per activation format the group needs.
+// quantizes x once per activation format the group needs. The dot products take up to MAX_ROWS
+// (8) rows of x at a time; more rows are chunks of 8, run on each tile of weight rows in turn so
+// the weights are read from memory once.
 //
 // ggml_dequantize: rows (all, or those of a list of ids: an embedding lookup) -> fp32, rounding exactly as the gguf package does (its products and
 // sums in the same order, no fused multiply-adds: this file is built with -ffp-contract=off).
@@ -47,6 +49,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <optional>
 #include <vector>
@@ -1070,20 +1073,86 @@ void check_rows(const torch::Tensor& w, int64_t type, int64_t K, const char* wha
               w.scalar_type());
 }
 
+bool is_k_quant(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+bool is_block32(int64_t type) { return block_shape(type).first == QK; }
+
+// x [M, K] fp32 (contiguous, any M) quantized once per block size its weights need, in chunks
+// of up to MAX_ROWS rows (chunk c: rows c * MAX_ROWS..), as `Input` reads each.
+struct QuantizedInput {
+  int64_t M;
+  std::vector<Activations> act32, act256;
+  std::vector<Input> chunks;
+  QuantizedInput(const float* x, int64_t M, int64_t K, at::IntArrayRef types) : M(M) {
+    bool needs32 = false, needs256 = false;
+    for (const int64_t type : types) needs32 |= is_block32(type), needs256 |= is_k_quant(type);
+    const int64_t num_chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
+    act32.resize(num_chunks), act256.resize(num_chunks);  // not resized again: Input points here
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const float* rows = x + c * MAX_ROWS * K;
+      const int64_t num_rows = std::min(MAX_ROWS, M - c * MAX_ROWS);
+      if (needs32) act32[c] = quantize_activations(rows, num_rows, K, QK);
+      if (needs256) act256[c] = quantize_activations(rows, num_rows, K, QK_K);
+      chunks.push_back(Input{rows, K, &act32[c], &act256[c]});
+    }
+  }
+  QuantizedInput(const QuantizedInput&) = delete;
+};
+
+// One weight of a GEMV over several: its rows, ggml type, the activations it reads and where
+// its outputs go: out [M, out_stride], its rows as columns 0..N.
+struct Segment {
+  const torch::Tensor* w;
+  int64_t type;
+  const QuantizedInput* in;
+  float* out;
+  int64_t out_stride;
+};
+
+// Weight rows per tile when x has several chunks: a tile (~9 KB of Q4_0 at K = 1024) is read
+// from memory once, then again from L1 for each further chunk.
+constexpr int64_t TILE_ROWS = 16;
+
 template <int M>
-void gemv_rows(const Input& in, const std::vector<torch::Tensor>& ws, at::IntArrayRef types,
-               const std::vector<int64_t>& offsets, float* out) {
-  const int64_t N = offsets.back();
+void chunk_rows(const Segment& s, int64_t c, int64_t r0, int64_t r1) {
+  rows_of<M>(s.type, s.w->data_ptr<uint8_t>(), s.w->stride(0), r0, r1, s.in->chunks[c],
+             s.out + c * MAX_ROWS * s.out_stride, s.out_stride);
+}
+
+void segment_rows(const Segment& s, int64_t r0, int64_t r1) {
+  const int64_t num_chunks = static_cast<int64_t>(s.in->chunks.size());
+  const int64_t tile = num_chunks > 1 ? TILE_ROWS : r1 - r0;
+  for (int64_t t0 = r0; t0 < r1; t0 += tile) {
+    const int64_t t1 = std::min(r1, t0 + tile);
+    for (int64_t c = 0; c < num_chunks; ++c) switch (std::min(MAX_ROWS, s.in->M - c * MAX_ROWS)) {
+        case 1: chunk_rows<1>(s, c, t0, t1); break;
+        case 2: chunk_rows<2>(s, c, t0, t1); break;
+        case 3: chunk_rows<3>(s, c, t0, t1); break;
+        case 4: chunk_rows<4>(s, c, t0, t1); break;
+        case 5: chunk_rows<5>(s, c, t0, t1); break;
+        case 6: chunk_rows<6>(s, c, t0, t1); break;
+        case 7: chunk_rows<7>(s, c, t0, t1); break;
+        case 8: chunk_rows<8>(s, c, t0, t1); break;
+      }
+  }
+}
+
+// Every segment's rows in one parallel region, split by weight bytes.
+void gemv_segments(const std::vector<Segment>& segments) {
+  std::vector<int64_t> offsets{0};
   int64_t total_bytes = 0;
-  for (const auto& w : ws) total_bytes += w.numel();
+  for (const auto& s : segments) {
+    const bool runs = s.in->M > 0;
+    offsets.push_back(offsets.back() + (runs ? s.w->size(0) : 0));
+    total_bytes += runs ? s.w->numel() : 0;
+  }
+  const int64_t N = offsets.back();
+  if (N == 0) return;
   const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES * N / std::max<int64_t>(1, total_bytes));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     size_t s = std::upper_bound(offsets.begin(), offsets.end(), n0) - offsets.begin() - 1;
     for (; n0 < n1; ++s) {
       const int64_t end = std::min(n1, offsets[s + 1]);
-      if (end > n0)
-        rows_of<M>(types[s], ws[s].data_ptr<uint8_t>(), ws[s].stride(0), n0 - offsets[s],
-                   end - offsets[s], in, out + offsets[s], N);
+      if (end > n0) segment_rows(segments[s], n0 - offsets[s], end - offsets[s]);
       n0 = end;
     }
   });
@@ -1106,39 +1175,26 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
   TORCH_CHECK(false, "ggml type ", type, " has no kernel");
 }
 
-bool is_k_quant(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
-bool is_block32(int64_t type) { return block_shape(type).first == QK; }
 
 }  // namespace
 
 namespace {
 
-// x [M, K] fp32 (contiguous, M <= MAX_ROWS) times weights ws of types `types`, checked by the
-// caller -> out [M, sum N_s] (row stride sum N_s).
+// out[i] = silu(gate[i]) * up[i], i < n.
+void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// x [M, K] times weights ws of types `types`, checked by the caller -> out [M, sum N_s].
 void gemv_into(const float* xp, int64_t M, int64_t K, const std::vector<torch::Tensor>& ws,
                at::IntArrayRef types, float* out) {
-  std::vector<int64_t> offsets{0};
-  bool needs32 = false, needs256 = false;
-  for (size_t s = 0; s < ws.size(); ++s) {
-    offsets.push_back(offsets.back() + ws[s].size(0));
-    needs32 |= is_block32(types[s]);
-    needs256 |= is_k_quant(types[s]);
-  }
-  if (M == 0 || offsets.back() == 0) return;
-  Activations act32, act256;
-  if (needs32) act32 = quantize_activations(xp, M, K, QK);
-  if (needs256) act256 = quantize_activations(xp, M, K, QK_K);
-  const Input in{xp, K, &act32, &act256};
-  switch (M) {
-    case 1: gemv_rows<1>(in, ws, types, offsets, out); break;
-    case 2: gemv_rows<2>(in, ws, types, offsets, out); break;
-    case 3: gemv_rows<3>(in, ws, types, offsets, out); break;
-    case 4: gemv_rows<4>(in, ws, types, offsets, out); break;
-    case 5: gemv_rows<5>(in, ws, types, offsets, out); break;
-    case 6: gemv_rows<6>(in, ws, types, offsets, out); break;
-    case 7: gemv_rows<7>(in, ws, types, offsets, out); break;
-    case 8: gemv_rows<8>(in, ws, types, offsets, out); break;
-  }
+  const QuantizedInput x(xp, M, K, types);
+  int64_t N = 0;
+  for (const auto& w : ws) N += w.size(0);
+  std::vector<Segment> segments;
+  for (size_t s = 0, column = 0; s < ws.size(); column += ws[s].size(0), ++s)
+    segments.push_back({&ws[s], types[s], &x, out + column, N});
+  gemv_segments(segments);
 }
 
 }  // namespace
@@ -1151,7 +1207,6 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const std::vector<torch::Tensor>
   TORCH_CHECK(!ws.empty() && ws.size() == ggml_types.size(),
               "ggml_gemv: one ggml type per weight, and at least one weight");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(M <= MAX_ROWS, "ggml_gemv takes up to ", MAX_ROWS, " rows, got ", M);
   int64_t N = 0;
   for (size_t s = 0; s < ws.size(); ++s) {
     check_rows(ws[s], ggml_types[s], K, "ggml_gemv");
@@ -1168,15 +1223,14 @@ torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
                        const std::vector<torch::Tensor>& up, const std::vector<torch::Tensor>& down,
                        at::IntArrayRef gate_types, at::IntArrayRef up_types,
                        at::IntArrayRef down_types, int64_t num_routed) {
-  // x: [T, D] float (T <= MAX_ROWS); weights, expert_ids: [T, k] (id -1: an expert not held
-  // here); gate/up/down[e]: uint8 GGUF rows of expert e ([I_e, .], [I_e, .], [D, .]), experts
+  // x: [T, D] float; weights, expert_ids: [T, k] (id -1: an expert not held here);
+  // gate/up/down[e]: uint8 GGUF rows of expert e ([I_e, .], [I_e, .], [D, .]), experts
   // num_routed.. the shared ones (every token, weight 1) -> [T, D] fp32:
   //   sum over routed e in ascending id of w_te down_e(silu(gate_e x_t) up_e x_t), then + shared.
-  // The routed experts of any token run on every token (the bytes read are the same; weight 0
-  // where not routed), as zcode.layers.moe.MoE._routed_decode does through the modules.
+  // A pass is an expert on its tokens (gathered): every pass's gate and up rows in one parallel
+  // region, SiLU * up, every pass's down rows in a second one.
   TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "ggml_moe: x must be 2-D float");
   const int64_t T = x.size(0), D = x.size(1), E = static_cast<int64_t>(gate.size());
-  TORCH_CHECK(T <= MAX_ROWS, "ggml_moe takes up to ", MAX_ROWS, " tokens, got ", T);
   TORCH_CHECK(up.size() == gate.size() && down.size() == gate.size() &&
                   gate_types.size() == gate.size() && up_types.size() == gate.size() &&
                   down_types.size() == gate.size() && 0 <= num_routed && num_routed <= E,
@@ -1188,69 +1242,72 @@ torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
   const auto w = weights.to(at::kFloat).contiguous();
   const int64_t k = ids.size(1);
   const int64_t* id = ids.data_ptr<int64_t>();
-  // The experts this step runs (ascending id, then the shared ones) and each token's gain.
-  std::vector<int64_t> active;
-  for (int64_t i = 0; i < T * k; ++i) {
-    const int64_t e = id[i];
-    TORCH_CHECK(-1 <= e && e < num_routed, "ggml_moe: expert id ", e, " outside [-1, ",
-                num_routed, ")");
-    if (e >= 0) active.push_back(e);
-  }
-  std::sort(active.begin(), active.end());
-  active.erase(std::unique(active.begin(), active.end()), active.end());
-  const int64_t num_active_routed = static_cast<int64_t>(active.size());
-  for (int64_t e = num_routed; e < E; ++e) active.push_back(e);
-  std::vector<float> gain(active.size() * T, 0.f);  // [A, T]
-  for (int64_t a = 0; a < static_cast<int64_t>(active.size()); ++a)
-    for (int64_t t = 0; t < T; ++t) {
-      if (a >= num_active_routed) {
-        gain[a * T + t] = 1.f;
-        continue;
-      }
-      for (int64_t j = 0; j < k; ++j)
-        if (id[t * k + j] == active[a]) gain[a * T + t] += w.data_ptr<float>()[t * k + j];
+  const float* weight = w.data_ptr<float>();
+  // Each expert's tokens in order, with their routing weights (the shared ones: all, weight 1).
+  std::vector<std::vector<std::pair<int64_t, float>>> routed(E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = id[t * k + j];
+      TORCH_CHECK(-1 <= e && e < num_routed, "ggml_moe: expert id ", e, " outside [-1, ",
+                  num_routed, ")");
+      if (e < 0) continue;
+      if (!routed[e].empty() && routed[e].back().first == t)
+        routed[e].back().second += weight[t * k + j];  // an id twice in a row: weights add
+      else
+        routed[e].emplace_back(t, weight[t * k + j]);
     }
-  for (int64_t a = 0; a < static_cast<int64_t>(active.size()); ++a) {
-    const int64_t e = active[a], I = gate[e].size(0);
+  for (int64_t e = num_routed; e < E; ++e)
+    for (int64_t t = 0; t < T; ++t) routed[e].emplace_back(t, 1.f);
+  struct Pass {
+    int64_t e, M;
+    const std::pair<int64_t, float>* tokens;  // routed[e]
+    std::vector<float> x, h, act, y;           // [M, D], [M, 2 I], [M, I], [M, D]
+    std::unique_ptr<QuantizedInput> x_in, act_in;
+  };
+  std::vector<Pass> passes;
+  for (int64_t e = 0; e < E; ++e) {
+    if (routed[e].empty()) continue;
+    const int64_t I = gate[e].size(0);
     check_rows(gate[e], gate_types[e], D, "ggml_moe gate");
     check_rows(up[e], up_types[e], D, "ggml_moe up");
     TORCH_CHECK(up[e].size(0) == I && down[e].size(0) == D, "ggml_moe: expert ", e,
                 " has gate/up of ", I, " and ", up[e].size(0), " rows, down of ", down[e].size(0));
     check_rows(down[e], down_types[e], I, "ggml_moe down");
+    passes.push_back(Pass{e, static_cast<int64_t>(routed[e].size()), routed[e].data()});
   }
   auto out = torch::zeros({T, D}, x.options().dtype(at::kFloat));
-  if (T == 0 || active.empty()) return out;
+  if (passes.empty()) return out;
   const auto xf = x.to(at::kFloat).contiguous();
-  // Gate and up of every active expert in one call: x read and quantized once.
-  std::vector<torch::Tensor> gate_up;
-  std::vector<int64_t> gate_up_types;
-  int64_t width = 0;
-  for (const int64_t e : active) {
-    gate_up.push_back(gate[e]), gate_up.push_back(up[e]);
-    gate_up_types.push_back(gate_types[e]), gate_up_types.push_back(up_types[e]);
-    width += 2 * gate[e].size(0);
+  const float* xp = xf.data_ptr<float>();
+  // Gate and up of every pass, each on its tokens' rows quantized once.
+  std::vector<Segment> segments;
+  for (Pass& p : passes) {
+    const int64_t I = gate[p.e].size(0);
+    p.x.resize(p.M * D), p.h.resize(p.M * 2 * I);
+    for (int64_t m = 0; m < p.M; ++m) std::copy_n(xp + p.tokens[m].first * D, D, &p.x[m * D]);
+    const int64_t types[] = {gate_types[p.e], up_types[p.e]};
+    p.x_in = std::make_unique<QuantizedInput>(p.x.data(), p.M, D, types);
+    segments.push_back({&gate[p.e], gate_types[p.e], p.x_in.get(), p.h.data(), 2 * I});
+    segments.push_back({&up[p.e], up_types[p.e], p.x_in.get(), p.h.data() + I, 2 * I});
   }
-  std::vector<float> h(T * width);  // [T, sum of 2 I_e]
-  gemv_into(xf.data_ptr<float>(), T, D, gate_up, gate_up_types, h.data());
-  // Each expert's down projection of silu(gate) * up, times its gain, into `sum` [T, D].
-  std::vector<float> act, expert_out(T * D);
-  int64_t column = 0;
-  const auto run_expert = [&](int64_t a, float* sum) {
-    const int64_t e = active[a], I = gate[e].size(0);
-    act.resize(T * I);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < I; ++i) {
-        const float g = h[t * width + column + i], u = h[t * width + column + I + i];
-        act[t * I + i] = g / (1.f + std::exp(-g)) * u;
-      }
-    column += 2 * I;
-    gemv_into(act.data(), T, I, {down[e]}, {down_types[e]}, expert_out.data());
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = 0; d < D; ++d) sum[t * D + d] += gain[a * T + t] * expert_out[t * D + d];
-  };
-  // The routed experts sum in id order into `out`, then the shared ones add to that sum.
+  gemv_segments(segments);
+  // silu(gate) * up, quantized for the down projection; every pass's down rows.
+  segments.clear();
+  for (Pass& p : passes) {
+    const int64_t I = gate[p.e].size(0);
+    p.act.resize(p.M * I), p.y.resize(p.M * D);
+    for (int64_t m = 0; m < p.M; ++m) silu_mul(&p.h[m * 2 * I], &p.h[m * 2 * I + I], I, &p.act[m * I]);
+    p.act_in = std::make_unique<QuantizedInput>(p.act.data(), p.M, I, down_types.slice(p.e, 1));
+    segments.push_back({&down[p.e], down_types[p.e], p.act_in.get(), p.y.data(), D});
+  }
+  gemv_segments(segments);
+  // Each token's sum in pass order: routed experts by ascending id, then the shared ones.
   float* o = out.data_ptr<float>();
-  for (int64_t a = 0; a < static_cast<int64_t>(active.size()); ++a) run_expert(a, o);
+  for (const Pass& p : passes)
+    for (int64_t m = 0; m < p.M; ++m) {
+      const auto [t, gain] = p.tokens[m];
+      for (int64_t d = 0; d < D; ++d) o[t * D + d] += gain * p.y[m * D + d];
+    }
   return out;
 }
 

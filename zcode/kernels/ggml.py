@@ -3,18 +3,20 @@
 A GGUF weight is the file's own bytes, uint8 [N, row_bytes] in one ggml type (Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it as stored:
 
-- `torch.ops.zcode.ggml_gemv(x, ws, ggml_types)`: decode, x [M, K] float (0 <= M <= MAX_ROWS)
-  times a list of weights sharing x, each of its own type -> [M, N_0 + N_1 + ...] fp32. x is
+- `torch.ops.zcode.ggml_gemv(x, ws, ggml_types)`: x [M, K] float (any M: 8-row chunks of x on
+  each tile of weight rows) times a list of weights sharing x, each of its own type
+  -> [M, N_0 + N_1 + ...] fp32. x is
   quantized to int8 inside the call as llama.cpp does (per 32 for the 32-block types, per 256
   with sums per 16 for the K-quants; fp32 scales amax / 127, round half to even), and each block
   is an exact integer dot product (VNNI, or int8 loops the compiler vectorizes); float rows
   multiply fp32 x.
 - `torch.ops.zcode.ggml_moe(x, weights, expert_ids, gate, up, down, gate_types, up_types,
-  down_types, num_routed)`: a MoE layer's decode step (x [T, D], T <= MAX_ROWS) over experts
-  of GGUF weights in one call: the routed experts of the step (ascending id) and the shared ones
-  (list entries from num_routed on), gate and up of all of them as one GEMV, SiLU * up, each
-  down GEMV, the routing-weighted sum -> [T, D] fp32; what MoE._routed_decode and the shared
-  expert compute through their modules, without a Python call per expert;
+  down_types, num_routed)`: a MoE layer's decode step (x [T, D]) over experts of GGUF weights
+  in one call: each routed expert of the step (ascending id) on its own tokens and the shared
+  ones (list entries from num_routed on) on every token; gate and up
+  of all of them in one parallel region, SiLU * up, every down GEMV in a second, the
+  routing-weighted sum -> [T, D] fp32; what the experts' modules compute, without a Python call
+  per expert;
 - `torch.ops.zcode.ggml_dequantize(data, ggml_type, in_features, row_ids=None)`: rows
   [R, row_bytes] -> fp32 [R, K], or only rows row_ids [T] -> [T, K] (an embedding lookup, ~3 us),
   bit for bit the `gguf` package's dequantize (also the prefill path: row tiles dequantized, then
@@ -31,10 +33,8 @@ from pathlib import Path
 import torch
 
 from zcode.kernels.cpp_build import build_ops
-from zcode.quant.gguf import GEMV_MAX_ROWS
 
 SOURCE = Path(__file__).with_name("ggml.cpp")
-MAX_ROWS = GEMV_MAX_ROWS
 
 
 @functools.cache

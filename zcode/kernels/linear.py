@@ -5,8 +5,8 @@ CPU variants: the format's `linear_fast` (its hand-set row threshold between ker
 the weight-only int formats each of the two kernels alone, so the autotuner finds the crossover
 on this machine per shape instead of the thresholds measured once on another; for bf16 and W4A8
 at decode row counts the C++ GEMV (zcode.kernels.gemv), W4A8 on torch's int4 kernels and W8A8
-on torch._int_mm at any row count; for GGUF weights (zcode.quant.gguf) the C++ GEMV up to
-8 rows and the C++ dequantize + fp32 GEMM at any count (zcode.kernels.ggml).
+on torch._int_mm at any row count; for GGUF weights (zcode.quant.gguf) the C++ GEMV and the
+C++ dequantize + fp32 GEMM at any count (zcode.kernels.ggml).
 """
 
 import torch
@@ -15,7 +15,6 @@ from zcode.kernels import gemv
 from zcode.kernels.registry import define_op, register
 from zcode.quant.formats import Bf16Weight, PackedWeight, gemv_available
 from zcode.quant.gguf import ACTIVATION_BLOCK, GgufWeight, ggml_available, type_name
-from zcode.quant.gguf import GEMV_MAX_ROWS as GGUF_GEMV_MAX_ROWS
 from zcode.quant.gguf import KERNEL_TYPES as GGUF_KERNEL_TYPES
 from zcode.quant.int4 import Int4Weight, W4A8Weight
 from zcode.quant.int8 import Int8Weight, W8A8Weight
@@ -145,7 +144,7 @@ def _gguf_kernel_type(packed: PackedWeight, x: torch.Tensor) -> bool:
 @register(
     "linear",
     "ggml-gemv",
-    supports=lambda packed, x: _gguf_kernel_type(packed, x) and x.shape[0] <= GGUF_GEMV_MAX_ROWS,
+    supports=_gguf_kernel_type,
 )
 def ggml_gemv(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
     if not ggml_available():  # compiled graphs trace this function

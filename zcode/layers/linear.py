@@ -29,14 +29,14 @@ class Linear(nn.Linear):
 def linear_group(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
     """x through sibling linear modules that all read it: [..., K] -> [[..., N_i] per module].
 
-    At decode (1 to GEMV_MAX_ROWS rows) siblings of one GEMV format, all zcode Linear with bf16
-    or fp32 weights, or all QuantizedLinear in one of W4A8, W8A8 or bf16 on their fast kernel,
-    run as one GEMV call: one dispatch, one activation quantization and one parallel region
-    instead of one per module (SmolLM2's W4A8 GEMVs in model order: 4.1 -> 3.4 ms a step, 211
-    -> 121 calls). A group takes the GEMV even where a QuantizedLinear alone would take another
-    autotuned kernel: those choices were timed one small matrix at a time, with the per-call
-    costs a group saves. Anything else, and modules with hooks (calibration hooks expect their
-    own calls), runs module by module, as `[m(x) for m in linears]`.
+    At decode (1 to GEMV_MAX_ROWS rows; GGUF: 1 to 64) siblings of one GEMV format, all zcode
+    Linear with bf16 or fp32 weights, or all QuantizedLinear in one of W4A8, W8A8, bf16 or GGUF
+    on their fast kernel, run as one GEMV call: one dispatch, one activation quantization and
+    one parallel region instead of one per module (SmolLM2's W4A8 GEMVs in model order: 4.1 ->
+    3.4 ms a step, 211 -> 121 calls). A group takes the GEMV even where a QuantizedLinear alone
+    would take another autotuned kernel: those choices were timed one small matrix at a time,
+    with the per-call costs a group saves. Anything else, and modules with hooks (calibration
+    hooks expect their own calls), runs module by module, as `[m(x) for m in linears]`.
     """
     if (out := _gemv_group(x, linears)) is None:
         return [linear(x) for linear in linears]
@@ -56,7 +56,7 @@ def _gemv_group(x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor |
     packed = [m.packed for m in linears]
     if (
         len({type(p) for p in packed}) == 1
-        and 0 < rows.shape[0] <= GEMV_MAX_ROWS
+        and 0 < rows.shape[0] <= packed[0].gemv_max_rows
         and gemv_available()
     ):
         return type(packed[0]).gemv_group(rows, packed)

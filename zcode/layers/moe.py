@@ -7,12 +7,14 @@ three ways, only the last a Python loop over the step's experts:
 - fp32 / bf16 `Linear` experts: `torch.ops.zcode.moe_fused` (zcode/kernels/moe.cpp), one C++ call
   for the routed and the shared experts over lists of the experts' weights (gathered once, and
   again when a module is swapped);
-- GGUF experts (QuantizedLinear of GgufWeight, as a GGUF file loads) at eager decode:
-  `torch.ops.zcode.ggml_moe` (zcode/kernels/ggml.cpp), likewise one call, on the stored blocks;
+- GGUF experts (QuantizedLinear of GgufWeight, as a GGUF file loads): `torch.ops.zcode.ggml_moe`
+  (zcode/kernels/ggml.cpp), likewise one call, on the stored blocks, prefill too (its int8 GEMVs
+  on each expert's tokens led dequantized fp32 GEMMs up to 512 rows on Zen 5);
 - any other module (QuantizedLinear of any format, hooked modules): `routed_by_module`, the
   experts' own forwards; at decode all selected experts' gate/up projections are one group GEMV
-  (`linear_group`: the activation read and quantized once). Compiled graphs call it as the
-  opaque op `zcode::moe_modules`, so neither path breaks a decode graph.
+  (`linear_group`: the activation read and quantized once).
+Compiled graphs trace moe_fused; the other two run inside the opaque op `zcode::moe_eager`, as
+at eager, so no path breaks a decode graph (and no graph traces a walk over the experts' modules).
 
 Expert id -1 in `run_experts` is an assignment to an expert this layer does not hold (expert
 parallelism, zcode/distributed/layers.py: another rank's); every path skips it.
@@ -33,7 +35,6 @@ from torch import nn
 from zcode.layers.linear import Linear, linear_group
 from zcode.layers.mlp import GatedMLP
 from zcode.quant.formats import GEMV_MAX_ROWS
-from zcode.quant.gguf import GEMV_MAX_ROWS as GGUF_GEMV_MAX_ROWS
 from zcode.quant.gguf import GgufWeight, ggml_available, has_kernel
 from zcode.quant.linear import QuantizedLinear
 
@@ -133,14 +134,12 @@ class MoE(nn.Module):
         shared one: x [T, D], weights / expert_ids [T, top_k] -> [T, D]."""
         if (lists := self.fused_weights(x)) is not None:
             return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 1)
+        if torch.compiler.is_compiling():  # the other paths run outside the graph, as eager
+            return torch.ops.zcode.moe_eager(x, weights, expert_ids, self.layer_key)
         if (gguf := self.gguf_weights(x)) is not None:
             out = torch.ops.zcode.ggml_moe(x, weights, expert_ids, *gguf, len(self.experts))
             return out.to(x.dtype)
-        if torch.compiler.is_compiling():
-            routed = torch.ops.zcode.moe_modules(x, weights, expert_ids, self.layer_key)
-        else:
-            routed = self.routed_by_module(x, weights, expert_ids)
-        return routed + self.shared_experts(x)
+        return self.routed_by_module(x, weights, expert_ids) + self.shared_experts(x)
 
     def fused_weights(self, x: torch.Tensor) -> tuple[list, list, list] | None:
         """(gate, up, down) weight lists, routed experts then the shared one, when the C++ op
@@ -162,11 +161,9 @@ class MoE(nn.Module):
 
     def gguf_weights(self, x: torch.Tensor) -> tuple | None:
         """(gate, up, down data lists, then their ggml types), routed experts then the shared
-        one, when every projection is a GGUF weight on its C++ kernel and this is a decode step
+        one, when every projection is a GGUF weight on its C++ kernel
         (`torch.ops.zcode.ggml_moe`); gathered once per set of modules, as fused_weights."""
-        if torch.compiler.is_compiling():  # compiled graphs keep the opaque zcode::moe_modules
-            return None
-        if not 0 < x.shape[0] <= GGUF_GEMV_MAX_ROWS or x.device.type != "cpu":
+        if x.device.type != "cpu":
             return None
         mlps = (*self.experts, self.shared_experts)
         if not (_all_gated_mlps(mlps) and ggml_available()):
@@ -289,14 +286,15 @@ def _gguf_lists(projections: tuple) -> tuple | None:
 _LAYERS: weakref.WeakValueDictionary[int, MoE] = weakref.WeakValueDictionary()
 
 
-@torch.library.custom_op("zcode::moe_modules", mutates_args=())
-def _moe_modules(
+@torch.library.custom_op("zcode::moe_eager", mutates_args=())
+def _moe_eager(
     x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, layer: int
 ) -> torch.Tensor:
-    return _LAYERS[layer].routed_by_module(x, weights, expert_ids)
+    """A compiled graph's call of a layer's experts, routed and shared, run as at eager."""
+    return _LAYERS[layer].run_experts(x, weights, expert_ids)
 
 
-@_moe_modules.register_fake
+@_moe_eager.register_fake
 def _(x, weights, expert_ids, layer):
     return torch.empty_like(x)
 

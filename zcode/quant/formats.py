@@ -35,6 +35,8 @@ DEQUANT_TILE_ROWS = 512
 class PackedWeight(nn.Module, ABC):
     """One linear layer's weight [out_features, in_features] in a packed format."""
 
+    gemv_max_rows = GEMV_MAX_ROWS  # rows up to which gemv_group runs (for its format's kernel)
+
     def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()
         self.out_features, self.in_features = out_features, in_features
@@ -58,7 +60,7 @@ class PackedWeight(nn.Module, ABC):
 
     @classmethod
     def gemv_group(cls, x: torch.Tensor, weights: Sequence["PackedWeight"]) -> torch.Tensor | None:
-        """x [M, K] (1 <= M <= GEMV_MAX_ROWS) times several weights of this format in one C++ GEMV
+        """x [M, K] (1 <= M <= gemv_max_rows) times several weights of this format in one C++ GEMV
         call (zcode.kernels.gemv) -> [M, N_0 + N_1 + ...] fp32; None where the format has no such
         kernel or the weights cannot share a call. The caller checks gemv_available()."""
         return None

@@ -31,7 +31,11 @@ FLOAT_TYPES = {
 }
 
 
-GEMV_MAX_ROWS = 8  # rows the C++ decode GEMV takes (zcode/kernels/ggml.cpp's MAX_ROWS)
+# Rows up to which linear_fast takes the C++ GEMV (int8 activations; 8-row chunks on each tile of
+# weight rows); past that it dequantizes tiles for fp32 GEMMs. The GEMV led up to 512 rows here
+# (Zen 5, VNNI, 2 threads: 1.2x at 512, 2x at 64); the autotuner, which times both at any
+# row count, finds the crossover of another machine.
+GEMV_MAX_ROWS = 64
 # Activation block of the GEMV per weight type: llama.cpp's Q8_0 / Q8_1 (32), Q8_K (256).
 ACTIVATION_BLOCK = {
     **dict.fromkeys(
@@ -95,13 +99,15 @@ def has_kernel(ggml_type: int) -> bool:
 class GgufWeight(PackedWeight):
     """One linear layer's weight [N, K] in a ggml type, as the file stores it.
 
-    Fast path (zcode/kernels/ggml.cpp): up to GEMV_MAX_ROWS (8) rows the decode GEMV, which
+    Fast path (zcode/kernels/ggml.cpp): up to GEMV_MAX_ROWS (64) rows the GEMV, which
     quantizes x to int8 per block as llama.cpp does and streams each weight block once; past
     that the weight dequantized to fp32 DEQUANT_TILE_ROWS rows at a time by the C++ dequantize,
     each tile one fp32 GEMM: a 512 x 576 x 1536 prefill, one thread, 14 ms in Q4_1 (26 ms with
     the package's dequantize; 17 ms for an fp32 F.linear over a weight dequantized in advance).
     A bf16 GEMM over bf16 tiles takes half that, but rounds x and W past the fp32 reference.
     """
+
+    gemv_max_rows = GEMV_MAX_ROWS
 
     def __init__(self, data: torch.Tensor, ggml_type: int, in_features: int) -> None:
         # data: uint8 [N, row_bytes]
@@ -171,7 +177,7 @@ class GgufWeight(PackedWeight):
 
     @classmethod
     def gemv_group(cls, x: torch.Tensor, weights: Sequence["GgufWeight"]) -> torch.Tensor | None:
-        """x [M, K] (M <= GEMV_MAX_ROWS) times weights of any kernel types (a Q4_K_M file's q/k/v
+        """x [M, K] (any M) times weights of any kernel types (a Q4_K_M file's q/k/v
         mix Q4_K and Q6_K) in one C++ call -> [M, N_0 + N_1 + ...] fp32."""
         if not (ggml_available() and all(has_kernel(w.ggml_type) for w in weights)):
             return None
