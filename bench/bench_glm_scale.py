@@ -7,12 +7,18 @@ count (1 and 2), both engines load the same file and run, round-robin within eac
 
 - batch-1 decode: --new-tokens greedy tokens after a short prompt, tok/s;
 - prefill: one --prompt-len-token prompt, tok/s;
+- --batches 4 16: ZCode's decode of that many sequences at once (distinct prompts), tok/s over
+  all of them. llama-cpp-python's API holds one sequence (B sequences run one after another,
+  its batch-1 speed), so llama.cpp runs at batch 1 only;
+
+with --compile, ZCode's compiled decode as a third engine (its graphs compiled in the warm-up),
 
 reported as min / median over --repeats (>= 3 for figures), beside the decode tok/s `zcode info`'s
 fit planner predicts for that file type on this machine (its fitted cost model, else the
 read-bandwidth roofline; the column says which) and the measured / predicted ratio.
 
-    .venv/bin/python bench/bench_glm_scale.py [--params 1.3B] [--types bf16 q4_0] [--threads 1 2]
+    .venv/bin/python bench/bench_glm_scale.py [--params 1.3B] [--types bf16 q4_0] [--threads 1 2] \
+        [--compile] [--batches 4 16]
     .venv/bin/python bench/bench_glm_scale.py --params 3M --vocab 256 --repeats 1 --new-tokens 8 \\
         --prompt-len 32 --threads 1      # smoke run on a tiny model
 """
@@ -21,11 +27,12 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import bench_core
 import torch
-from bench_core import LlamaCppRunner, ZCodeRunner
+from bench_core import SHORT_PROMPTS, LlamaCppRunner, ZCodeRunner
 from table_format import print_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,18 +73,31 @@ def predicted_tok_s(hf_dir: Path, context_len: int) -> tuple[dict[str, float], s
     return {r.file_type: r.decode_tok_s for r in fit.formats}, fit.predictor
 
 
-def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], args) -> dict:
-    samples = {name: {"prefill": [], "decode": []} for name in runners}
-    for runner in runners.values():  # warm-up
+def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], batches, args) -> dict:
+    """{engine: {kind: min, median, samples}}, kinds prefill, decode and decode bB (ZCode);
+    batches: {B: B prompts}."""
+    kinds = {name: ["prefill", "decode"] for name in runners}
+    for name in runners:
+        if name.startswith("zcode"):
+            kinds[name] += [f"decode b{b}" for b in batches]
+    samples = {name: {kind: [] for kind in kinds[name]} for name in runners}
+    for name, runner in runners.items():  # warm-up: compiled graphs for each batch size too
+        start = time.perf_counter()
         runner.run([long_prompt[:16]], 2)
+        for prompts in batches.values() if name.startswith("zcode") else ():
+            runner.run(prompts, 3)
+        print(f"  {name} warm-up {time.perf_counter() - start:.1f} s")
     for repeat in range(args.repeats):
         for name, runner in runners.items():
             t = runner.run([long_prompt], 1)
             samples[name]["prefill"].append(len(long_prompt) / t.ttft_s)
             t = runner.run([short_prompt], args.new_tokens)
             samples[name]["decode"].append((args.new_tokens - 1) / t.decode_s)
-            print(f"  repeat {repeat + 1} {name}: prefill {samples[name]['prefill'][-1]:.1f}, "
-                  f"decode {samples[name]['decode'][-1]:.1f} tok/s")  # fmt: skip
+            for b, prompts in batches.items() if name.startswith("zcode") else ():
+                t = runner.run(prompts, args.new_tokens)
+                samples[name][f"decode b{b}"].append(b * (args.new_tokens - 1) / t.decode_s)
+            latest = ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples[name].items())
+            print(f"  repeat {repeat + 1} {name}: {latest} tok/s")
     return {
         name: {k: {"min": min(v), "median": statistics.median(v), "samples": v}
                for k, v in kinds.items()}
@@ -93,16 +113,23 @@ def run(args) -> dict:
         for threads in args.threads:
             torch.set_num_threads(threads)
             bench_core.NUM_THREADS = threads  # LlamaCppRunner reads it when constructed
-            runners = {
-                "zcode": ZCodeRunner("auto", model=files[file_type]),
-                "llama.cpp": LlamaCppRunner(files[file_type]),
-            }
+            runners = {"zcode": ZCodeRunner("auto", model=files[file_type])}
+            if args.compile:
+                runners["zcode compiled"] = ZCodeRunner("auto", True, files[file_type])
+            runners["llama.cpp"] = LlamaCppRunner(files[file_type])
             tokenizer = runners["zcode"].llm.tokenizer
             ids = tokenizer.encode(SHORT_PROMPT * 200, add_special_tokens=False)
             long_prompt = ids[: args.prompt_len]
             short_prompt = tokenizer.encode(SHORT_PROMPT, add_special_tokens=False)
+            batches = {
+                b: [
+                    tokenizer.encode(f"{i}. {SHORT_PROMPTS[i % len(SHORT_PROMPTS)]}")
+                    for i in range(b)
+                ]
+                for b in args.batches
+            }
             print(f"\n{file_type}, {threads} thread(s)")
-            speed = measure(runners, long_prompt, short_prompt, args)
+            speed = measure(runners, long_prompt, short_prompt, batches, args)
             results["runs"].append(
                 {"file_type": file_type, "threads": threads, "speed": speed,
                  "predicted_decode_tok_s": predicted[file_type]}
@@ -115,26 +142,32 @@ def print_table(results: dict) -> None:
     headers = ["file", "threads", "engine", "decode tok/s min / median",
                "prefill tok/s min / median", f"predicted decode ({results['predictor']})",
                "measured / predicted (median)"]  # fmt: skip
+    kinds = {k for r in results["runs"] for k in r["speed"]["zcode"]} - {"decode", "prefill"}
+    batch_kinds = sorted(kinds, key=lambda k: int(k[len("decode b") :]))
+    headers[4:4] = [f"{k} tok/s min / median" for k in batch_kinds]
     rows = []
     for run_ in results["runs"]:
-        ours = run_["speed"]["zcode"]["decode"]["median"]
+        prediction = run_["predicted_decode_tok_s"]
         for engine, speed in run_["speed"].items():
             d, p = speed["decode"], speed["prefill"]
-            is_ours = engine == "zcode"
-            prediction = run_["predicted_decode_tok_s"]
+            is_ours = engine.startswith("zcode") and prediction
+            batched = [f"{speed[k]['min']:.1f} / {speed[k]['median']:.1f}" if k in speed else "-"
+                       for k in batch_kinds]  # fmt: skip
             rows.append(
                 (run_["file_type"], str(run_["threads"]), engine,
-                 f"{d['min']:.1f} / {d['median']:.1f}", f"{p['min']:.1f} / {p['median']:.1f}",
-                 f"{prediction:.1f}" if is_ours and prediction else "",
-                 f"{ours / prediction:.3g}" if is_ours and prediction else "")
+                 f"{d['min']:.1f} / {d['median']:.1f}", *batched,
+                 f"{p['min']:.1f} / {p['median']:.1f}",
+                 f"{prediction:.1f}" if is_ours else "",
+                 f"{d['median'] / prediction:.3g}" if is_ours else "")
             )  # fmt: skip
     print_rows(headers, rows)
     for run_ in results["runs"]:
         speed = run_["speed"]
-        ratio = {k: speed["zcode"][k]["median"] / speed["llama.cpp"][k]["median"]
-                 for k in ("decode", "prefill")}  # fmt: skip
-        print(f"{run_['file_type']} x{run_['threads']}: ZCode / llama.cpp decode "
-              f"{ratio['decode']:.2f}x, prefill {ratio['prefill']:.2f}x (medians)")  # fmt: skip
+        for engine in (e for e in speed if e.startswith("zcode")):
+            ratio = {k: speed[engine][k]["median"] / speed["llama.cpp"][k]["median"]
+                     for k in ("decode", "prefill")}  # fmt: skip
+            print(f"{run_['file_type']} x{run_['threads']}: {engine} / llama.cpp decode "
+                  f"{ratio['decode']:.2f}x, prefill {ratio['prefill']:.2f}x (medians)")  # fmt: skip
 
 
 def main() -> None:
@@ -146,6 +179,8 @@ def main() -> None:
     parser.add_argument("--types", nargs="+", default=["bf16", "q4_0"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="ZCode's compiled decode too")
+    parser.add_argument("--batches", type=int, nargs="*", default=[], help="ZCode decode batches")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--out", type=Path, default=RESULTS_PATH, help="results JSON")
