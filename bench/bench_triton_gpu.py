@@ -11,6 +11,9 @@
 4. --sweep: the tile sizes of the decode GEMVs and the grouped GEMM, the fastest printed.
 
     PYTHONPATH=. python3 bench/bench_triton_gpu.py [--sweep]  # CUDA + Triton, no C++ builds
+
+zcode.kernels imports the `gguf` package (GGUF weights are a linear format): where the GPU machine
+lacks it, install its wheel first (pure Python, no dependencies beyond numpy/pyyaml/tqdm).
 """
 
 import dataclasses
