@@ -8,8 +8,10 @@ three ways, only the last a Python loop over the step's experts:
   for the routed and the shared experts over lists of the experts' weights (gathered once, and
   again when a module is swapped);
 - GGUF experts (QuantizedLinear of GgufWeight, as a GGUF file loads): `torch.ops.zcode.ggml_moe`
-  (zcode/kernels/ggml.cpp), likewise one call, on the stored blocks, prefill too (its int8 GEMVs
-  on each expert's tokens led dequantized fp32 GEMMs up to 512 rows on Zen 5);
+  (zcode/kernels/ggml.cpp), likewise one call, on the stored blocks, prefill too (on Zen 5 its
+  int8 GEMVs on each expert's tokens led dequantized fp32 GEMMs up to 512 rows; for F16/BF16
+  experts the GEMV's fp32 FMAs lose past ~64 rows an expert, a cost bench_glm_scale's bf16
+  prefill shows);
 - any other module (QuantizedLinear of any format, hooked modules): `routed_by_module`, the
   experts' own forwards; at decode all selected experts' gate/up projections are one group GEMV
   (`linear_group`: the activation read and quantized once).
@@ -161,8 +163,8 @@ class MoE(nn.Module):
 
     def gguf_weights(self, x: torch.Tensor) -> tuple | None:
         """(gate, up, down data lists, then their ggml types), routed experts then the shared
-        one, when every projection is a GGUF weight on its C++ kernel
-        (`torch.ops.zcode.ggml_moe`); gathered once per set of modules, as fused_weights."""
+        one, when every projection is a GGUF weight on its C++ kernel (`torch.ops.zcode.ggml_moe`);
+        gathered once per set of modules, as fused_weights."""
         if x.device.type != "cpu":
             return None
         mlps = (*self.experts, self.shared_experts)
