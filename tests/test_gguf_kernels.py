@@ -24,10 +24,13 @@ from zcode.kernels import ggml
 from zcode.quant.gguf import (
     ACTIVATION_BLOCK,
     GEMV_MAX_ROWS,
+    INTERLEAVED,
+    INTERLEAVED_TYPES,
     KERNEL_TYPES,
     GgufEmbedding,
     GgufWeight,
     dequantize_rows,
+    interleaving_pays,
     type_name,
 )
 
@@ -227,3 +230,83 @@ def test_fake_kernels_give_shapes():
         assert torch.ops.zcode.ggml_dequantize(ws[0], 8, 64).shape == (5, 64)
         row_ids = torch.empty(4, dtype=torch.long)
         assert torch.ops.zcode.ggml_dequantize(ws[0], 8, 64, row_ids).shape == (4, 64)
+
+
+# ---- The interleaved layout (blocks of 16 rows side by side; ggml type | INTERLEAVED)
+
+INTERLEAVED_LIST = sorted(INTERLEAVED_TYPES)
+
+
+@pytest.mark.parametrize("ggml_type", INTERLEAVED_LIST, ids=type_name)
+def test_interleaved_layout_is_the_same_bytes(ggml_type):
+    w = GgufWeight.random(ggml_type, 48, _in_features(ggml_type, 3), _generator(9, ggml_type))
+    x16 = w.interleaved_copy()
+    assert x16.interleaved and x16.kernel_type == ggml_type | INTERLEAVED
+    assert not x16.data.equal(w.data) and x16.data.shape == w.data.shape
+    assert x16.file_rows().equal(w.data)
+    assert x16.dequantize().equal(w.dequantize())  # the package's, on the file's order
+    # the C++ dequantize (the prefill path) and the embedding lookup read the layout itself
+    got = torch.ops.zcode.ggml_dequantize(x16.data, x16.kernel_type, x16.in_features)
+    assert got.equal(w.dequantize())
+    ids = torch.tensor([47, 0, 17, 17, 31])
+    assert GgufEmbedding(x16)(ids).equal(w.dequantize()[ids])
+    x = torch.randn(GEMV_MAX_ROWS + 1, w.in_features, generator=_generator(10))
+    assert x16.linear_fast(x).equal(w.linear_fast(x))  # dequantize + GEMM: bit for bit
+
+
+@pytest.mark.parametrize("ggml_type", INTERLEAVED_LIST, ids=type_name)
+@pytest.mark.parametrize("shape", [(16, 1), (48, 3), (32, 8)], ids=lambda s: f"N{s[0]}xB{s[1]}")
+def test_interleaved_gemv_matches_references(ggml_type, shape):
+    num_out, num_blocks = shape
+    generator = _generator(11, ggml_type, *shape)
+    w = GgufWeight.random(ggml_type, num_out, _in_features(ggml_type, num_blocks), generator)
+    x16 = w.interleaved_copy()
+    for rows in (*range(1, 9), 9, 20):
+        x = torch.randn(rows, w.in_features, generator=generator) * 3
+        x[0, :7] = 0.0
+        got = x16.mm_gemv(x)
+        assert got.shape == (rows, num_out)
+        _check_gemv(got, x, [x16])
+
+
+@pytest.mark.parametrize("ggml_type", INTERLEAVED_LIST, ids=type_name)
+def test_interleaved_kernel_reads_every_byte_of_every_row(ggml_type):
+    """Corrupt each byte of the middle block of one row of a group (rows 0, 5 and 15 in turn),
+    then interleave: the kernel must follow the package's reading of the corrupted file rows,
+    so every byte lands where the kernel looks for it (d, m, high bits, each code lane)."""
+    generator = _generator(12, ggml_type)
+    block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    w = GgufWeight.random(ggml_type, 16, 3 * block_size, generator)
+    x = torch.randn(2, 3 * block_size, generator=generator)
+    fp16_high_bytes = {offset + 1 for offset in FP16_FIELDS[ggml_type]}
+    for row in (0, 5, 15):
+        for offset in range(block_bytes):
+            data = w.data.clone()
+            data[row, block_bytes + offset] ^= 0x03 if offset in fp16_high_bytes else 0xFF
+            corrupted = GgufWeight(data, ggml_type, w.in_features).interleaved_copy()
+            got = corrupted.mm_gemv(x)
+            _check_gemv(got, x, [corrupted])
+            assert got[:, row].ne(w.mm_gemv(x)[:, row]).any(), f"row {row} byte {offset} unread"
+
+
+def test_interleaved_and_row_weights_share_one_call():
+    types = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0]
+    generator = _generator(13)
+    weights = [GgufWeight.random(t, 32, 512, generator) for t in types]
+    weights[0], weights[2] = weights[0].interleaved_copy(), weights[2].interleaved_copy()
+    for rows in (1, 9):
+        x = torch.randn(rows, 512, generator=generator)
+        got = GgufWeight.gemv_group(x, weights)
+        assert got.equal(torch.cat([w.mm_gemv(x) for w in weights], dim=1))
+        _check_gemv(got, x, weights)
+
+
+def test_interleaved_layout_needs_groups_of_16_rows():
+    w = GgufWeight.random(GGMLQuantizationType.Q4_0, 24, 64, _generator(14))
+    assert not interleaving_pays(w.ggml_type, 24) and not interleaving_pays(14, 32)  # Q6_K
+    with pytest.raises(ValueError, match="no interleaved layout"):
+        GgufWeight(w.data, w.ggml_type, 64, interleaved=True)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.zcode.ggml_gemv(torch.randn(1, 64), [w.data], [w.ggml_type | INTERLEAVED])
+    with pytest.raises(RuntimeError, match="no interleaved layout"):
+        torch.ops.zcode.ggml_interleave(w.data[:16].contiguous(), 14, 64)

@@ -43,7 +43,7 @@ from zcode.layers.mlp import GatedMLP, GeluGatedMLP
 from zcode.layers.moe import MoE
 from zcode.loader import pages
 from zcode.models.glm4 import Glm4MLP
-from zcode.quant.gguf import GgufEmbedding, GgufWeight, type_name
+from zcode.quant.gguf import GgufEmbedding, GgufWeight, interleaving_pays, type_name
 from zcode.quant.linear import QuantizedLinear
 
 
@@ -243,12 +243,9 @@ def slice_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
     bias = None if linear.bias is None else _param(linear.bias.index_select(0, rows), linear.bias)
     if isinstance(linear, QuantizedLinear) and isinstance(linear.packed, GgufWeight):
         packed = linear.packed
-        data = packed.data.index_select(0, rows)
+        data = packed.file_rows().index_select(0, rows)
         return QuantizedLinear(
-            GgufWeight(data, packed.ggml_type, packed.in_features),
-            bias,
-            linear.format,
-            linear.kernel,
+            _gguf_slice(data, packed, packed.in_features), bias, linear.format, linear.kernel
         )
     _check_float(linear)
     out = Linear(linear.in_features, len(rows), bias=False, device="meta")
@@ -275,9 +272,9 @@ def slice_columns(linear: nn.Module, start: int, stop: int) -> nn.Module:
                 f"whole blocks of {block_size} columns, this rank's columns are [{start}, {stop})"
             )
         cols = slice(start // block_size * block_bytes, stop // block_size * block_bytes)
-        data = packed.data[:, cols].clone()
+        data = packed.file_rows()[:, cols].clone()
         return QuantizedLinear(
-            GgufWeight(data, packed.ggml_type, stop - start), None, linear.format, linear.kernel
+            _gguf_slice(data, packed, stop - start), None, linear.format, linear.kernel
         )
     _check_float(linear)
     local = Linear(stop - start, linear.out_features, bias=False, device="meta")
@@ -288,13 +285,22 @@ def slice_columns(linear: nn.Module, start: int, stop: int) -> nn.Module:
 def _slice_embedding(embed: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(embed, GgufEmbedding):
         packed = embed.packed
-        data = packed.data.index_select(0, rows)
-        return GgufEmbedding(GgufWeight(data, packed.ggml_type, packed.in_features))
+        data = packed.file_rows().index_select(0, rows)
+        return GgufEmbedding(_gguf_slice(data, packed, packed.in_features))
     if type(embed) is not nn.Embedding:
         raise NotImplementedError(f"a vocab-parallel {type(embed).__name__}")
     out = nn.Embedding(len(rows), embed.embedding_dim, device="meta")
     out.weight = _param(embed.weight.index_select(0, rows), embed.weight)
     return out
+
+
+def _gguf_slice(data: torch.Tensor, packed: GgufWeight, in_features: int) -> GgufWeight:
+    """A slice (uint8 rows in the file's order) of `packed` as a weight, interleaved again where
+    `packed` was and the slice still can be."""
+    weight = GgufWeight(data, packed.ggml_type, in_features)
+    if packed.interleaved and interleaving_pays(packed.ggml_type, data.shape[0]):
+        return weight.interleaved_copy()
+    return weight
 
 
 def _column_multiple(linear: nn.Module) -> int:

@@ -36,6 +36,10 @@
 // (8) rows of x at a time; more rows are chunks of 8, run on each tile of weight rows in turn so
 // the weights are read from memory once.
 //
+// The 32-block types also run interleaved (ggml type | X16, see "The interleaved layout" below):
+// the blocks of 16 rows side by side, so one vpdpbusd advances 16 rows and one fp32 multiply-add
+// scales them; ggml_interleave converts either way (zcode/loader/interleaved.py caches a file's).
+//
 // ggml_dequantize: rows (all, or those of a list of ids: an embedding lookup) -> fp32, rounding exactly as the gguf package does (its products and
 // sums in the same order, no fused multiply-adds: this file is built with -ffp-contract=off).
 
@@ -148,6 +152,92 @@ struct Activations {
   float block_scale(int64_t m, int64_t b) const { return scale[m * scale_stride + b]; }
 };
 
+
+// ---- The interleaved layout (ggml type | X16) of the 32-block types, for decode GEMVs.
+//
+// A row-major block puts one row's 32 codes in a vector, so every block of every row needs its own
+// scale multiply and a horizontal sum. Interleaved, the blocks b of 16 consecutive rows lie
+// together: their 16 fp16 d (then 16 fp16 m for Q4_1 / Q5_1), and their codes as 64-byte vectors
+// whose int32 lane i holds 4 codes of row i. Then one vpdpbusd against 4 activation codes
+// (broadcast) advances 16 rows, and one fp32 multiply-add scales 16 rows' block sums. The same
+// bytes as the file's rows, only reordered (the 16 rows' byte span holds their group: rows stay
+// sliceable by 16), so it is lossless and takes no more memory (llama.cpp's CPU "repack" buffers
+// do the like for Q4_0). Per block of 16 rows, at byte offsets:
+//   Q4_0 / Q5_0 / Q8_0: 0: d[16]                 Q4_1 / Q5_1: 0: d[16], 32: m[16]
+//   Q5_0 / Q5_1: then 4 x (u64 low mask, u64 high mask): the fifth bits of vector j's low and
+//     high nibbles (bit 4i + t: row i's element 4j + t, resp. 16 + 4j + t);
+//   then the codes: nibble types 4 vectors, vector j lane i = row i's nibble bytes 4j..4j+3 (low
+//     nibbles: elements 4j..4j+3, high: 16 + 4j..); Q8_0 8 vectors, vector j lane i = row i's
+//     elements 4j..4j+3, xor 0x80 (unsigned: q + 128, so w = d (q' - 128)).
+constexpr int64_t X16 = 256, GROUP_ROWS = 16;
+inline bool is_x16(int64_t type) { return (type & X16) != 0; }
+inline int64_t base_type(int64_t type) { return type & ~X16; }
+
+struct X16Layout {
+  int64_t bytes = 0;                      // a row's block: the file's BYTES
+  int64_t src_m = -1, src_qh = -1, src_codes = 2;  // where the file's block keeps them
+  int64_t m = -1, high_bits = -1, codes = 32;     // where the group's block keeps them
+  int64_t code_vectors = 4;
+  bool flip = false;  // Q8_0: codes xor 0x80
+};
+
+constexpr X16Layout x16_layout(int64_t base) {
+  X16Layout l;
+  switch (base) {
+    case 2: l.bytes = 18; break;                                                     // Q4_0
+    case 3: l.bytes = 20, l.src_m = 2, l.src_codes = 4, l.m = 32, l.codes = 64; break;  // Q4_1
+    case 6: l.bytes = 22, l.src_qh = 2, l.src_codes = 6, l.high_bits = 32, l.codes = 96; break;
+    case 7:                                                                          // Q5_1
+      l.bytes = 24, l.src_m = 2, l.src_qh = 4, l.src_codes = 8, l.m = 32, l.high_bits = 64,
+      l.codes = 128;
+      break;
+    case 8: l.bytes = 34, l.code_vectors = 8, l.flip = true; break;                  // Q8_0
+  }
+  return l;
+}
+inline bool has_x16(int64_t base) { return x16_layout(base).bytes != 0; }
+
+// Row i (0..15) of a group's blocks <-> the file's row bytes (K / 32 blocks): pack writes the
+// group from the row, else the row from the group.
+void x16_row(const X16Layout& l, uint8_t* group, uint8_t* row, int64_t i, int64_t num_blocks,
+             bool pack) {
+  const uint32_t flip = l.flip ? 0x80808080u : 0u;
+  const auto move = [pack](uint8_t* g, uint8_t* r, size_t n) {
+    pack ? std::memcpy(g, r, n) : std::memcpy(r, g, n);
+  };
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    uint8_t* g = group + b * GROUP_ROWS * l.bytes;
+    uint8_t* r = row + b * l.bytes;
+    move(g + 2 * i, r, 2);
+    if (l.m >= 0) move(g + l.m + 2 * i, r + l.src_m, 2);
+    for (int64_t j = 0; j < l.code_vectors; ++j) {
+      uint8_t* to = pack ? g + l.codes + 64 * j + 4 * i : r + l.src_codes + 4 * j;
+      const uint8_t* from = pack ? r + l.src_codes + 4 * j : g + l.codes + 64 * j + 4 * i;
+      uint32_t codes;
+      std::memcpy(&codes, from, 4);
+      codes ^= flip;
+      std::memcpy(to, &codes, 4);
+    }
+    if (l.high_bits < 0) continue;
+    uint32_t qh;
+    std::memcpy(&qh, r + l.src_qh, 4);  // unpack: overwritten bit by bit
+    for (int64_t j = 0; j < 4; ++j)
+      for (int64_t half = 0; half < 2; ++half) {
+        uint8_t* at = g + l.high_bits + 16 * j + 8 * half;
+        uint64_t mask;
+        std::memcpy(&mask, at, 8);
+        for (int64_t t = 0; t < 4; ++t) {
+          const int64_t element = 16 * half + 4 * j + t, bit = 4 * i + t;
+          if (pack)
+            mask = (mask & ~(1ull << bit)) | static_cast<uint64_t>((qh >> element) & 1) << bit;
+          else
+            qh = (qh & ~(1u << element)) | static_cast<uint32_t>((mask >> bit) & 1) << element;
+        }
+        if (pack) std::memcpy(at, &mask, 8);
+      }
+    if (!pack) std::memcpy(r + l.src_qh, &qh, 4);
+  }
+}
 
 #if defined(ZCODE_GGML_AVX512)
 
@@ -605,6 +695,66 @@ void dequantize_row_float(const uint8_t* row, int64_t K, float* out) {
   }
 }
 
+// 16 interleaved rows (a group, ggml type BASE | X16) against M activation rows: out[m * N + i]
+// = row i . x_m, i < 16. Per block, vector j of codes times 4 activation codes broadcast: int32
+// lane i sums row i's products exactly (codes < 256 times |x| <= 127, 32 of them); then the
+// block's 16 sums times d * scale, plus the offsets (m - ZERO d) times the activation's scaled sum.
+template <int64_t BASE, int M>
+void dot_group_x16(const uint8_t* group, const Activations& a, float* out, int64_t N) {
+  constexpr X16Layout L = x16_layout(BASE);
+  constexpr float ZERO = BASE == Q4_0 ? 8.f : BASE == Q5_0 ? 16.f : BASE == Q8_0 ? 128.f : 0.f;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = group + b * GROUP_ROWS * L.bytes;
+    for (int64_t line = 0; line < GROUP_ROWS * L.bytes; line += 64) prefetch_l2(p + line);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512 offset = _mm512_mul_ps(d, _mm512_set1_ps(-ZERO));
+    if constexpr (L.m >= 0)
+      offset = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + L.m)));
+    const int8_t* x[M];
+    for (int m = 0; m < M; ++m) x[m] = a.block_codes(m, b);
+    // Activation codes k..k + 3 of row m (the paired order: elements 16.. lie 32 bytes on).
+    const auto x4 = [&](int m, int64_t k) {
+      int32_t v;
+      std::memcpy(&v, x[m] + k % 16 + k / 16 * 32, 4);
+      return _mm512_set1_epi32(v);
+    };
+    __m512i dot[M];
+    for (int m = 0; m < M; ++m) dot[m] = _mm512_setzero_si512();
+    const uint8_t* q = p + L.codes;
+    if constexpr (L.code_vectors == 8) {
+      for (int j = 0; j < 8; ++j) {
+        const __m512i w = _mm512_loadu_si512(q + 64 * j);
+        for (int m = 0; m < M; ++m) dot[m] = _mm512_dpbusd_epi32(dot[m], w, x4(m, 4 * j));
+      }
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(q + 64 * j);
+        __m512i low = _mm512_and_si512(v, low4), high = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (L.high_bits >= 0) {
+          uint64_t masks[2];
+          std::memcpy(masks, p + L.high_bits + 16 * j, 16);
+          low = _mm512_mask_add_epi8(low, _cvtu64_mask64(masks[0]), low, bit4);
+          high = _mm512_mask_add_epi8(high, _cvtu64_mask64(masks[1]), high, bit4);
+        }
+        for (int m = 0; m < M; ++m) {
+          dot[m] = _mm512_dpbusd_epi32(dot[m], low, x4(m, 4 * j));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], high, x4(m, 16 + 4 * j));
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const float* sums = a.sums.data() + 2 * (m * a.scale_stride + b);  // scale, scale * sum
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_mul_ps(d, _mm512_set1_ps(sums[0])),
+                               acc[m]);
+      acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[1]), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * N, acc[m]);
+}
+
 #else  // ---- Portable path: plain loops that gcc -O3 vectorizes for the target (SSE2, NEON), with
        // AVX2 intrinsics for the block dot products where the target has them.
 //
@@ -996,6 +1146,41 @@ struct Input {
   const Activations* act256;      // for the K-quants
 };
 
+template <int M>
+void rows_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64_t r1,
+             const Input& in, float* out, int64_t N);
+
+// Rows r0..r1 (multiples of 16) of an interleaved weight: each group by the AVX-512 kernel, or
+// (other ISAs) put back in the file's row order and run as rows.
+template <int M>
+void groups_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64_t r1,
+               const Input& in, float* out, int64_t N) {
+#if defined(ZCODE_GGML_AVX512)
+  const auto each = [&](auto dot) {
+    for (int64_t r = r0; r < r1; r += GROUP_ROWS) dot(w + r * stride, out + r);
+  };
+  const Activations& a = *in.act32;
+  switch (base_type(type)) {
+    case Q4_0: return each([&](auto g, auto o) { dot_group_x16<Q4_0, M>(g, a, o, N); });
+    case Q4_1: return each([&](auto g, auto o) { dot_group_x16<Q4_1, M>(g, a, o, N); });
+    case Q5_0: return each([&](auto g, auto o) { dot_group_x16<Q5_0, M>(g, a, o, N); });
+    case Q5_1: return each([&](auto g, auto o) { dot_group_x16<Q5_1, M>(g, a, o, N); });
+    case Q8_0: return each([&](auto g, auto o) { dot_group_x16<Q8_0, M>(g, a, o, N); });
+  }
+  TORCH_CHECK(false, "ggml type ", type, " has no interleaved kernel");
+#else
+  const X16Layout layout = x16_layout(base_type(type));
+  thread_local std::vector<uint8_t> rows;
+  rows.resize(GROUP_ROWS * stride);
+  for (int64_t r = r0; r < r1; r += GROUP_ROWS) {
+    for (int64_t i = 0; i < GROUP_ROWS; ++i)
+      x16_row(layout, const_cast<uint8_t*>(w + r * stride), rows.data() + i * stride, i,
+              in.K / QK, false);
+    rows_of<M>(base_type(type), rows.data(), stride, 0, GROUP_ROWS, in, out + r, N);
+  }
+#endif
+}
+
 // Rows r0..r1 of one weight (row stride `stride` bytes) into out columns (out points at column 0
 // of the matrix, row stride N).
 template <int M>
@@ -1004,6 +1189,7 @@ void rows_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64_t
   const auto each = [&](auto dot) {
     for (int64_t r = r0; r < r1; ++r) dot(w + r * stride, out + r);
   };
+  if (is_x16(type)) return groups_of<M>(type, w, stride, r0, r1, in, out, N);
 #if defined(ZCODE_GGML_AVX512)
   // A 32-block row's dot is a chain of dependent accumulations: at 1-2 activation rows, four
   // nibble rows at once keep the vector units busy (one core, M = 1, median of 5 alternating
@@ -1042,6 +1228,8 @@ void rows_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64_t
 
 // (elements, bytes) of one block; 0 for types without a kernel here.
 std::pair<int64_t, int64_t> block_shape(int64_t type) {
+  if (is_x16(type)) return has_x16(base_type(type)) ? block_shape(base_type(type))
+                                                   : std::pair<int64_t, int64_t>{0, 0};
   switch (type) {
     case F32: return {1, 4};
     case F16: case BF16: return {1, 2};
@@ -1071,6 +1259,9 @@ void check_rows(const torch::Tensor& w, int64_t type, int64_t K, const char* wha
               what, ": weights must be uint8 [N, ", row_bytes(type, K), "] with rows of contiguous "
               "bytes for ggml type ", type, " and K = ", K, ", got ", w.sizes(), " ",
               w.scalar_type());
+  TORCH_CHECK(!is_x16(type) || (w.size(0) % GROUP_ROWS == 0 && w.is_contiguous()), what,
+              ": an interleaved weight (type ", type, ") is contiguous and has a multiple of ",
+              GROUP_ROWS, " rows, got ", w.sizes());
 }
 
 bool is_k_quant(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
@@ -1110,7 +1301,7 @@ struct Segment {
 
 // Weight rows per tile when x has several chunks: a tile (~9 KB of Q4_0 at K = 1024) is read
 // from memory once, then again from L1 for each further chunk.
-constexpr int64_t TILE_ROWS = 16;
+constexpr int64_t TILE_ROWS = GROUP_ROWS;  // and an interleaved weight's group
 
 template <int M>
 void chunk_rows(const Segment& s, int64_t c, int64_t r0, int64_t r1) {
@@ -1136,24 +1327,27 @@ void segment_rows(const Segment& s, int64_t r0, int64_t r1) {
   }
 }
 
-// Every segment's rows in one parallel region, split by weight bytes.
+// Every segment's rows in one parallel region, split by weight bytes into units of 16 rows (an
+// interleaved weight's groups stay whole).
 void gemv_segments(const std::vector<Segment>& segments) {
-  std::vector<int64_t> offsets{0};
+  std::vector<int64_t> offsets{0};  // in units
   int64_t total_bytes = 0;
   for (const auto& s : segments) {
     const bool runs = s.in->M > 0;
-    offsets.push_back(offsets.back() + (runs ? s.w->size(0) : 0));
+    offsets.push_back(offsets.back() + (runs ? (s.w->size(0) + GROUP_ROWS - 1) / GROUP_ROWS : 0));
     total_bytes += runs ? s.w->numel() : 0;
   }
-  const int64_t N = offsets.back();
-  if (N == 0) return;
-  const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES * N / std::max<int64_t>(1, total_bytes));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    size_t s = std::upper_bound(offsets.begin(), offsets.end(), n0) - offsets.begin() - 1;
-    for (; n0 < n1; ++s) {
-      const int64_t end = std::min(n1, offsets[s + 1]);
-      if (end > n0) segment_rows(segments[s], n0 - offsets[s], end - offsets[s]);
-      n0 = end;
+  const int64_t units = offsets.back();
+  if (units == 0) return;
+  const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES * units / std::max<int64_t>(1, total_bytes));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    size_t s = std::upper_bound(offsets.begin(), offsets.end(), u0) - offsets.begin() - 1;
+    for (; u0 < u1; ++s) {
+      const int64_t end = std::min(u1, offsets[s + 1]), rows = segments[s].w->size(0);
+      if (end > u0)
+        segment_rows(segments[s], (u0 - offsets[s]) * GROUP_ROWS,
+                     std::min(rows, (end - offsets[s]) * GROUP_ROWS));
+      u0 = end;
     }
   });
 }
@@ -1331,11 +1525,55 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
   const uint8_t* w = data.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES / (in_features * 4));
+  const X16Layout layout = x16_layout(base_type(ggml_type));
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      dequantize_row(ggml_type, w + (id ? id[t] : t) * stride, in_features, o + t * in_features);
+    std::vector<uint8_t> row(is_x16(ggml_type) ? stride : 0);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t r = id ? id[t] : t;
+      if (!is_x16(ggml_type)) {
+        dequantize_row(ggml_type, w + r * stride, in_features, o + t * in_features);
+        continue;
+      }
+      const int64_t i = r % GROUP_ROWS;
+      x16_row(layout, const_cast<uint8_t*>(w + (r - i) * stride), row.data(), i, in_features / QK,
+              false);
+      dequantize_row(base_type(ggml_type), row.data(), in_features, o + t * in_features);
+    }
   });
   return out;
+}
+
+torch::Tensor ggml_interleave(const torch::Tensor& data, int64_t ggml_type, int64_t in_features,
+                              bool inverse) {
+  // data: uint8 [N, row_bytes] of a 32-block type (N a multiple of 16) in the file's row order
+  // -> the same bytes interleaved (ggml type | X16); inverse: back to the file's order.
+  const int64_t base = base_type(ggml_type);
+  TORCH_CHECK(has_x16(base), "ggml_interleave: ggml type ", ggml_type, " has no interleaved layout");
+  check_rows(data, base | X16, in_features, "ggml_interleave");
+  auto out = torch::empty_like(data, at::MemoryFormat::Contiguous);
+  const X16Layout layout = x16_layout(base);
+  const int64_t stride = data.stride(0), num_groups = data.size(0) / GROUP_ROWS;
+  uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, num_groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t i = 0; i < GROUP_ROWS; ++i) {
+        const int64_t group = g * GROUP_ROWS * stride, row = group + i * stride;
+        if (inverse)
+          x16_row(layout, src + group, dst + row, i, in_features / QK, false);
+        else
+          x16_row(layout, dst + group, src + row, i, in_features / QK, true);
+      }
+  });
+  return out;
+}
+
+bool ggml_interleaved_kernels() {
+#if defined(ZCODE_GGML_AVX512)
+  return true;
+#else
+  return false;
+#endif
 }
 
 // Registered with the dispatcher: torch.ops.zcode.ggml_gemv / ggml_dequantize (a fragment of the
@@ -1347,10 +1585,16 @@ TORCH_LIBRARY_FRAGMENT(zcode, m) {
         "-> Tensor");
   m.def("ggml_dequantize(Tensor data, int ggml_type, int in_features, Tensor? row_ids=None) "
         "-> Tensor");
+  m.def("ggml_interleave(Tensor data, int ggml_type, int in_features, bool inverse=False) "
+        "-> Tensor");
+  m.def("ggml_interleaved_kernels() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(zcode, CPU, m) {
   m.impl("ggml_gemv", &ggml_gemv);
   m.impl("ggml_moe", &ggml_moe);
   m.impl("ggml_dequantize", &ggml_dequantize);
+  m.impl("ggml_interleave", &ggml_interleave);
 }
+
+TORCH_LIBRARY_IMPL(zcode, CatchAll, m) { m.impl("ggml_interleaved_kernels", &ggml_interleaved_kernels); }

@@ -21,6 +21,10 @@ Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it
   [R, row_bytes] -> fp32 [R, K], or only rows row_ids [T] -> [T, K] (an embedding lookup, ~3 us),
   bit for bit the `gguf` package's dequantize (also the prefill path: row tiles dequantized, then
   a GEMM).
+- `torch.ops.zcode.ggml_interleave(data, ggml_type, in_features, inverse=False)`: a 32-block
+  type's rows (N a multiple of 16) -> the same bytes in the interleaved layout, kernel type
+  `ggml_type | 256` for the ops above (or back); `ggml_interleaved_kernels()` says whether this
+  build has its vector kernel (AVX-512 VNNI; elsewhere the ops put it back in row order).
 
 Built once with torch.utils.cpp_extension.load and -march=native (cached by torch);
 `available()` is False only where no C++ compiler works, and zcode.quant.gguf keeps the `gguf`

@@ -14,7 +14,14 @@ import torch
 from zcode.kernels import gemv
 from zcode.kernels.registry import define_op, register
 from zcode.quant.formats import Bf16Weight, PackedWeight, gemv_available
-from zcode.quant.gguf import ACTIVATION_BLOCK, GgufWeight, ggml_available, type_name
+from zcode.quant.gguf import (
+    ACTIVATION_BLOCK,
+    INTERLEAVED_TYPES,
+    GgufWeight,
+    ggml_available,
+    interleaving_pays,
+    type_name,
+)
 from zcode.quant.gguf import KERNEL_TYPES as GGUF_KERNEL_TYPES
 from zcode.quant.int4 import Int4Weight, W4A8Weight
 from zcode.quant.int8 import Int8Weight, W8A8Weight
@@ -66,32 +73,42 @@ def cases() -> list:
         name = f"{fmt}-M{num_rows}-K{num_in}-N{num_out}-{str(dtype).removeprefix('torch.')}"
         return name, make
 
-    def gguf_case(ggml_type: int, num_rows: int, num_blocks: int, num_out: int):
+    def gguf_case(ggml_type: int, num_rows: int, num_blocks: int, num_out: int, x16=False):
         def make(generator: torch.Generator):
             num_in = num_blocks * ACTIVATION_BLOCK.get(ggml_type, 32)
             x = torch.randn(num_rows, num_in, generator=generator)
-            return GgufWeight.random(ggml_type, num_out, num_in, generator), x
+            w = GgufWeight.random(ggml_type, num_out, num_in, generator)
+            return (w.interleaved_copy() if x16 and interleaving_pays(ggml_type, num_out) else w), x
 
-        return f"gguf-{type_name(ggml_type)}-M{num_rows}-B{num_blocks}-N{num_out}", make
+        layout = "-x16" if x16 else ""
+        return f"gguf-{type_name(ggml_type)}{layout}-M{num_rows}-B{num_blocks}-N{num_out}", make
 
-    return [
-        case(fmt, rows, k, n, dtype)
-        for fmt in FORMATS
-        for rows, k, n, dtype in (
-            (1, 64, 48, torch.float32),
-            (3, 101, 33, torch.float32),  # K and N odd: the padding paths
-            (70, 576, 40, torch.bfloat16),  # past both packed kernels' row limits
-        )
-    ] + [
-        gguf_case(ggml_type, rows, blocks, n)
-        for ggml_type in sorted(GGUF_KERNEL_TYPES)
-        for rows, blocks, n in (
-            (1, 3, 33),  # N odd, K a few blocks
-            (5, 1, 1),  # one block, one output
-            (8, 2, 17),  # the GEMV's most rows
-            (40, 2, 24),  # a prefill: the GEMM path
-        )
-    ]
+    return (
+        [
+            case(fmt, rows, k, n, dtype)
+            for fmt in FORMATS
+            for rows, k, n, dtype in (
+                (1, 64, 48, torch.float32),
+                (3, 101, 33, torch.float32),  # K and N odd: the padding paths
+                (70, 576, 40, torch.bfloat16),  # past both packed kernels' row limits
+            )
+        ]
+        + [
+            gguf_case(ggml_type, rows, blocks, n)
+            for ggml_type in sorted(GGUF_KERNEL_TYPES)
+            for rows, blocks, n in (
+                (1, 3, 33),  # N odd, K a few blocks
+                (5, 1, 1),  # one block, one output
+                (8, 2, 17),  # the GEMV's most rows
+                (40, 2, 24),  # a prefill: the GEMM path
+            )
+        ]
+        + [
+            gguf_case(ggml_type, rows, blocks, n, x16=True)  # the interleaved layout, where it pays
+            for ggml_type in sorted(INTERLEAVED_TYPES)
+            for rows, blocks, n in ((1, 3, 32), (9, 2, 16), (40, 2, 48))
+        ]
+    )
 
 
 define_op("linear", reference, shape_class, cases, tolerance)

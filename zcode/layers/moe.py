@@ -280,7 +280,7 @@ def _gguf_lists(projections: tuple) -> tuple | None:
     ):
         return None
     data = ([trio[i].packed.data for trio in projections] for i in range(3))
-    types = ([trio[i].packed.ggml_type for trio in projections] for i in range(3))
+    types = ([trio[i].packed.kernel_type for trio in projections] for i in range(3))
     return (*data, *types)
 
 

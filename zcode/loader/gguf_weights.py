@@ -31,6 +31,7 @@ from zcode.layers.linear import Linear
 from zcode.loader import pages
 from zcode.loader.gguf_config import MODEL_TYPES
 from zcode.loader.gguf_file import GgufContents, GgufTensor
+from zcode.loader.interleaved import interleaved_file, interleaved_tensors
 from zcode.quant.gguf import GgufEmbedding, GgufWeight, dequantize_rows, format_name
 from zcode.quant.linear import QuantizedLinear
 
@@ -60,6 +61,11 @@ class _GgufFiller:
         self.tensors = {t.name: t for t in contents.tensors}
         # uint8 [file bytes]: a view of the memory map (copy-on-write, so torch may wrap it)
         self.file = torch.from_numpy(contents.data)
+        # The cache file holding the tensors that run interleaved here at the same offsets.
+        self.interleaved = interleaved_file(path, contents)
+        self.interleaved_names = set()
+        if self.interleaved is not None:
+            self.interleaved_names = {t.name for t in interleaved_tensors(contents)}
 
     def fill(self) -> None:
         net = self.net
@@ -104,20 +110,25 @@ class _GgufFiller:
 
     # -- tensors
 
-    def _bytes(self, tensor: GgufTensor) -> torch.Tensor:
-        """uint8 [*shape[:-1], row_bytes]: a view of the file."""
+    def _bytes(self, tensor: GgufTensor, file: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [*shape[:-1], row_bytes]: a view of the file (or of the interleaved cache)."""
         rows = prod(tensor.shape[:-1])
-        data = self.file[tensor.start : tensor.start + tensor.nbytes]
+        data = (self.file if file is None else file)[tensor.start : tensor.start + tensor.nbytes]
         return data.view(*tensor.shape[:-1], tensor.nbytes // rows)
 
-    def _packed(self, gguf_name: str, hf_name: str = "", expert: int | None = None) -> GgufWeight:
+    def _packed(
+        self, gguf_name: str, hf_name: str = "", expert: int | None = None, interleaved: bool = True
+    ) -> GgufWeight:
+        """The tensor's GgufWeight (of one expert of a stacked tensor): interleaved, from the
+        cache, where it runs so here and the caller does not need the file's row order."""
         tensor = self._tensor(gguf_name, hf_name or gguf_name)
-        data = self._bytes(tensor)
+        interleaved = interleaved and tensor.name in self.interleaved_names
+        data = self._bytes(tensor, self.interleaved if interleaved else None)
         if expert is not None:
             data = data[expert]
         elif data.dim() != 2:
             raise CheckpointError(f"{self.path}: tensor {gguf_name!r} is not 2-D: {tensor.shape}")
-        return GgufWeight(data, tensor.ggml_type, tensor.shape[-1])
+        return GgufWeight(data, tensor.ggml_type, tensor.shape[-1], interleaved)
 
     def _float(self, gguf_name: str, hf_name: str) -> torch.Tensor:
         """fp32 [torch shape], owning its memory."""
@@ -151,14 +162,17 @@ class _GgufFiller:
             packed = self._packed(gguf_name, name, int(expert))
         else:
             gguf_name = self._gguf_name(f"{name}.weight")
-            packed = self._packed(gguf_name, name)
-            if self.model_type == "llama" and name.endswith(("q_proj", "k_proj")):
+            permuted = self.model_type == "llama" and name.endswith(("q_proj", "k_proj"))
+            packed = self._packed(gguf_name, name, interleaved=not permuted)
+            if permuted:
                 heads = self.config.num_attention_heads
                 if name.endswith("k_proj"):
                     heads = self.config.num_key_value_heads
                 data = _unpermute(packed.data, heads)
                 pages.drop(packed.data)  # the file's order is read once, into the copy
                 packed = GgufWeight(data, packed.ggml_type, packed.in_features)
+                if gguf_name in self.interleaved_names:
+                    packed = packed.interleaved_copy()
         if (packed.out_features, packed.in_features) != tuple(module.weight.shape):
             raise CheckpointError(
                 f"{self.path}: tensor {gguf_name!r} is [{packed.out_features}, "
