@@ -5,6 +5,7 @@ same signature whatever their `name` and drafting (speculative decoding changes 
 positions a step scores, never what any of them computes).
 """
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
@@ -50,6 +51,7 @@ class ExecutionPlan:
         return replace(self, skip_layers=(), skip_kv_heads=())
 
 
+@functools.lru_cache(maxsize=256)  # plans are frozen; the engine asks every step
 def _digest(plan: ExecutionPlan, *left_out: str) -> str:
     fields = {k: v for k, v in asdict(plan).items() if k not in left_out}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
