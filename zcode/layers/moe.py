@@ -134,11 +134,15 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """The routed experts (expert_ids index `self.experts`, -1: not held here) plus the
         shared one: x [T, D], weights / expert_ids [T, top_k] -> [T, D]."""
-        if (lists := self.fused_weights(x)) is not None:
-            return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 1)
-        if torch.compiler.is_compiling():  # the other paths run outside the graph, as eager
+        if torch.compiler.is_compiling():  # traced once per graph; dynamo guards the modules
+            if (lists := self.fused_weights(x)) is not None:
+                return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 1)
+            # the other paths run outside the graph, as at eager
             return torch.ops.zcode.moe_eager(x, weights, expert_ids, self.layer_key)
-        if (gguf := self.gguf_weights(x)) is not None:
+        fused, gguf = self._step_lists(x)
+        if fused is not None:
+            return torch.ops.zcode.moe_fused(x, weights, expert_ids, *fused, 1)
+        if gguf is not None:
             out = torch.ops.zcode.ggml_moe(x, weights, expert_ids, *gguf, len(self.experts))
             return out.to(x.dtype)
         return self.routed_by_module(x, weights, expert_ids) + self.shared_experts(x)
@@ -147,30 +151,37 @@ class MoE(nn.Module):
         """(gate, up, down) weight lists, routed experts then the shared one, when the C++ op
         runs this step: a swapped module or a hook (calibration expects its module's own calls)
         sends the step to the modules."""
-        if x.dtype not in FUSED_DTYPES or x.device.type != "cpu" or not _fused_available():
-            return None
-        mlps = (*self.experts, self.shared_experts)
-        if not _all_gated_mlps(mlps):
-            return None
-        if torch.compiler.is_compiling():  # traced once per graph; dynamo guards the modules
+        if torch.compiler.is_compiling():
+            if not self._fused_runs(x) or not _all_gated_mlps(mlps := self._mlps()):
+                return None
             return self._gather(tuple((m.gate_proj, m.up_proj, m.down_proj) for m in mlps), x.dtype)
-        lists, _ = self._weight_lists(mlps, x.dtype)
-        if lists is None or lists[0][0].dtype != x.dtype:
-            return None
-        if lists[0][0].requires_grad and torch.is_grad_enabled():  # the op has no backward
-            return None
-        return lists
+        return self._step_lists(x)[0]
 
     def gguf_weights(self, x: torch.Tensor) -> tuple | None:
-        """(gate, up, down data lists, then their ggml types), routed experts then the shared
-        one, when every projection is a GGUF weight on its C++ kernel (`torch.ops.zcode.ggml_moe`);
-        gathered once per set of modules, as fused_weights."""
-        if x.device.type != "cpu":
-            return None
-        mlps = (*self.experts, self.shared_experts)
-        if not (_all_gated_mlps(mlps) and ggml_available()):
-            return None
-        return self._weight_lists(mlps, x.dtype)[1]
+        """(gate, up, down data lists, then their ggml kernel types), routed experts then the
+        shared one, when every projection is a GGUF weight on its C++ kernel
+        (`torch.ops.zcode.ggml_moe`); gathered once per set of modules, as fused_weights."""
+        return self._step_lists(x)[1]
+
+    def _step_lists(self, x: torch.Tensor) -> tuple:
+        """(fused_weights, gguf_weights) for a step on x, the experts' modules walked once."""
+        if x.device.type != "cpu" or not _all_gated_mlps(mlps := self._mlps()):
+            return None, None
+        fused, gguf = self._weight_lists(mlps, x.dtype)
+        if fused is not None and not (
+            self._fused_runs(x)
+            and fused[0][0].dtype == x.dtype
+            and not (fused[0][0].requires_grad and torch.is_grad_enabled())  # no backward
+        ):
+            fused = None
+        return fused, gguf if ggml_available() else None
+
+    @staticmethod
+    def _fused_runs(x: torch.Tensor) -> bool:
+        return x.dtype in FUSED_DTYPES and x.device.type == "cpu" and _fused_available()
+
+    def _mlps(self) -> tuple:
+        return (*self.experts, self.shared_experts)
 
     def _weight_lists(self, mlps: tuple, dtype: torch.dtype) -> tuple:
         """(float lists for moe_fused, GGUF lists for ggml_moe), each None where the experts'
