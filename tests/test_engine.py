@@ -294,3 +294,26 @@ def test_anomaly_guard_ends_only_the_request_whose_kv_is_corrupted(tiny):
     assert len(final[seqs[1].request_id].token_ids) == 2
     assert final[seqs[0].request_id].token_ids == alone.token_ids
     assert final[seqs[0].request_id].finish_reason == "length"
+
+
+def test_engine_freezes_what_is_alive_once_ready(tiny):
+    """The model, tokenizer and graphs alive at start-up leave the garbage collector's walks
+    (gc.freeze); objects that die later are still freed."""
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    engine = _engine(tiny[0])
+    assert gc.get_freeze_count() > 0
+    assert not any(o is engine.model for o in gc.get_objects())  # in no generation: frozen
+
+    class Garbage:
+        pass
+
+    cycle = Garbage()
+    cycle.me = cycle
+    alive = weakref.ref(cycle)
+    del cycle
+    _run(engine, [_prompt(5, seed=2)], GREEDY)  # no compile: nothing frozen again
+    gc.collect()
+    assert alive() is None
