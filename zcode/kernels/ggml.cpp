@@ -36,7 +36,7 @@
 // (8) rows of x at a time; more rows are chunks of 8, run on each tile of weight rows in turn so
 // the weights are read from memory once.
 //
-// The 32-block types also run interleaved (ggml type | X16, see "The interleaved layout" below):
+// The 32-block types and Q6_K also run interleaved (ggml type | X16, see "The interleaved layout"):
 // the blocks of 16 rows side by side, so one vpdpbusd advances 16 rows and one fp32 multiply-add
 // scales them; ggml_interleave converts either way (zcode/loader/interleaved.py caches a file's).
 //
@@ -153,7 +153,8 @@ struct Activations {
 };
 
 
-// ---- The interleaved layout (ggml type | X16) of the 32-block types, for decode GEMVs.
+// ---- The interleaved layout (ggml type | X16) of the 32-block types (Q6_K's: x16_row_q6k), for
+// decode GEMVs.
 //
 // A row-major block puts one row's 32 codes in a vector, so every block of every row needs its own
 // scale multiply and a horizontal sum. Interleaved, the blocks b of 16 consecutive rows lie
@@ -195,7 +196,7 @@ constexpr X16Layout x16_layout(int64_t base) {
   }
   return l;
 }
-inline bool has_x16(int64_t base) { return x16_layout(base).bytes != 0; }
+inline bool has_x16(int64_t base) { return x16_layout(base).bytes != 0 || base == 14; }  // Q6_K
 
 // Row i (0..15) of a group's blocks <-> the file's row bytes (K / 32 blocks): pack writes the
 // group from the row, else the row from the group.
@@ -237,6 +238,51 @@ void x16_row(const X16Layout& l, uint8_t* group, uint8_t* row, int64_t i, int64_
       }
     if (!pack) std::memcpy(r + l.src_qh, &qh, 4);
   }
+}
+
+// Q6_K interleaved, per block of 16 rows (3360 bytes, 16 x 210): 0: d[16] (fp16); 32: the
+// int8 scales by group of 16 elements, [16 groups][16 rows]; 288: per group g of 16 elements,
+// 192 bytes: A, B, H, 64 each, lane i (row i) byte t: A's low nibble the low 4 bits of element
+// 16g + t, its high nibble those of 16g + 8 + t; B likewise 16g + 4 + t and 16g + 12 + t; H bits
+// 2j, 2j + 1 the high 2 bits of element 16g + 4j + t. The file's block: ql[128], qh[64],
+// scales[16], d; element 128h + 32s + l: low 4 bits nibble s / 2 of ql[64h + 32(s % 2) + l],
+// high 2 bits (qh[32h + l] >> 2s) & 3.
+constexpr int64_t Q6K_BYTES = 210, Q6K_CODES = 288;
+
+void x16_row_q6k(uint8_t* group, uint8_t* row, int64_t i, int64_t num_blocks, bool pack) {
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    uint8_t* g = group + b * GROUP_ROWS * Q6K_BYTES;
+    uint8_t* r = row + b * Q6K_BYTES;
+    pack ? std::memcpy(g + 2 * i, r + 208, 2) : std::memcpy(r + 208, g + 2 * i, 2);
+    for (int64_t sg = 0; sg < 16; ++sg) pack ? (g[32 + 16 * sg + i] = r[192 + sg])
+                                              : (r[192 + sg] = g[32 + 16 * sg + i]);
+    if (!pack) std::memset(r, 0, 192);  // ql, qh: or-ed together below
+    for (int64_t e = 0; e < 256; ++e) {
+      const int64_t h = e / 128, s = e / 32 % 4, l = e % 32;
+      uint8_t& ql = r[64 * h + 32 * (s % 2) + l];
+      uint8_t& qh = r[128 + 32 * h + l];
+      const int64_t sg = e / 16, j = e % 16 / 4, t = e % 4;
+      uint8_t* at = g + Q6K_CODES + 192 * sg + 4 * i + t;
+      uint8_t& low_byte = at[j % 2 == 0 ? 0 : 64];
+      const int low_shift = j < 2 ? 0 : 4;
+      uint8_t& high_byte = at[128];
+      const int ql_shift = s / 2 * 4, qh_shift = 2 * s;
+      if (pack) {
+        const int low = (ql >> ql_shift) & 0xF, high = (qh >> qh_shift) & 3;
+        low_byte = static_cast<uint8_t>((low_byte & ~(0xF << low_shift)) | low << low_shift);
+        high_byte = static_cast<uint8_t>((high_byte & ~(3 << 2 * j)) | high << 2 * j);
+      } else {
+        ql |= static_cast<uint8_t>(((low_byte >> low_shift) & 0xF) << ql_shift);
+        qh |= static_cast<uint8_t>(((high_byte >> 2 * j) & 3) << qh_shift);
+      }
+    }
+  }
+}
+
+// Row i of a group <-> the file's row of K elements, any interleaved type.
+void x16_rows(int64_t base, uint8_t* group, uint8_t* row, int64_t i, int64_t K, bool pack) {
+  if (base == 14) return x16_row_q6k(group, row, i, K / 256, pack);  // Q6_K
+  x16_row(x16_layout(base), group, row, i, K / 32, pack);
 }
 
 #if defined(ZCODE_GGML_AVX512)
@@ -755,6 +801,57 @@ void dot_group_x16(const uint8_t* group, const Activations& a, float* out, int64
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * N, acc[m]);
 }
 
+// 16 interleaved Q6_K rows against M activation rows (256-blocks): per group of 16 elements,
+// 4 code vectors (6-bit codes from A, B and H) times 4 activation codes broadcast, exact in
+// int32; scaled by d sc_g (per row) times the activation scale, plus -32 d sc_g times the
+// activation's scaled sum over the group.
+template <int M>
+void dot_group_x16_q6k(const uint8_t* group, const Activations& a, float* out, int64_t N) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = group + b * GROUP_ROWS * Q6K_BYTES;
+    for (int64_t line = 0; line < GROUP_ROWS * Q6K_BYTES; line += 64) prefetch_l2(p + line);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const int8_t* x[M];
+    float x_scale[M];
+    const float* x_sums[M];
+    for (int m = 0; m < M; ++m) {
+      x[m] = a.block_codes(m, b);
+      x_scale[m] = a.block_scale(m, b);
+      x_sums[m] = a.sums.data() + (m * a.scale_stride + b) * 32;  // scale * sum per 16
+    }
+    for (int64_t g = 0; g < 16; ++g) {
+      const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * g))));
+      const __m512 dsc = _mm512_mul_ps(d, sc);
+      const uint8_t* q = p + Q6K_CODES + 192 * g;
+      const __m512i A = _mm512_loadu_si512(q), B = _mm512_loadu_si512(q + 64),
+                    H = _mm512_loadu_si512(q + 128);
+      const __m512i v[4] = {
+          _mm512_or_si512(_mm512_and_si512(A, low4), _mm512_and_si512(_mm512_slli_epi16(H, 4), bits45)),
+          _mm512_or_si512(_mm512_and_si512(B, low4), _mm512_and_si512(_mm512_slli_epi16(H, 2), bits45)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(A, 4), low4), _mm512_and_si512(H, bits45)),
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(B, 4), low4),
+                          _mm512_and_si512(_mm512_srli_epi16(H, 2), bits45)),
+      };
+      for (int m = 0; m < M; ++m) {
+        __m512i dot = _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+          int32_t codes;
+          std::memcpy(&codes, x[m] + 16 * g + 4 * j, 4);
+          dot = _mm512_dpbusd_epi32(dot, v[j], _mm512_set1_epi32(codes));
+        }
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                 _mm512_mul_ps(dsc, _mm512_set1_ps(x_scale[m])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(dsc, _mm512_set1_ps(-32.f * x_sums[m][g]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * N, acc[m]);
+}
+
 #else  // ---- Portable path: plain loops that gcc -O3 vectorizes for the target (SSE2, NEON), with
        // AVX2 intrinsics for the block dot products where the target has them.
 //
@@ -1159,23 +1256,23 @@ void groups_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64
   const auto each = [&](auto dot) {
     for (int64_t r = r0; r < r1; r += GROUP_ROWS) dot(w + r * stride, out + r);
   };
-  const Activations& a = *in.act32;
+  const Activations& a = *in.act32;  // the 32-block types'
   switch (base_type(type)) {
     case Q4_0: return each([&](auto g, auto o) { dot_group_x16<Q4_0, M>(g, a, o, N); });
     case Q4_1: return each([&](auto g, auto o) { dot_group_x16<Q4_1, M>(g, a, o, N); });
     case Q5_0: return each([&](auto g, auto o) { dot_group_x16<Q5_0, M>(g, a, o, N); });
     case Q5_1: return each([&](auto g, auto o) { dot_group_x16<Q5_1, M>(g, a, o, N); });
     case Q8_0: return each([&](auto g, auto o) { dot_group_x16<Q8_0, M>(g, a, o, N); });
+    case Q6_K: return each([&](auto g, auto o) { dot_group_x16_q6k<M>(g, *in.act256, o, N); });
   }
   TORCH_CHECK(false, "ggml type ", type, " has no interleaved kernel");
 #else
-  const X16Layout layout = x16_layout(base_type(type));
   thread_local std::vector<uint8_t> rows;
   rows.resize(GROUP_ROWS * stride);
   for (int64_t r = r0; r < r1; r += GROUP_ROWS) {
     for (int64_t i = 0; i < GROUP_ROWS; ++i)
-      x16_row(layout, const_cast<uint8_t*>(w + r * stride), rows.data() + i * stride, i,
-              in.K / QK, false);
+      x16_rows(base_type(type), const_cast<uint8_t*>(w + r * stride), rows.data() + i * stride, i,
+               in.K, false);
     rows_of<M>(base_type(type), rows.data(), stride, 0, GROUP_ROWS, in, out + r, N);
   }
 #endif
@@ -1264,7 +1361,10 @@ void check_rows(const torch::Tensor& w, int64_t type, int64_t K, const char* wha
               GROUP_ROWS, " rows, got ", w.sizes());
 }
 
-bool is_k_quant(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+bool is_k_quant(int64_t type) {
+  const int64_t base = base_type(type);
+  return base == Q4_K || base == Q5_K || base == Q6_K;
+}
 bool is_block32(int64_t type) { return block_shape(type).first == QK; }
 
 // x [M, K] fp32 (contiguous, any M) quantized once per block size its weights need, in chunks
@@ -1525,7 +1625,6 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
   const uint8_t* w = data.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES / (in_features * 4));
-  const X16Layout layout = x16_layout(base_type(ggml_type));
   at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
     std::vector<uint8_t> row(is_x16(ggml_type) ? stride : 0);
     for (int64_t t = t0; t < t1; ++t) {
@@ -1535,8 +1634,8 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
         continue;
       }
       const int64_t i = r % GROUP_ROWS;
-      x16_row(layout, const_cast<uint8_t*>(w + (r - i) * stride), row.data(), i, in_features / QK,
-              false);
+      x16_rows(base_type(ggml_type), const_cast<uint8_t*>(w + (r - i) * stride), row.data(), i,
+               in_features, false);
       dequantize_row(base_type(ggml_type), row.data(), in_features, o + t * in_features);
     }
   });
@@ -1545,13 +1644,12 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
 
 torch::Tensor ggml_interleave(const torch::Tensor& data, int64_t ggml_type, int64_t in_features,
                               bool inverse) {
-  // data: uint8 [N, row_bytes] of a 32-block type (N a multiple of 16) in the file's row order
+  // data: uint8 [N, row_bytes] of a 32-block type or Q6_K (N a multiple of 16), the file's order
   // -> the same bytes interleaved (ggml type | X16); inverse: back to the file's order.
   const int64_t base = base_type(ggml_type);
   TORCH_CHECK(has_x16(base), "ggml_interleave: ggml type ", ggml_type, " has no interleaved layout");
   check_rows(data, base | X16, in_features, "ggml_interleave");
   auto out = torch::empty_like(data, at::MemoryFormat::Contiguous);
-  const X16Layout layout = x16_layout(base);
   const int64_t stride = data.stride(0), num_groups = data.size(0) / GROUP_ROWS;
   uint8_t* src = data.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -1560,9 +1658,9 @@ torch::Tensor ggml_interleave(const torch::Tensor& data, int64_t ggml_type, int6
       for (int64_t i = 0; i < GROUP_ROWS; ++i) {
         const int64_t group = g * GROUP_ROWS * stride, row = group + i * stride;
         if (inverse)
-          x16_row(layout, src + group, dst + row, i, in_features / QK, false);
+          x16_rows(base, src + group, dst + row, i, in_features, false);
         else
-          x16_row(layout, dst + group, src + row, i, in_features / QK, true);
+          x16_rows(base, dst + group, src + row, i, in_features, true);
       }
   });
   return out;

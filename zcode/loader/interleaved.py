@@ -1,11 +1,12 @@
-"""A GGUF file's 32-block weights in ggml.cpp's interleaved layout, cached on disk once.
+"""A GGUF file's weights in ggml.cpp's interleaved layout, cached on disk once.
 
 The interleaved layout (zcode/kernels/ggml.cpp; `GgufWeight.interleaved`) puts the blocks of 16
 rows side by side so one VNNI instruction advances 16 rows: the GEMVs of Q4_0 / Q4_1 / Q5_0 /
-Q5_1 / Q8_0 weights run 1.3-1.8x faster from memory. It is the same bytes reordered, so nothing
-changes in what the model computes. Reordering at every load would put the weights in anonymous
-memory (resident for good, no longer pages the kernel may drop, as expert offload needs), so the
-first load writes them once to a cache file that later loads memory-map as they map the GGUF:
+Q5_1 / Q8_0 / Q6_K weights run 1.3-1.8x faster from memory. It is the same bytes reordered, so
+nothing changes in what the model computes. Reordering at every load would put the weights in
+anonymous memory (resident for good, no longer pages the kernel may drop, as expert offload
+needs), so the first load writes them once to a cache file that later loads memory-map as they
+map the GGUF:
 
 - the cache file has the GGUF file's size, and every tensor that interleaving pays for
   (`interleaving_pays`: its type has the layout, its matrices' rows fill groups of 16, and this
@@ -13,7 +14,8 @@ first load writes them once to a cache file that later loads memory-map as they 
   sparse file: no disk space);
 - it is keyed by the file's content: a hash of all of it up to 256 MiB; past that, of its size,
   modification time, header (metadata and tensor table) and 64 samples of 64 KiB spread over
-  the data (hashing 70 GB at every load would cost a minute); and by this layout's version;
+  the data (hashing 70 GB at every load would cost a minute); by this layout's version and by
+  which tensors it holds (a build that interleaves more types writes a new entry);
 - it is written to a temporary name and renamed, so a crash or a concurrent load never leaves a
   partial entry; the rows are written in chunks and the GGUF file's pages let go after each, so
   writing it raises the resident memory by a chunk, not by the file.
@@ -38,7 +40,7 @@ from zcode.quant.gguf import interleaving_pays
 
 log = logging.getLogger(__name__)
 
-VERSION = 1  # of the layout and this file's format: a new version is a new key
+VERSION = 2  # of the layout and this file's format: a new version is a new key
 WHOLE_HASH_BYTES = 256 << 20
 NUM_SAMPLES, SAMPLE_BYTES = 64, 64 << 10
 CHUNK_BYTES = 16 << 20
@@ -65,7 +67,7 @@ def interleaved_file(path: Path, contents: GgufContents) -> torch.Tensor | None:
     tensors = interleaved_tensors(contents) if enabled() else []
     if not tensors:
         return None
-    entry = entry_path(path, contents)
+    entry = entry_path(path, contents, tensors)
     if not entry.exists():
         try:
             _write(entry, contents, tensors)
@@ -79,17 +81,20 @@ def interleaved_file(path: Path, contents: GgufContents) -> torch.Tensor | None:
     return torch.from_numpy(data)
 
 
-def entry_path(path: Path, contents: GgufContents) -> Path:
-    """Where the cache entry of this file lies (it may not exist)."""
+def entry_path(path: Path, contents: GgufContents, tensors: list[GgufTensor] | None = None) -> Path:
+    """Where the cache entry of this file (holding `tensors`, by default those that run
+    interleaved here) lies; it may not exist."""
     from zcode.hardware.probe import default_cache_dir
 
-    return default_cache_dir() / "gguf-interleaved" / f"{_key(path, contents)}.bin"
+    tensors = interleaved_tensors(contents) if tensors is None else tensors
+    return default_cache_dir() / "gguf-interleaved" / f"{_key(path, contents, tensors)}.bin"
 
 
-def _key(path: Path, contents: GgufContents) -> str:
+def _key(path: Path, contents: GgufContents, tensors: list[GgufTensor]) -> str:
     # Read with read(), not through the memory map: mapped pages would count as this process's.
     size = len(contents.data)
     digest = hashlib.sha256(f"zcode-interleaved-v{VERSION}:{size}".encode())
+    digest.update(",".join(sorted(t.name for t in tensors)).encode())
     with open(path, "rb") as f:
         if size <= WHOLE_HASH_BYTES:
             while chunk := f.read(SAMPLE_BYTES):
