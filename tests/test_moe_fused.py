@@ -362,13 +362,13 @@ def test_compiled_moe_decode_matches_eager(tiny_checkpoint, monkeypatch, name, f
         return engine, [s.output_token_ids for s in seqs], logits
 
     _, eager_tokens, eager_logits = generate(compile=False)
-    gguf_steps = []  # the layers' ggml_moe calls, which compiled graphs make inside moe_eager
-    gguf_weights = MoE.gguf_weights
+    gguf_steps = []  # the layers' ggml_moe lists, which compiled graphs take inside moe_eager
+    step_lists = MoE._step_lists
     monkeypatch.setattr(
-        MoE, "gguf_weights", lambda m, x: gguf_steps.append(gguf_weights(m, x)) or gguf_steps[-1]
+        MoE, "_step_lists", lambda m, x: gguf_steps.append(step_lists(m, x)) or gguf_steps[-1]
     )
     compiled, tokens, logits = generate(compile=True)
-    assert any(w is not None for w in gguf_steps) == (fmt == "gguf-q8_0")
+    assert any(gguf is not None for _, gguf in gguf_steps) == (fmt == "gguf-q8_0")
     assert compiled.stats()["num_graph_compiles"] > 0
     assert compiled.runner.graphs.direct  # later steps called the graph without dynamo
     assert tokens == eager_tokens
