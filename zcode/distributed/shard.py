@@ -43,7 +43,7 @@ from zcode.layers.mlp import GatedMLP, GeluGatedMLP
 from zcode.layers.moe import MoE
 from zcode.loader import pages
 from zcode.models.glm4 import Glm4MLP
-from zcode.quant.gguf import GgufEmbedding, GgufWeight, interleaving_pays, type_name
+from zcode.quant.gguf import GgufEmbedding, GgufWeight, type_name
 from zcode.quant.linear import QuantizedLinear
 
 
@@ -243,10 +243,8 @@ def slice_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
     bias = None if linear.bias is None else _param(linear.bias.index_select(0, rows), linear.bias)
     if isinstance(linear, QuantizedLinear) and isinstance(linear.packed, GgufWeight):
         packed = linear.packed
-        data = packed.file_rows().index_select(0, rows)
-        return QuantizedLinear(
-            _gguf_slice(data, packed, packed.in_features), bias, linear.format, linear.kernel
-        )
+        weight = GgufWeight(_file_rows(packed, rows), packed.ggml_type, packed.in_features)
+        return QuantizedLinear(weight, bias, linear.format, linear.kernel)
     _check_float(linear)
     out = Linear(linear.in_features, len(rows), bias=False, device="meta")
     out.weight = _param(linear.weight.index_select(0, rows), linear.weight)
@@ -272,9 +270,10 @@ def slice_columns(linear: nn.Module, start: int, stop: int) -> nn.Module:
                 f"whole blocks of {block_size} columns, this rank's columns are [{start}, {stop})"
             )
         cols = slice(start // block_size * block_bytes, stop // block_size * block_bytes)
-        data = packed.file_rows()[:, cols].clone()
+        chunks = range(0, packed.out_features, 1024)  # a chunk of rows in file order at a time
+        data = torch.cat([packed.file_rows(r, r + 1024)[:, cols] for r in chunks])
         return QuantizedLinear(
-            _gguf_slice(data, packed, stop - start), None, linear.format, linear.kernel
+            GgufWeight(data, packed.ggml_type, stop - start), None, linear.format, linear.kernel
         )
     _check_float(linear)
     local = Linear(stop - start, linear.out_features, bias=False, device="meta")
@@ -285,8 +284,8 @@ def slice_columns(linear: nn.Module, start: int, stop: int) -> nn.Module:
 def _slice_embedding(embed: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(embed, GgufEmbedding):
         packed = embed.packed
-        data = packed.file_rows().index_select(0, rows)
-        return GgufEmbedding(_gguf_slice(data, packed, packed.in_features))
+        weight = GgufWeight(_file_rows(packed, rows), packed.ggml_type, packed.in_features)
+        return GgufEmbedding(weight)
     if type(embed) is not nn.Embedding:
         raise NotImplementedError(f"a vocab-parallel {type(embed).__name__}")
     out = nn.Embedding(len(rows), embed.embedding_dim, device="meta")
@@ -294,13 +293,14 @@ def _slice_embedding(embed: nn.Module, rows: torch.Tensor) -> nn.Module:
     return out
 
 
-def _gguf_slice(data: torch.Tensor, packed: GgufWeight, in_features: int) -> GgufWeight:
-    """A slice (uint8 rows in the file's order) of `packed` as a weight, interleaved again where
-    `packed` was and the slice still can be."""
-    weight = GgufWeight(data, packed.ggml_type, in_features)
-    if packed.interleaved and interleaving_pays(packed.ggml_type, data.shape[0]):
-        return weight.interleaved_copy()
-    return weight
+def _file_rows(packed: GgufWeight, rows: torch.Tensor) -> torch.Tensor:
+    """uint8 rows `rows` of `packed` in the file's order, owning their memory. A rank's slices
+    stay in row order: interleaving them again would hold each slice twice while it is cut."""
+    first, stop = int(rows.min()), int(rows.max()) + 1
+    span = packed.file_rows(first, stop)
+    if len(rows) == stop - first and bool((rows == torch.arange(first, stop)).all()):
+        return span if packed.interleaved else span.clone()  # interleaved: already a copy
+    return span.index_select(0, rows - first)
 
 
 def _column_multiple(linear: nn.Module) -> int:

@@ -174,13 +174,18 @@ class GgufWeight(PackedWeight):
         data = torch.ops.zcode.ggml_interleave(self.data, self.ggml_type, self.in_features)
         return GgufWeight(data, self.ggml_type, self.in_features, interleaved=True)
 
-    def file_rows(self) -> torch.Tensor:
-        """uint8 [N, row_bytes] in the file's row order (a copy if interleaved)."""
+    def file_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """uint8 [stop - start, row_bytes]: rows start..stop in the file's row order (if
+        interleaved, a copy of the 16-row groups that hold them: only their pages are read)."""
+        stop = self.out_features if stop is None else stop
         if not self.interleaved:
-            return self.data
-        return torch.ops.zcode.ggml_interleave(
-            self.data, self.ggml_type, self.in_features, inverse=True
+            return self.data[start:stop]
+        group = INTERLEAVE_ROWS
+        first, end = start // group * group, -(-stop // group) * group
+        rows = torch.ops.zcode.ggml_interleave(
+            self.data[first:end], self.ggml_type, self.in_features, inverse=True
         )
+        return rows[start - first : stop - first]
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> "GgufWeight":
