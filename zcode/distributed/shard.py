@@ -270,8 +270,8 @@ def slice_columns(linear: nn.Module, start: int, stop: int) -> nn.Module:
                 f"whole blocks of {block_size} columns, this rank's columns are [{start}, {stop})"
             )
         cols = slice(start // block_size * block_bytes, stop // block_size * block_bytes)
-        chunks = range(0, packed.out_features, 1024)  # a chunk of rows in file order at a time
-        data = torch.cat([packed.file_rows(r, r + 1024)[:, cols] for r in chunks])
+        chunks = range(0, packed.out_features, _CHUNK_ROWS)  # in the file's order, a chunk at once
+        data = torch.cat([packed.file_rows(r, r + _CHUNK_ROWS)[:, cols] for r in chunks])
         return QuantizedLinear(
             GgufWeight(data, packed.ggml_type, stop - start), None, linear.format, linear.kernel
         )
@@ -291,6 +291,10 @@ def _slice_embedding(embed: nn.Module, rows: torch.Tensor) -> nn.Module:
     out = nn.Embedding(len(rows), embed.embedding_dim, device="meta")
     out.weight = _param(embed.weight.index_select(0, rows), embed.weight)
     return out
+
+
+# Rows of an interleaved weight put back in the file's order at a time while its columns are cut.
+_CHUNK_ROWS = 1024
 
 
 def _file_rows(packed: GgufWeight, rows: torch.Tensor) -> torch.Tensor:

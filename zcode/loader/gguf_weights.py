@@ -31,7 +31,7 @@ from zcode.layers.linear import Linear
 from zcode.loader import pages
 from zcode.loader.gguf_config import MODEL_TYPES
 from zcode.loader.gguf_file import GgufContents, GgufTensor
-from zcode.loader.interleaved import interleaved_file, interleaved_tensors
+from zcode.loader.interleaved import interleaved_file
 from zcode.quant.gguf import GgufEmbedding, GgufWeight, dequantize_rows, format_name
 from zcode.quant.linear import QuantizedLinear
 
@@ -62,10 +62,7 @@ class _GgufFiller:
         # uint8 [file bytes]: a view of the memory map (copy-on-write, so torch may wrap it)
         self.file = torch.from_numpy(contents.data)
         # The cache file holding the tensors that run interleaved here at the same offsets.
-        self.interleaved = interleaved_file(path, contents)
-        self.interleaved_names = set()
-        if self.interleaved is not None:
-            self.interleaved_names = {t.name for t in interleaved_tensors(contents)}
+        self.interleaved, self.interleaved_names = interleaved_file(path, contents)
 
     def fill(self) -> None:
         net = self.net

@@ -36,7 +36,7 @@ import torch
 
 from zcode.loader import pages
 from zcode.loader.gguf_file import GgufContents, GgufTensor
-from zcode.quant.gguf import interleaving_pays
+from zcode.quant.gguf import INTERLEAVE_ROWS, interleaving_pays
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +60,25 @@ def interleaved_tensors(contents: GgufContents) -> list[GgufTensor]:
     ]
 
 
-def interleaved_file(path: Path, contents: GgufContents) -> torch.Tensor | None:
-    """uint8 [file bytes], a memory map of the cache entry of `path` (written first if there is
-    none): at each of `interleaved_tensors(contents)`'s offsets its bytes interleaved. None when
+def interleaved_file(path: Path, contents: GgufContents) -> tuple[torch.Tensor | None, set[str]]:
+    """(uint8 [file bytes], a memory map of the cache entry of `path`, written first if there is
+    none; the names of the tensors it holds interleaved at their offsets). (None, {}) when
     disabled, when no tensor runs interleaved here, or when the entry cannot be written."""
     tensors = interleaved_tensors(contents) if enabled() else []
     if not tensors:
-        return None
+        return None, set()
     entry = entry_path(path, contents, tensors)
     if not entry.exists():
         try:
             _write(entry, contents, tensors)
         except OSError as e:
             log.warning("%s: cannot cache its interleaved weights (%s); running its rows", path, e)
-            return None
+            return None, set()
     data = np.memmap(entry, mode="c", dtype=np.uint8)
     if len(data) != len(contents.data):
         log.warning("%s: cache entry %s has the wrong size; running the rows", path, entry)
-        return None
-    return torch.from_numpy(data)
+        return None, set()
+    return torch.from_numpy(data), {t.name for t in tensors}
 
 
 def entry_path(path: Path, contents: GgufContents, tensors: list[GgufTensor] | None = None) -> Path:
@@ -122,7 +122,8 @@ def _write(entry: Path, contents: GgufContents, tensors: list[GgufTensor]) -> No
         for t in tensors:
             in_features, row_bytes = t.shape[-1], t.nbytes // prod(t.shape[:-1])
             rows = file[t.start : t.start + t.nbytes].view(-1, row_bytes)
-            chunk = max(16, CHUNK_BYTES // row_bytes // 16 * 16)  # whole groups of 16 rows
+            group = INTERLEAVE_ROWS
+            chunk = max(group, CHUNK_BYTES // row_bytes // group * group)  # whole groups
             for r0 in range(0, rows.shape[0], chunk):
                 src = rows[r0 : r0 + chunk]
                 out = torch.ops.zcode.ggml_interleave(src, t.ggml_type, in_features)

@@ -106,13 +106,17 @@ def has_kernel(ggml_type: int) -> bool:
     return ggml_type in KERNEL_TYPES
 
 
+def has_interleaved_layout(ggml_type: int, num_rows: int) -> bool:
+    """Whether a weight of this type and row count can be interleaved: the type has the layout
+    and its rows fill groups of 16."""
+    return ggml_type in INTERLEAVED_TYPES and num_rows % INTERLEAVE_ROWS == 0
+
+
 def interleaving_pays(ggml_type: int, num_rows: int) -> bool:
-    """Whether a weight of this type and row count runs faster interleaved here: the type has the
-    layout, its rows fill groups of 16, and ggml.cpp has its vector kernel on this CPU (elsewhere
-    the layout would only be put back in row order)."""
+    """Whether such a weight runs faster interleaved here: it has the layout and ggml.cpp has
+    its vector kernel on this CPU (elsewhere the layout would only be put back in row order)."""
     return (
-        ggml_type in INTERLEAVED_TYPES
-        and num_rows % INTERLEAVE_ROWS == 0
+        has_interleaved_layout(ggml_type, num_rows)
         and ggml_available()
         and torch.ops.zcode.ggml_interleaved_kernels()
     )
@@ -148,12 +152,10 @@ class GgufWeight(PackedWeight):
                 f"{type_name(ggml_type)} rows of {in_features} take "
                 f"{row_bytes(ggml_type, in_features)} bytes, not {data.shape[1]}"
             )
-        if interleaved and not (
-            ggml_type in INTERLEAVED_TYPES and data.shape[0] % INTERLEAVE_ROWS == 0
-        ):
+        if interleaved and not has_interleaved_layout(ggml_type, data.shape[0]):
             raise ValueError(
                 f"{type_name(ggml_type)} [{data.shape[0]}, {in_features}] has no interleaved "
-                f"layout (the 32-block types, rows a multiple of {INTERLEAVE_ROWS})"
+                f"layout (the 32-block types and Q6_K, rows a multiple of {INTERLEAVE_ROWS})"
             )
         self.ggml_type = int(ggml_type)
         self.interleaved = interleaved
