@@ -39,9 +39,11 @@ from zcode.sampling_params import SamplingParams
 
 LOGIT_TOL = 1e-4  # test_parity.py's
 # GGUF as stored quantizes activations to int8 per block: an fp32 rounding difference in the
-# all-reduced input can move a value across a rounding boundary, and 30 layers amplify it.
-# of max |logit|: test_gguf_loader's bound for the same noise (ZCode against llama.cpp)
-INT8_LOGIT_REL_TOL = 0.05
+# all-reduced input can move a value across a rounding boundary, and 30 layers amplify it. Of max
+# |logit|: two equally valid orders of the same sums in one process (ggml.cpp's row and interleaved
+# kernels on SmolLM2 Q4_1) were 5.3% apart on "The capital of France is", each 3.8-4.8% from the
+# model dequantized to fp32; a wrong split or a lost all-reduce moves logits by their own size.
+INT8_LOGIT_REL_TOL = 0.08
 RANK_TIMEOUT_S = 480  # a hang guard, not a speed bound: generous on a busy machine (< 600 s)
 # SmolLM2 as stored where ggml.cpp does not build: the gguf package's dequantize, autotuned at
 # the first step of each process, takes minutes.
@@ -79,14 +81,22 @@ def test_head_shards_split_whole_groups_or_replicate_kv_heads():
         head_shards(6, 2, 4)
 
 
-def test_gguf_slices_are_the_dequantized_weights_slices():
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rows", "interleaved"])
+def test_gguf_slices_are_the_dequantized_weights_slices(interleaved):
+    """Slices of an interleaved weight are interleaved again where their rows fill groups of 16
+    (a rank runs the kernels one process runs), else left in the file's order."""
     g = torch.Generator().manual_seed(0)
     packed = GgufWeight.random(GGMLQuantizationType.Q4_1, 64, 128, g)
-    linear = QuantizedLinear(packed, None, "gguf-q4_1")
     full = packed.dequantize()  # the gguf package's dequantize: [64, 128]
-    rows = torch.tensor([3, 4, 5, 40])
-    assert torch.equal(slice_rows(linear, rows).packed.dequantize(), full[rows])
+    if interleaved:
+        packed = packed.interleaved_copy()
+    linear = QuantizedLinear(packed, None, "gguf-q4_1")
+    for rows in (torch.tensor([3, 4, 5, 40]), torch.arange(16, 48)):
+        part = slice_rows(linear, rows).packed
+        assert part.interleaved == (interleaved and len(rows) % 16 == 0)
+        assert torch.equal(part.dequantize(), full[rows])
     cols = row_parallel(linear, 32, 96, FAKE_GROUP).linear.packed
+    assert cols.interleaved == interleaved
     assert torch.equal(cols.dequantize(), full[:, 32:96])
     with pytest.raises(NotImplementedError, match="whole blocks of 32"):
         row_parallel(linear, 16, 64, FAKE_GROUP)

@@ -43,7 +43,7 @@ from zcode.layers.mlp import GatedMLP, GeluGatedMLP
 from zcode.layers.moe import MoE
 from zcode.loader import pages
 from zcode.models.glm4 import Glm4MLP
-from zcode.quant.gguf import GgufEmbedding, GgufWeight, type_name
+from zcode.quant.gguf import GgufEmbedding, GgufWeight, has_interleaved_layout, type_name
 from zcode.quant.linear import QuantizedLinear
 
 
@@ -243,7 +243,7 @@ def slice_rows(linear: nn.Module, rows: torch.Tensor) -> nn.Module:
     bias = None if linear.bias is None else _param(linear.bias.index_select(0, rows), linear.bias)
     if isinstance(linear, QuantizedLinear) and isinstance(linear.packed, GgufWeight):
         packed = linear.packed
-        weight = GgufWeight(_file_rows(packed, rows), packed.ggml_type, packed.in_features)
+        weight = _rank_weight(_file_rows(packed, rows), packed, packed.in_features)
         return QuantizedLinear(weight, bias, linear.format, linear.kernel)
     _check_float(linear)
     out = Linear(linear.in_features, len(rows), bias=False, device="meta")
@@ -272,9 +272,8 @@ def slice_columns(linear: nn.Module, start: int, stop: int) -> nn.Module:
         cols = slice(start // block_size * block_bytes, stop // block_size * block_bytes)
         chunks = range(0, packed.out_features, _CHUNK_ROWS)  # in the file's order, a chunk at once
         data = torch.cat([packed.file_rows(r, r + _CHUNK_ROWS)[:, cols] for r in chunks])
-        return QuantizedLinear(
-            GgufWeight(data, packed.ggml_type, stop - start), None, linear.format, linear.kernel
-        )
+        weight = _rank_weight(data, packed, stop - start)
+        return QuantizedLinear(weight, None, linear.format, linear.kernel)
     _check_float(linear)
     local = Linear(stop - start, linear.out_features, bias=False, device="meta")
     local.weight = _param(linear.weight[:, start:stop].clone(), linear.weight)
@@ -284,7 +283,7 @@ def slice_columns(linear: nn.Module, start: int, stop: int) -> nn.Module:
 def _slice_embedding(embed: nn.Module, rows: torch.Tensor) -> nn.Module:
     if isinstance(embed, GgufEmbedding):
         packed = embed.packed
-        weight = GgufWeight(_file_rows(packed, rows), packed.ggml_type, packed.in_features)
+        weight = _rank_weight(_file_rows(packed, rows), packed, packed.in_features)
         return GgufEmbedding(weight)
     if type(embed) is not nn.Embedding:
         raise NotImplementedError(f"a vocab-parallel {type(embed).__name__}")
@@ -293,18 +292,31 @@ def _slice_embedding(embed: nn.Module, rows: torch.Tensor) -> nn.Module:
     return out
 
 
-# Rows of an interleaved weight put back in the file's order at a time while its columns are cut.
+# Rows of an interleaved weight put back in the file's order (or a slice interleaved again) at a
+# time: a weight is never held twice while it is cut.
 _CHUNK_ROWS = 1024
 
 
 def _file_rows(packed: GgufWeight, rows: torch.Tensor) -> torch.Tensor:
-    """uint8 rows `rows` of `packed` in the file's order, owning their memory. A rank's slices
-    stay in row order: interleaving them again would hold each slice twice while it is cut."""
+    """uint8 rows `rows` of `packed` in the file's order, owning their memory."""
     first, stop = int(rows.min()), int(rows.max()) + 1
     span = packed.file_rows(first, stop)
     if len(rows) == stop - first and bool((rows == torch.arange(first, stop)).all()):
         return span if packed.interleaved else span.clone()  # interleaved: already a copy
     return span.index_select(0, rows - first)
+
+
+def _rank_weight(data: torch.Tensor, whole: GgufWeight, in_features: int) -> GgufWeight:
+    """A rank's slice of `whole` (uint8 rows in the file's order, owned) as a GgufWeight,
+    interleaved in place a chunk of rows at a time where `whole` was: the rank runs the kernels
+    one process runs, and its sums differ from one process's only by the all-reduce."""
+    ggml_type = whole.ggml_type
+    if not (whole.interleaved and has_interleaved_layout(ggml_type, len(data))):
+        return GgufWeight(data, ggml_type, in_features)
+    for r in range(0, len(data), _CHUNK_ROWS):
+        chunk = data[r : r + _CHUNK_ROWS]
+        chunk.copy_(torch.ops.zcode.ggml_interleave(chunk, ggml_type, in_features))
+    return GgufWeight(data, ggml_type, in_features, interleaved=True)
 
 
 def _column_multiple(linear: nn.Module) -> int:
