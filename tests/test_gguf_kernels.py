@@ -303,11 +303,11 @@ def test_interleaved_and_row_weights_share_one_call():
 
 def test_interleaved_layout_needs_groups_of_16_rows():
     w = GgufWeight.random(GGMLQuantizationType.Q4_0, 24, 64, _generator(14))
-    assert not interleaving_pays(w.ggml_type, 24) and not interleaving_pays(12, 32)  # Q4_K
+    f16 = GGMLQuantizationType.F16  # float rows: no layout
+    assert not interleaving_pays(w.ggml_type, 24) and not interleaving_pays(f16, 32)
     with pytest.raises(ValueError, match="no interleaved layout"):
         GgufWeight(w.data, w.ggml_type, 64, interleaved=True)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         torch.ops.zcode.ggml_gemv(torch.randn(1, 64), [w.data], [w.ggml_type | INTERLEAVED])
-    q4_k = GgufWeight.random(GGMLQuantizationType.Q4_K, 16, 256, _generator(15))
     with pytest.raises(RuntimeError, match="no interleaved layout"):
-        torch.ops.zcode.ggml_interleave(q4_k.data, q4_k.ggml_type, 256)
+        torch.ops.zcode.ggml_interleave(torch.zeros(16, 128, dtype=torch.uint8), f16, 64)

@@ -36,7 +36,8 @@
 // (8) rows of x at a time; more rows are chunks of 8, run on each tile of weight rows in turn so
 // the weights are read from memory once.
 //
-// The 32-block types and Q6_K also run interleaved (ggml type | X16, see "The interleaved layout"):
+// Every type above but the float ones also runs interleaved (ggml type | X16, see "The
+// interleaved layout"):
 // the blocks of 16 rows side by side, so one vpdpbusd advances 16 rows and one fp32 multiply-add
 // scales them; ggml_interleave converts either way (zcode/loader/interleaved.py caches a file's).
 //
@@ -153,8 +154,8 @@ struct Activations {
 };
 
 
-// ---- The interleaved layout (ggml type | X16) of the 32-block types (Q6_K's: x16_row_q6k), for
-// decode GEMVs.
+// ---- The interleaved layout (ggml type | X16) of the 32-block types (the K-quants': x16_row_kq,
+// x16_row_q6k), for decode GEMVs.
 //
 // A row-major block puts one row's 32 codes in a vector, so every block of every row needs its own
 // scale multiply and a horizontal sum. Interleaved, the blocks b of 16 consecutive rows lie
@@ -196,7 +197,9 @@ constexpr X16Layout x16_layout(int64_t base) {
   }
   return l;
 }
-inline bool has_x16(int64_t base) { return x16_layout(base).bytes != 0 || base == 14; }  // Q6_K
+inline bool has_x16(int64_t base) {
+  return x16_layout(base).bytes != 0 || base == 12 || base == 13 || base == 14;  // Q4_K Q5_K Q6_K
+}
 
 // Row i (0..15) of a group's blocks <-> the file's row bytes (K / 32 blocks): pack writes the
 // group from the row, else the row from the group.
@@ -279,8 +282,52 @@ void x16_row_q6k(uint8_t* group, uint8_t* row, int64_t i, int64_t num_blocks, bo
   }
 }
 
+// Q4_K / Q5_K interleaved, per block of 16 rows (16 x 144 / 16 x 176 bytes): 0: d[16], 32:
+// dmin[16] (fp16); 64: the rows' 12 bytes of 6-bit scales and mins transposed, byte k of row i at
+// 64 + 16k + i (byte k of the 16 rows is one 16-byte load); Q5_K: 256: per code vector v, the u64
+// masks of the fifth bits of its low and its high nibbles at 256 + 16v, 264 + 16v (bit 4i + t:
+// row i's element 64c + 4j + t, resp. 64c + 32 + 4j + t, for v = 8c + j); then (256 / 768) the
+// codes: vector v = 8c + j at 64v, lane i = row i's nibble bytes 32c + 4j..4j+3 (low nibbles:
+// sub-block 2c's elements 4j..4j+3, high nibbles: sub-block 2c + 1's).
+constexpr int64_t Q4K_BYTES = 144, Q5K_BYTES = 176, KQ_SCALES = 64, Q5K_MASKS = 256;
+constexpr int64_t kq_codes(bool five) { return five ? 768 : 256; }
+
+void x16_row_kq(uint8_t* group, uint8_t* row, int64_t i, int64_t num_blocks, bool five, bool pack) {
+  const int64_t bytes = five ? Q5K_BYTES : Q4K_BYTES, src_codes = five ? 48 : 16;
+  const auto move = [pack](uint8_t* g, uint8_t* r, size_t n) {
+    pack ? std::memcpy(g, r, n) : std::memcpy(r, g, n);
+  };
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    uint8_t* g = group + b * GROUP_ROWS * bytes;
+    uint8_t* r = row + b * bytes;
+    move(g + 2 * i, r, 2);
+    move(g + 32 + 2 * i, r + 2, 2);
+    for (int64_t k = 0; k < 12; ++k) move(g + KQ_SCALES + 16 * k + i, r + 4 + k, 1);
+    for (int64_t v = 0; v < 32; ++v) move(g + kq_codes(five) + 64 * v + 4 * i, r + src_codes + 4 * v, 4);
+    if (!five) continue;
+    uint8_t* qh = r + 16;  // element 32s + l's fifth bit: bit s of qh[l]
+    if (!pack) std::memset(qh, 0, 32);
+    for (int64_t v = 0; v < 32; ++v)
+      for (int64_t high = 0; high < 2; ++high) {
+        uint8_t* at = g + Q5K_MASKS + 16 * v + 8 * high;
+        const int64_t s = 2 * (v / 8) + high;  // the sub-block
+        uint64_t mask;
+        std::memcpy(&mask, at, 8);
+        for (int64_t t = 0; t < 4; ++t) {
+          const int64_t l = 4 * (v % 8) + t, bit = 4 * i + t;
+          if (pack)
+            mask = (mask & ~(1ull << bit)) | static_cast<uint64_t>((qh[l] >> s) & 1) << bit;
+          else
+            qh[l] |= static_cast<uint8_t>(((mask >> bit) & 1) << s);
+        }
+        if (pack) std::memcpy(at, &mask, 8);
+      }
+  }
+}
+
 // Row i of a group <-> the file's row of K elements, any interleaved type.
 void x16_rows(int64_t base, uint8_t* group, uint8_t* row, int64_t i, int64_t K, bool pack) {
+  if (base == 12 || base == 13) return x16_row_kq(group, row, i, K / 256, base == 13, pack);
   if (base == 14) return x16_row_q6k(group, row, i, K / 256, pack);  // Q6_K
   x16_row(x16_layout(base), group, row, i, K / 32, pack);
 }
@@ -852,6 +899,79 @@ void dot_group_x16_q6k(const uint8_t* group, const Activations& a, float* out, i
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * N, acc[m]);
 }
 
+// 16 interleaved Q4_K (FIVE: Q5_K) rows against M activation rows (256-blocks): per sub-block
+// of 32, 8 code vectors times 4 activation codes broadcast, exact in int32; the 8 sub-block sums
+// times their scales sc_s (per row), times d and the activation scale; minus dmin times the sum
+// over sub-blocks of m_s and the activation's scaled code sum.
+template <bool FIVE, int M>
+void dot_group_x16_kq(const uint8_t* group, const Activations& a, float* out, int64_t N) {
+  constexpr int64_t BYTES = FIVE ? Q5K_BYTES : Q4K_BYTES, CODES = kq_codes(FIVE);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+  const __m128i six = _mm_set1_epi8(0x3F), nibble = _mm_set1_epi8(0x0F), bits45 = _mm_set1_epi8(0x30);
+  const auto floats = [](__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); };
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = group + b * GROUP_ROWS * BYTES;
+    for (int64_t line = 0; line < GROUP_ROWS * BYTES; line += 64) prefetch_l2(p + line);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    // ggml's get_scale_min_k4 on 16 rows at once: byte k of the rows is q[k].
+    __m128i q[12];
+    for (int k = 0; k < 12; ++k) q[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + KQ_SCALES + 16 * k));
+    __m512 sc[8], mn[8];
+    for (int s = 0; s < 4; ++s) {
+      sc[s] = floats(_mm_and_si128(q[s], six));
+      mn[s] = floats(_mm_and_si128(q[s + 4], six));
+      sc[s + 4] = floats(_mm_or_si128(_mm_and_si128(q[s + 8], nibble),
+                                      _mm_and_si128(_mm_srli_epi16(q[s], 2), bits45)));
+      mn[s + 4] = floats(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(q[s + 8], 4), nibble),
+                                      _mm_and_si128(_mm_srli_epi16(q[s + 4], 2), bits45)));
+    }
+    const int8_t* x[M];
+    for (int m = 0; m < M; ++m) x[m] = a.block_codes(m, b);
+    const auto x4 = [&](int m, int64_t k) {
+      int32_t v;
+      std::memcpy(&v, x[m] + k, 4);
+      return _mm512_set1_epi32(v);
+    };
+    __m512 sum[M];  // per row: sum over sub-blocks of sc_s times the integer dot
+    for (int m = 0; m < M; ++m) sum[m] = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      __m512i dot_low[M], dot_high[M];  // sub-blocks 2c, 2c + 1
+      for (int m = 0; m < M; ++m) dot_low[m] = dot_high[m] = _mm512_setzero_si512();
+      for (int j = 0; j < 8; ++j) {
+        const int64_t v = 8 * c + j;
+        const __m512i codes = _mm512_loadu_si512(p + CODES + 64 * v);
+        __m512i low = _mm512_and_si512(codes, low4);
+        __m512i high = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
+        if constexpr (FIVE) {
+          uint64_t masks[2];
+          std::memcpy(masks, p + Q5K_MASKS + 16 * v, 16);
+          low = _mm512_mask_add_epi8(low, _cvtu64_mask64(masks[0]), low, bit4);
+          high = _mm512_mask_add_epi8(high, _cvtu64_mask64(masks[1]), high, bit4);
+        }
+        for (int m = 0; m < M; ++m) {
+          dot_low[m] = _mm512_dpbusd_epi32(dot_low[m], low, x4(m, 64 * c + 4 * j));
+          dot_high[m] = _mm512_dpbusd_epi32(dot_high[m], high, x4(m, 64 * c + 32 + 4 * j));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        sum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_low[m]), sc[2 * c], sum[m]);
+        sum[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_high[m]), sc[2 * c + 1], sum[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const float* sums = a.sums.data() + (m * a.scale_stride + b) * 32 + 24;  // scale * sum per 32
+      __m512 mins = _mm512_setzero_ps();
+      for (int s = 0; s < 8; ++s) mins = _mm512_fmadd_ps(mn[s], _mm512_set1_ps(sums[s]), mins);
+      acc[m] = _mm512_fmadd_ps(sum[m], _mm512_mul_ps(d, _mm512_set1_ps(a.block_scale(m, b))), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(dmin, mins, acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * N, acc[m]);
+}
+
 #else  // ---- Portable path: plain loops that gcc -O3 vectorizes for the target (SSE2, NEON), with
        // AVX2 intrinsics for the block dot products where the target has them.
 //
@@ -1263,6 +1383,8 @@ void groups_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64
     case Q5_0: return each([&](auto g, auto o) { dot_group_x16<Q5_0, M>(g, a, o, N); });
     case Q5_1: return each([&](auto g, auto o) { dot_group_x16<Q5_1, M>(g, a, o, N); });
     case Q8_0: return each([&](auto g, auto o) { dot_group_x16<Q8_0, M>(g, a, o, N); });
+    case Q4_K: return each([&](auto g, auto o) { dot_group_x16_kq<false, M>(g, *in.act256, o, N); });
+    case Q5_K: return each([&](auto g, auto o) { dot_group_x16_kq<true, M>(g, *in.act256, o, N); });
     case Q6_K: return each([&](auto g, auto o) { dot_group_x16_q6k<M>(g, *in.act256, o, N); });
   }
   TORCH_CHECK(false, "ggml type ", type, " has no interleaved kernel");
@@ -1644,7 +1766,7 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
 
 torch::Tensor ggml_interleave(const torch::Tensor& data, int64_t ggml_type, int64_t in_features,
                               bool inverse) {
-  // data: uint8 [N, row_bytes] of a 32-block type or Q6_K (N a multiple of 16), the file's order
+  // data: uint8 [N, row_bytes] of a quantized type (N a multiple of 16), the file's order
   // -> the same bytes interleaved (ggml type | X16); inverse: back to the file's order.
   const int64_t base = base_type(ggml_type);
   TORCH_CHECK(has_x16(base), "ggml_interleave: ggml type ", ggml_type, " has no interleaved layout");

@@ -55,14 +55,11 @@ ACTIVATION_BLOCK = {
 
 # The types ggml.cpp runs: those with an activation block, and the float rows.
 KERNEL_TYPES = frozenset(ACTIVATION_BLOCK) | frozenset(FLOAT_TYPES)
-# The types ggml.cpp also runs interleaved (the 32-block types and Q6_K): the blocks of 16 rows
-# side by side (its "interleaved layout"; kernel type = ggml type | INTERLEAVED), so one VNNI
+# The types ggml.cpp also runs interleaved (all its quantized types): the blocks of 16 rows side
+# by side (its "interleaved layout"; kernel type = ggml type | INTERLEAVED), so one VNNI
 # instruction advances 16 rows. The same bytes reordered, so no precision changes; 2-3x the
 # row-major GEMV's throughput from cache, 1.3-1.8x from memory (Zen 5, one thread, M = 1 to 16).
-INTERLEAVED_TYPES = frozenset(ACTIVATION_BLOCK) - {
-    GGMLQuantizationType.Q4_K,
-    GGMLQuantizationType.Q5_K,
-}
+INTERLEAVED_TYPES = frozenset(ACTIVATION_BLOCK)
 INTERLEAVED = 256
 INTERLEAVE_ROWS = 16
 
