@@ -60,6 +60,30 @@ def test_autotune_skips_a_wrong_variant(cache_dir, monkeypatch):
     assert "cpu:wrong" not in timings and chosen.name != "wrong"
 
 
+def test_autotune_times_a_tall_gguf_weight_on_its_first_rows(cache_dir, monkeypatch):
+    """The reference dequantizes the whole weight: a vocabulary matrix is timed on a slice, and
+    the choice is kept under the whole weight's shape class."""
+    from gguf import GGMLQuantizationType
+
+    from zcode.kernels import linear
+    from zcode.quant.gguf import GgufWeight
+
+    monkeypatch.setattr(linear, "TUNING_MAX_ROWS", 32)
+    op = OPS["linear"]
+    seen_rows = []
+    reference = op.reference
+    monkeypatch.setattr(
+        op, "reference", lambda p, x: seen_rows.append(p.out_features) or reference(p, x)
+    )
+    packed = GgufWeight.random(GGMLQuantizationType.Q4_0, 96, 64, torch.Generator().manual_seed(0))
+    x = torch.randn(1, 64)
+    fn = kernels.get("linear", packed, x)
+    assert seen_rows and set(seen_rows) == {32}
+    assert torch.allclose(fn(packed, x), reference(packed, x), rtol=1e-5, atol=1e-4)
+    (path,) = cache_dir.glob("kernels-*.json")
+    assert list(json.loads(path.read_text())) == [f"linear|{op.shape_class(packed, x)}|cpu"]
+
+
 def test_autotune_reads_its_cache(cache_dir, monkeypatch):
     """A choice on disk is used without timing anything."""
     autotune.cache_path().write_text(json.dumps({"silu_gate|small|float32|cpu": "cpu:inplace"}))

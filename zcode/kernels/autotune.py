@@ -76,10 +76,11 @@ def choose(op: str, args: Args) -> Variant:
 
 
 def tune(op: str, args: Args, candidates: list[Variant]) -> tuple[Variant, dict[str, float]]:
-    """The fastest of the reference and the candidates that match it on `args`, with the
-    best-of timings in ms of everything timed."""
+    """The fastest of the reference and the candidates that match it on `args` (or on the op's
+    `tuning_args` of them), with the best-of timings in ms of everything timed."""
     spec = OPS[op]
     shape_class = spec.shape_class(*args)
+    args = spec.tuning_args(*args)
     rtol, atol = spec.tolerance(*args)
     expected = spec.reference(*args)
     timings_ms = {"any:reference": time_ms(lambda: spec.reference(*args))}

@@ -7,7 +7,9 @@ An op is registered with
   format, ...); the autotune cache is keyed by (op, shape class, backend, hardware);
 - `cases()`: named random inputs, odd shapes included, which the test suite runs every variant on
   against the reference, and which the autotuner times when it meets a shape class;
-- `tolerance(*args)`: (rtol, atol) for comparing a variant's output with the reference's.
+- `tolerance(*args)`: (rtol, atol) for comparing a variant's output with the reference's;
+- `tuning_args(*args)`: optionally, the smaller arguments the autotuner measures in their place
+  (a slice of a weight too large to dequantize whole for the reference).
 
 A variant is registered for a backend (`cpu` or `cuda`) with an optional `supports(*args)`
 predicate (a kernel that only handles some formats or dtypes). Outputs are tensors or tuples of
@@ -44,6 +46,7 @@ class Op:
     shape_class: Callable[..., str]
     cases: Callable[[], list[Case]]
     tolerance: Callable[..., tuple[float, float]]
+    tuning_args: Callable[..., Args] = lambda *args: args
     variants: list[Variant] = field(default_factory=list)
 
 
@@ -56,10 +59,11 @@ def define_op(
     shape_class: Callable[..., str],
     cases: Callable[[], list[Case]],
     tolerance: Callable[..., tuple[float, float]] = lambda *args: (1e-4, 1e-5),
+    tuning_args: Callable[..., Args] = lambda *args: args,
 ) -> Op:
     if name in OPS:
         raise ValueError(f"op {name!r} is already defined")
-    OPS[name] = Op(name, reference, shape_class, cases, tolerance)
+    OPS[name] = Op(name, reference, shape_class, cases, tolerance, tuning_args)
     return OPS[name]
 
 
