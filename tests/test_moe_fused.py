@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from zcode.engine.model_runner import ModelRunner
 from zcode.kernels import moe as moe_kernels
 from zcode.layers.mlp import GeluGatedMLP
 from zcode.layers.moe import MoE
@@ -242,6 +243,42 @@ def test_gguf_experts_match_reference(num_tokens, with_shared):
         torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-4)
 
 
+def test_gguf_experts_of_one_stacked_tensor_pass_as_one_stack():
+    """Experts lying in one stacked tensor go to ggml_moe as one [E, N, row_bytes] view per
+    projection (what a compiled step passes), with the result of the list of E matrices; a
+    swapped expert sends the layer back to the lists."""
+    from gguf import GGMLQuantizationType as Q
+
+    from zcode.quant.gguf import GgufWeight
+
+    moe = gguf_moe({"gate_proj": [Q.Q4_1], "up_proj": [Q.Q8_0], "down_proj": [Q.Q4_K]}, True)
+    stack_experts(moe)
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(9))
+    weights = torch.rand(5, 2, generator=torch.Generator().manual_seed(10))
+    expert_ids = torch.tensor([[0, 3], [7, 1], [1, -1], [3, 0], [2, 6]])
+    with torch.inference_mode():
+        lists = moe.gguf_weights(x)
+        assert [len(entries) for entries in lists] == [2] * 6
+        assert lists[0][0].shape[0] == NUM_EXPERTS and moe.gguf_gate_stack is lists[0][0]
+        matrices = [[*stack.unbind(), shared] for stack, shared in lists[:3]]
+        types = [[routed] * NUM_EXPERTS + [shared] for routed, shared in lists[3:]]
+        out = torch.ops.zcode.ggml_moe(x, weights, expert_ids, *lists, NUM_EXPERTS)
+        listed = torch.ops.zcode.ggml_moe(x, weights, expert_ids, *matrices, *types, NUM_EXPERTS)
+        assert out.equal(listed)
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-4)
+        with pytest.raises(RuntimeError, match="one gate, up and down weight per expert"):
+            short = [lists[0], lists[1], [lists[2][0][:4], lists[2][1]]]
+            torch.ops.zcode.ggml_moe(x, weights, expert_ids, *short, *lists[3:], NUM_EXPERTS)
+
+        old = moe.experts[2].up_proj
+        copy = GgufWeight(old.packed.data.clone(), old.packed.ggml_type, old.in_features)
+        moe.experts[2].up_proj = QuantizedLinear(copy, None, old.format)
+        lists = moe.gguf_weights(x)
+        assert [len(entries) for entries in lists[:3]] == [NUM_EXPERTS + 1] * 3
+        assert moe.gguf_gate_stack is None and moe.gguf_up_stack is None
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-4)
+
+
 def test_gguf_op_skips_experts_held_elsewhere():
     """Expert id -1 (another rank's expert) adds nothing; a step whose tokens all go elsewhere
     is the shared expert alone; an id past the routed experts is refused."""
@@ -308,9 +345,10 @@ def test_copied_layer_has_its_own_key():
     assert _LAYERS[twin.layer_key] is twin and _LAYERS[moe.layer_key] is moe
 
 
-def gguf_experts(net, qtype) -> None:
+def gguf_experts(net, qtype, stacked: bool = False) -> None:
     """Every expert projection of `net` (shared ones too) as a GgufWeight of its float weight,
-    quantized by the `gguf` package, as a GGUF file of the checkpoint would load them."""
+    quantized by the `gguf` package; `stacked`: each layer's routed experts' rows of a projection
+    are views of one [E, N, row_bytes] tensor, as a GGUF file's stacked tensors load."""
     from gguf import quantize
 
     from zcode.quant.gguf import GgufWeight, format_name
@@ -321,16 +359,37 @@ def gguf_experts(net, qtype) -> None:
             data = torch.from_numpy(blocks.view(np.uint8))
             packed = GgufWeight(data, qtype, module.in_features)
             net.set_submodule(name, QuantizedLinear(packed, None, format_name(qtype)))
+    for moe in (m for m in net.modules() if stacked and isinstance(m, MoE)):
+        stack_experts(moe)
+
+
+def stack_experts(moe: MoE) -> None:
+    """The routed experts' GGUF rows of each projection made views of one [E, N, row_bytes]
+    tensor, as a GGUF file's stacked expert tensors load."""
+    from zcode.quant.gguf import GgufWeight
+
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        linears = [getattr(expert, proj) for expert in moe.experts]
+        stack = torch.stack([linear.packed.data for linear in linears])
+        for linear, rows in zip(linears, stack):
+            linear.packed = GgufWeight(rows, linear.packed.ggml_type, linear.in_features)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, fmt",
-    [("glm4_moe", None), ("glm_moe_dsa", None), ("glm4_moe", "int8"), ("glm4_moe", "gguf-q8_0")],
+    [
+        ("glm4_moe", None),
+        ("glm_moe_dsa", None),
+        ("glm4_moe", "int8"),
+        ("glm4_moe", "gguf-q8_0"),
+        ("glm4_moe", "gguf-q8_0-stacked"),
+    ],
 )
 def test_compiled_moe_decode_matches_eager(tiny_checkpoint, monkeypatch, name, fmt):
-    """Float experts: moe_fused in the graph; int8 and GGUF experts: the opaque zcode::moe_eager
-    (GGUF: ggml_moe inside it)."""
+    """Float experts: moe_fused in the graph; GGUF experts of a file's stacked tensors: ggml_moe
+    in the graph; int8 and other GGUF experts: the opaque zcode::moe_eager (GGUF: ggml_moe
+    inside it), which runs the layer's Python at every compiled step."""
     from zcode.config import EngineConfig
     from zcode.engine.llm_engine import LLMEngine
     from zcode.loader import load_model
@@ -338,12 +397,14 @@ def test_compiled_moe_decode_matches_eager(tiny_checkpoint, monkeypatch, name, f
     from zcode.sampling_params import SamplingParams
 
     net, _ = load_model(tiny_checkpoint(name).path)
-    if fmt == "gguf-q8_0":
+    if fmt and fmt.startswith("gguf"):
         from gguf import GGMLQuantizationType
 
-        gguf_experts(net, GGMLQuantizationType.Q8_0)
+        gguf_experts(net, GGMLQuantizationType.Q8_0, stacked=fmt.endswith("stacked"))
         x = torch.randn(1, net.config.hidden_size)
         assert net.model.layers[1].mlp.gguf_weights(x) is not None  # ggml_moe at decode
+        stacks = net.model.layers[1].mlp.gguf_gate_stack
+        assert (stacks is not None) == fmt.endswith("stacked")
     elif fmt is not None:
         apply_precision(net, {n: fmt for n in quantizable_modules(net) if ".experts." in n})
     prompts = [[5, 9, 14, 3, 22, 7], [40, 41, 2, 3, 90, 12, 13, 60, 61]]
@@ -367,8 +428,28 @@ def test_compiled_moe_decode_matches_eager(tiny_checkpoint, monkeypatch, name, f
     monkeypatch.setattr(
         MoE, "_step_lists", lambda m, x: gguf_steps.append(step_lists(m, x)) or gguf_steps[-1]
     )
+    python_in_graph_steps = []  # a layer's Python run by a compiled step (moe_eager)
+    run_experts, execute_compiled = MoE.run_experts, ModelRunner._execute_compiled
+
+    def spy_run_experts(moe, *args):
+        if in_compiled_step and not torch.compiler.is_compiling():
+            python_in_graph_steps.append(moe)
+        return run_experts(moe, *args)
+
+    def spy_execute_compiled(runner, scheduled):
+        nonlocal in_compiled_step
+        in_compiled_step = True
+        try:
+            return execute_compiled(runner, scheduled)
+        finally:
+            in_compiled_step = False
+
+    in_compiled_step = False
+    monkeypatch.setattr(MoE, "run_experts", spy_run_experts)
+    monkeypatch.setattr(ModelRunner, "_execute_compiled", spy_execute_compiled)
     compiled, tokens, logits = generate(compile=True)
-    assert any(gguf is not None for _, gguf in gguf_steps) == (fmt == "gguf-q8_0")
+    assert any(gguf is not None for _, gguf in gguf_steps) == bool(fmt and "gguf" in fmt)
+    assert bool(python_in_graph_steps) == (fmt in ("int8", "gguf-q8_0"))
     assert compiled.stats()["num_graph_compiles"] > 0
     assert compiled.runner.graphs.direct  # later steps called the graph without dynamo
     assert tokens == eager_tokens

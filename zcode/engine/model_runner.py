@@ -13,6 +13,7 @@ from zcode.engine.scheduler import ScheduledSeq
 from zcode.engine.sequence import Sequence
 from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
+from zcode.layers.moe import MoE
 from zcode.models.base import Backbone
 from zcode.sparsity.expert_skip import AdaptiveMoE
 from zcode.sparsity.sparse_mlp import SparseMLP, tokens_at_levels
@@ -80,6 +81,9 @@ class ModelRunner:
         with sparse FFN levels decodes eagerly: the row-skipping kernel is not a torch op yet."""
         self.plan, self.plan_signature = plan, plan.signature()
         if self.graphs is not None:
+            for module in self.model.modules():
+                if isinstance(module, MoE):  # the expert stacks its graphs pass
+                    module.gather_weights()
             self.graphs.model_changed()
         self.compiles_plan = self.graphs is not None and not any(
             isinstance(m, SparseMLP) and not m.is_dense for m in self.model.modules()

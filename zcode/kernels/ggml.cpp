@@ -1513,8 +1513,18 @@ struct QuantizedInput {
 
 // One weight of a GEMV over several: its rows, ggml type, the activations it reads and where
 // its outputs go: out [M, out_stride], its rows as columns 0..N.
+struct Matrix {
+  const uint8_t* data;
+  int64_t rows, stride;  // stride: bytes from one row to the next
+  int64_t bytes;         // rows * row bytes
+};
+
+Matrix matrix_of(const torch::Tensor& w) {
+  return {w.data_ptr<uint8_t>(), w.size(0), w.stride(0), w.numel()};
+}
+
 struct Segment {
-  const torch::Tensor* w;
+  Matrix w;
   int64_t type;
   const QuantizedInput* in;
   float* out;
@@ -1527,7 +1537,7 @@ constexpr int64_t TILE_ROWS = GROUP_ROWS;  // and an interleaved weight's group
 
 template <int M>
 void chunk_rows(const Segment& s, int64_t c, int64_t r0, int64_t r1) {
-  rows_of<M>(s.type, s.w->data_ptr<uint8_t>(), s.w->stride(0), r0, r1, s.in->chunks[c],
+  rows_of<M>(s.type, s.w.data, s.w.stride, r0, r1, s.in->chunks[c],
              s.out + c * MAX_ROWS * s.out_stride, s.out_stride);
 }
 
@@ -1556,8 +1566,8 @@ void gemv_segments(const std::vector<Segment>& segments) {
   int64_t total_bytes = 0;
   for (const auto& s : segments) {
     const bool runs = s.in->M > 0;
-    offsets.push_back(offsets.back() + (runs ? (s.w->size(0) + GROUP_ROWS - 1) / GROUP_ROWS : 0));
-    total_bytes += runs ? s.w->numel() : 0;
+    offsets.push_back(offsets.back() + (runs ? (s.w.rows + GROUP_ROWS - 1) / GROUP_ROWS : 0));
+    total_bytes += runs ? s.w.bytes : 0;
   }
   const int64_t units = offsets.back();
   if (units == 0) return;
@@ -1565,7 +1575,7 @@ void gemv_segments(const std::vector<Segment>& segments) {
   at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     size_t s = std::upper_bound(offsets.begin(), offsets.end(), u0) - offsets.begin() - 1;
     for (; u0 < u1; ++s) {
-      const int64_t end = std::min(u1, offsets[s + 1]), rows = segments[s].w->size(0);
+      const int64_t end = std::min(u1, offsets[s + 1]), rows = segments[s].w.rows;
       if (end > u0)
         segment_rows(segments[s], (u0 - offsets[s]) * GROUP_ROWS,
                      std::min(rows, (end - offsets[s]) * GROUP_ROWS));
@@ -1609,7 +1619,7 @@ void gemv_into(const float* xp, int64_t M, int64_t K, const std::vector<torch::T
   for (const auto& w : ws) N += w.size(0);
   std::vector<Segment> segments;
   for (size_t s = 0, column = 0; s < ws.size(); column += ws[s].size(0), ++s)
-    segments.push_back({&ws[s], types[s], &x, out + column, N});
+    segments.push_back({matrix_of(ws[s]), types[s], &x, out + column, N});
   gemv_segments(segments);
 }
 
@@ -1634,23 +1644,69 @@ torch::Tensor ggml_gemv(const torch::Tensor& x, const std::vector<torch::Tensor>
   return out;
 }
 
+// The experts of a projection, one matrix and type each: entry i of `ws` is one expert's rows
+// [N, row_bytes] or a stack of experts [E_i, N, row_bytes] (a GGUF file's stacked tensor: a
+// step of the compiled graph passes one tensor, not a list of E), of ggml type types[i]; K of
+// entry i is in_features(i).
+struct Experts {
+  std::vector<Matrix> w;
+  std::vector<int64_t> type;
+  std::vector<int64_t> entry_size;  // experts per entry of ws
+};
+
+template <typename InFeatures>
+Experts experts_of(const std::vector<torch::Tensor>& ws, at::IntArrayRef types, InFeatures in_features,
+                   const char* what) {
+  TORCH_CHECK(types.size() == ws.size(), what, ": one ggml type per weight or stack of weights");
+  Experts experts;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    const torch::Tensor& w = ws[i];
+    TORCH_CHECK(w.dim() == 2 || w.dim() == 3, what, ": weights are [N, row_bytes] or stacks [E, N, "
+                "row_bytes], got ", w.sizes());
+    const torch::Tensor first = w.dim() == 3 ? w.select(0, 0) : w;
+    check_rows(first, types[i], in_features(i), what);
+    const int64_t count = w.dim() == 3 ? w.size(0) : 1, step = w.dim() == 3 ? w.stride(0) : 0;
+    for (int64_t j = 0; j < count; ++j) {
+      Matrix m = matrix_of(first);
+      m.data += j * step;
+      experts.w.push_back(m);
+      experts.type.push_back(types[i]);
+    }
+    experts.entry_size.push_back(count);
+  }
+  return experts;
+}
+
 torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
                        const torch::Tensor& expert_ids, const std::vector<torch::Tensor>& gate,
                        const std::vector<torch::Tensor>& up, const std::vector<torch::Tensor>& down,
                        at::IntArrayRef gate_types, at::IntArrayRef up_types,
                        at::IntArrayRef down_types, int64_t num_routed) {
   // x: [T, D] float; weights, expert_ids: [T, k] (id -1: an expert not held here);
-  // gate/up/down[e]: uint8 GGUF rows of expert e ([I_e, .], [I_e, .], [D, .]), experts
-  // num_routed.. the shared ones (every token, weight 1) -> [T, D] fp32:
+  // gate/up/down: the experts' uint8 GGUF rows ([I_e, .], [I_e, .], [D, .]), one matrix or a
+  // stack of them per entry, types per entry (see Experts); experts num_routed.. are the shared
+  // ones (every token, weight 1) -> [T, D] fp32:
   //   sum over routed e in ascending id of w_te down_e(silu(gate_e x_t) up_e x_t), then + shared.
   // A pass is an expert on its tokens (gathered): every pass's gate and up rows in one parallel
   // region, SiLU * up, every pass's down rows in a second one.
   TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "ggml_moe: x must be 2-D float");
-  const int64_t T = x.size(0), D = x.size(1), E = static_cast<int64_t>(gate.size());
-  TORCH_CHECK(up.size() == gate.size() && down.size() == gate.size() &&
-                  gate_types.size() == gate.size() && up_types.size() == gate.size() &&
-                  down_types.size() == gate.size() && 0 <= num_routed && num_routed <= E,
-              "ggml_moe: one gate, up and down weight and type per expert");
+  const int64_t T = x.size(0), D = x.size(1);
+  TORCH_CHECK(up.size() == gate.size() && down.size() == gate.size(),
+              "ggml_moe: as many gate, up and down entries");
+  const auto model_dim = [D](size_t) { return D; };
+  const Experts G = experts_of(gate, gate_types, model_dim, "ggml_moe gate");
+  const Experts U = experts_of(up, up_types, model_dim, "ggml_moe up");
+  const Experts Dn = experts_of(down, down_types, [&](size_t i) {
+    return gate[i].size(gate[i].dim() - 2);
+  }, "ggml_moe down");
+  const int64_t E = static_cast<int64_t>(G.w.size());
+  TORCH_CHECK(U.entry_size == G.entry_size && Dn.entry_size == G.entry_size &&
+                  0 <= num_routed && num_routed <= E,
+              "ggml_moe: one gate, up and down weight per expert, ", E, " experts, ", num_routed,
+              " of them routed");
+  for (int64_t e = 0; e < E; ++e)
+    TORCH_CHECK(U.w[e].rows == G.w[e].rows && Dn.w[e].rows == D, "ggml_moe: expert ", e,
+                " has gate/up of ", G.w[e].rows, " and ", U.w[e].rows, " rows, down of ", Dn.w[e].rows);
   TORCH_CHECK(weights.dim() == 2 && expert_ids.dim() == 2 && weights.size(0) == T &&
                   expert_ids.sizes() == weights.sizes(),
               "ggml_moe: weights and expert_ids must be [T, k]");
@@ -1681,16 +1737,8 @@ torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
     std::unique_ptr<QuantizedInput> x_in, act_in;
   };
   std::vector<Pass> passes;
-  for (int64_t e = 0; e < E; ++e) {
-    if (routed[e].empty()) continue;
-    const int64_t I = gate[e].size(0);
-    check_rows(gate[e], gate_types[e], D, "ggml_moe gate");
-    check_rows(up[e], up_types[e], D, "ggml_moe up");
-    TORCH_CHECK(up[e].size(0) == I && down[e].size(0) == D, "ggml_moe: expert ", e,
-                " has gate/up of ", I, " and ", up[e].size(0), " rows, down of ", down[e].size(0));
-    check_rows(down[e], down_types[e], I, "ggml_moe down");
-    passes.push_back(Pass{e, static_cast<int64_t>(routed[e].size()), routed[e].data()});
-  }
+  for (int64_t e = 0; e < E; ++e)
+    if (!routed[e].empty()) passes.push_back(Pass{e, static_cast<int64_t>(routed[e].size()), routed[e].data()});
   auto out = torch::zeros({T, D}, x.options().dtype(at::kFloat));
   if (passes.empty()) return out;
   const auto xf = x.to(at::kFloat).contiguous();
@@ -1698,23 +1746,23 @@ torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
   // Gate and up of every pass, each on its tokens' rows quantized once.
   std::vector<Segment> segments;
   for (Pass& p : passes) {
-    const int64_t I = gate[p.e].size(0);
+    const int64_t I = G.w[p.e].rows;
     p.x.resize(p.M * D), p.h.resize(p.M * 2 * I);
     for (int64_t m = 0; m < p.M; ++m) std::copy_n(xp + p.tokens[m].first * D, D, &p.x[m * D]);
-    const int64_t types[] = {gate_types[p.e], up_types[p.e]};
+    const int64_t types[] = {G.type[p.e], U.type[p.e]};
     p.x_in = std::make_unique<QuantizedInput>(p.x.data(), p.M, D, types);
-    segments.push_back({&gate[p.e], gate_types[p.e], p.x_in.get(), p.h.data(), 2 * I});
-    segments.push_back({&up[p.e], up_types[p.e], p.x_in.get(), p.h.data() + I, 2 * I});
+    segments.push_back({G.w[p.e], G.type[p.e], p.x_in.get(), p.h.data(), 2 * I});
+    segments.push_back({U.w[p.e], U.type[p.e], p.x_in.get(), p.h.data() + I, 2 * I});
   }
   gemv_segments(segments);
   // silu(gate) * up, quantized for the down projection; every pass's down rows.
   segments.clear();
   for (Pass& p : passes) {
-    const int64_t I = gate[p.e].size(0);
+    const int64_t I = G.w[p.e].rows;
     p.act.resize(p.M * I), p.y.resize(p.M * D);
     for (int64_t m = 0; m < p.M; ++m) silu_mul(&p.h[m * 2 * I], &p.h[m * 2 * I + I], I, &p.act[m * I]);
-    p.act_in = std::make_unique<QuantizedInput>(p.act.data(), p.M, I, down_types.slice(p.e, 1));
-    segments.push_back({&down[p.e], down_types[p.e], p.act_in.get(), p.y.data(), D});
+    p.act_in = std::make_unique<QuantizedInput>(p.act.data(), p.M, I, at::IntArrayRef(&Dn.type[p.e], 1));
+    segments.push_back({Dn.w[p.e], Dn.type[p.e], p.act_in.get(), p.y.data(), D});
   }
   gemv_segments(segments);
   // Each token's sum in pass order: routed experts by ascending id, then the shared ones.

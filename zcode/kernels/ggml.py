@@ -13,7 +13,8 @@ Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it
 - `torch.ops.zcode.ggml_moe(x, weights, expert_ids, gate, up, down, gate_types, up_types,
   down_types, num_routed)`: a MoE layer's decode step (x [T, D]) over experts of GGUF weights
   in one call: each routed expert of the step (ascending id) on its own tokens and the shared
-  ones (list entries from num_routed on) on every token; gate and up
+  ones (experts num_routed.. ) on every token (each list entry one expert's rows [N, row_bytes]
+  or a stack of experts [E, N, row_bytes], with one type per entry); gate and up
   of all of them in one parallel region, SiLU * up, every down GEMV in a second, the
   routing-weighted sum -> [T, D] fp32; what the experts' modules compute, without a Python call
   per expert;

@@ -15,8 +15,11 @@ three ways, only the last a Python loop over the step's experts:
 - any other module (QuantizedLinear of any format, hooked modules): `routed_by_module`, the
   experts' own forwards; at decode all selected experts' gate/up projections are one group GEMV
   (`linear_group`: the activation read and quantized once).
-Compiled graphs trace moe_fused; the other two run inside the opaque op `zcode::moe_eager`, as
-at eager, so no path breaks a decode graph (and no graph traces a walk over the experts' modules).
+Compiled graphs trace moe_fused, and ggml_moe where the routed experts lie in one stacked tensor
+of the file (as a GGUF file loads: the graph passes one [E, N, row_bytes] view per projection,
+not a list of E tensors, and calls the C++ op without Python); the other paths run inside the
+opaque op `zcode::moe_eager`, as at eager, so no path breaks a decode graph (and no graph traces
+a walk over the experts' modules).
 
 Expert id -1 in `run_experts` is an assignment to an expert this layer does not hold (expert
 parallelism, zcode/distributed/layers.py: another rank's); every path skips it.
@@ -111,6 +114,10 @@ class MoE(nn.Module):
         self._fused_weights: tuple[list, list, list] | None = None
         self._gguf_weights: tuple | None = None
         self._hook_dicts: list[dict] = []
+        # The routed experts' GGUF rows as one [E, N, row_bytes] view each (gate, up, down) where
+        # they lie in one stacked tensor of the file, as a compiled step passes them (plain tensor
+        # attributes: DirectStep finds graph inputs among the model's tensors), else None.
+        self.gguf_gate_stack = self.gguf_up_stack = self.gguf_down_stack = None
         self.register_buffer("expert_counts", None, persistent=False)
         self._register()
 
@@ -137,6 +144,9 @@ class MoE(nn.Module):
         if torch.compiler.is_compiling():  # traced once per graph; dynamo guards the modules
             if (lists := self.fused_weights(x)) is not None:
                 return torch.ops.zcode.moe_fused(x, weights, expert_ids, *lists, 1)
+            if (stacked := self._traced_gguf_stacks()) is not None:
+                out = torch.ops.zcode.ggml_moe(x, weights, expert_ids, *stacked, len(self.experts))
+                return out.to(x.dtype)
             # the other paths run outside the graph, as at eager
             return torch.ops.zcode.moe_eager(x, weights, expert_ids, self.layer_key)
         fused, gguf = self._step_lists(x)
@@ -156,6 +166,25 @@ class MoE(nn.Module):
                 return None
             return self._gather(tuple((m.gate_proj, m.up_proj, m.down_proj) for m in mlps), x.dtype)
         return self._step_lists(x)[0]
+
+    def _traced_gguf_stacks(self) -> tuple | None:
+        """ggml_moe's arguments from the routed experts' stacks (gathered at the last eager step
+        or `gather_weights`) and the shared expert's module, or None."""
+        if self.gguf_gate_stack is None or not ggml_available() or self._gguf_weights is None:
+            return None
+        shared = (self.shared_experts.gate_proj, self.shared_experts.up_proj,
+                  self.shared_experts.down_proj)  # fmt: skip
+        stacks = (self.gguf_gate_stack, self.gguf_up_stack, self.gguf_down_stack)
+        data = ([stack, p.packed.data] for stack, p in zip(stacks, shared))
+        return (*data, *self._gguf_weights[3:])
+
+    def gather_weights(self) -> None:
+        """Gathers the experts' weight lists again if a module was swapped (ModelRunner.set_plan
+        calls it before compiled steps re-read the model's tensors)."""
+        mlps = self._mlps()
+        if _all_gated_mlps(mlps):
+            weight = getattr(mlps[0].gate_proj, "weight", None)  # float experts: their dtype
+            self._weight_lists(mlps, None if weight is None else weight.dtype)
 
     def gguf_weights(self, x: torch.Tensor) -> tuple | None:
         """(gate, up, down data lists, then their ggml kernel types), routed experts then the
@@ -192,6 +221,10 @@ class MoE(nn.Module):
             self._projections = projections
             self._fused_weights = self._gather(projections, dtype)
             self._gguf_weights = _gguf_lists(projections)
+            stacks = self._gguf_weights and [entries[0] for entries in self._gguf_weights[:3]]
+            if not stacks or any(stack.dim() != 3 for stack in stacks):
+                stacks = [None] * 3
+            self.gguf_gate_stack, self.gguf_up_stack, self.gguf_down_stack = stacks
             modules = itertools.chain(mlps, itertools.chain.from_iterable(projections))
             self._hook_dicts = list(itertools.chain.from_iterable(map(_HOOKS, modules)))
         if any(self._hook_dicts):
@@ -278,8 +311,10 @@ def _hooked(mlps: tuple, projections: tuple) -> bool:
 
 
 def _gguf_lists(projections: tuple) -> tuple | None:
-    """The projections' GGUF rows as ggml_moe takes them, or None unless every one is a
-    QuantizedLinear of a GgufWeight on its C++ kernel, without bias."""
+    """The projections' GGUF rows as ggml_moe takes them (the routed experts' as one stack per
+    projection where each projection's lie in one stacked tensor of the file, then the shared
+    expert's; else one matrix per expert), or None unless every one is a QuantizedLinear of a
+    GgufWeight on its C++ kernel, without bias."""
     linears = [p for trio in projections for p in trio]
     if not all(
         isinstance(p, QuantizedLinear)
@@ -290,9 +325,33 @@ def _gguf_lists(projections: tuple) -> tuple | None:
         for p in linears
     ):
         return None
-    data = ([trio[i].packed.data for trio in projections] for i in range(3))
-    types = ([trio[i].packed.kernel_type for trio in projections] for i in range(3))
+    packed = [[trio[i].packed for trio in projections] for i in range(3)]  # gate, up, down
+    stacks = [_stack([p.data for p in weights[:-1]]) for weights in packed]
+    if all(s is not None for s in stacks) and all(
+        len({p.kernel_type for p in w[:-1]}) == 1 for w in packed
+    ):
+        data = ([stack, weights[-1].data] for stack, weights in zip(stacks, packed))
+        types = ([weights[0].kernel_type, weights[-1].kernel_type] for weights in packed)
+    else:
+        data = ([p.data for p in weights] for weights in packed)
+        types = ([p.kernel_type for p in weights] for weights in packed)
     return (*data, *types)
+
+
+def _stack(rows: list[torch.Tensor]) -> torch.Tensor | None:
+    """The matrices `rows` as one [E, N, row_bytes] view where they lie evenly spaced in one
+    storage (the experts of a file's stacked tensor), else None."""
+    first = rows[0]
+    if len(rows) < 2 or any(r.shape != first.shape or r.stride() != first.stride() for r in rows):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    step = rows[1].data_ptr() - first.data_ptr()
+    if step <= 0 or any(
+        r.untyped_storage().data_ptr() != storage or r.data_ptr() != first.data_ptr() + e * step
+        for e, r in enumerate(rows)
+    ):
+        return None
+    return first.as_strided((len(rows), *first.shape), (step, *first.stride()))
 
 
 # Compiled graphs name a MoE layer by key (an opaque op takes no module): id -> layer.

@@ -2,11 +2,11 @@
 
 The interleaved layout (zcode/kernels/ggml.cpp; `GgufWeight.interleaved`) puts the blocks of 16
 rows side by side so one VNNI instruction advances 16 rows: the GEMVs of the quantized types
-(Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K) run 1.3-1.9x faster from memory. It is the same bytes reordered, so
-nothing changes in what the model computes. Reordering at every load would put the weights in
-anonymous memory (resident for good, no longer pages the kernel may drop, as expert offload
-needs), so the first load writes them once to a cache file that later loads memory-map as they
-map the GGUF:
+(Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K) run 1.3-1.9x faster from memory. It is
+the same bytes reordered, so nothing changes in what the model computes. Reordering at every
+load would put the weights in anonymous memory (resident for good, no longer pages the kernel
+may drop, as expert offload needs), so the first load writes them once to a cache file that
+later loads memory-map as they map the GGUF:
 
 - the cache file has the GGUF file's size, and every tensor that interleaving pays for
   (`interleaving_pays`: its type has the layout, its matrices' rows fill groups of 16, and this
