@@ -139,6 +139,9 @@ def test_serve_passes_the_template_file_and_metrics_protection_on(monkeypatch, t
     assert kwargs["protect_metrics"] is True and kwargs["api_key"] == "k"
     cli.main(["serve"])
     assert calls[1]["chat_template"] is None and calls[1]["protect_metrics"] is False
+    assert "compile" not in calls[1]["engine_args"]
+    cli.main(["serve", "--compile"])
+    assert calls[2]["engine_args"]["compile"] is True
 
 
 class FakeLLM:

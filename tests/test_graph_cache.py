@@ -230,3 +230,43 @@ def test_quantized_plan_compiles_and_matches_eager(tiny_checkpoint):
     for step_eager, step_compiled in zip(eager_logits, logits, strict=True):
         for a, b in zip(step_eager, step_compiled, strict=True):
             torch.testing.assert_close(b, a, rtol=0, atol=2e-2)  # bf16 activations in both
+
+
+@pytest.mark.slow
+def test_a_compiled_server_answers_as_an_eager_one(tiny_checkpoint):
+    """`zcode serve --compile`: concurrent completions, stepped by the server's engine thread,
+    run compiled decode steps (graphs built, later steps called without dynamo) and give the
+    eager server's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from remote_server import InThreadServer
+
+    from zcode.server.app import build_app
+    from zcode.server.launch import build_state
+
+    path = str(tiny_checkpoint("llama").path)
+    states = [
+        build_state(path, "tiny", {"dtype": "float32", "kv_cache_bytes": 1 << 20, **extra})
+        for extra in ({"compile": True}, {})
+    ]
+    served = [InThreadServer(build_app(state)) for state in states]
+    try:
+
+        def complete(server, prompt: list[int]) -> list[int]:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            got = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=0
+            )
+            return [int(t.removeprefix("token_id:")) for t in got.choices[0].logprobs.tokens]
+
+        prompts = _prompts()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            compiled = list(pool.map(lambda p: complete(served[0], p), prompts))
+        assert compiled == [complete(served[1], p) for p in prompts]
+        runner = states[0].llm.engine.runner
+        assert runner.num_graph_compiles > 0 and runner.graphs.direct
+        assert states[1].llm.engine.runner.graphs is None
+    finally:
+        for server in served:
+            server.stop()

@@ -8,6 +8,7 @@ import sys
 from zcode.cli import options
 from zcode.cli.options import (
     SAMPLING_HELP,
+    add_compile_option,
     add_dtype_option,
     add_expert_cache_option,
     add_model_option,
@@ -18,6 +19,7 @@ from zcode.cli.options import (
     add_sparsity_option,
     add_speculative_options,
     add_thinking_option,
+    compile_args,
     expert_cache_args,
     parallel_args,
     quality_profile,
@@ -56,12 +58,7 @@ def add_commands(commands) -> None:
     generate.add_argument(
         "--stream", action="store_true", help="print the text token by token as it is generated"
     )
-    generate.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the decode step (torch.compile): faster tokens after a compile of tens "
-        "of seconds at the first one, so it pays off for long generations only",
-    )
+    add_compile_option(generate)
     add_quality_options(generate)
     add_hint_options(generate)
     add_skip_options(generate)
@@ -99,7 +96,7 @@ def _generate(args: argparse.Namespace) -> None:
         args.model,
         args.dtype,
         float_weights=profile is not None,
-        **({"compile": True} if args.compile else {}),
+        **compile_args(args),
         **({"per_request_depth": True} if skips else {}),
         **expert_cache_args(args),
         **sparsity_args(args),

@@ -133,6 +133,20 @@ def add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") -> 
     )
 
 
+def add_compile_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the decode step (torch.compile) per batch-size bucket: faster tokens after "
+        "a compile of tens of seconds at each bucket's first step",
+    )
+
+
+def compile_args(args: argparse.Namespace) -> dict:
+    """The engine option, only when given (so the default call matches the other commands')."""
+    return {"compile": True} if args.compile else {}
+
+
 def add_expert_cache_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--expert-cache-gb",

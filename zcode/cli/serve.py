@@ -4,12 +4,14 @@ import argparse
 from pathlib import Path
 
 from zcode.cli.options import (
+    add_compile_option,
     add_dtype_option,
     add_expert_cache_option,
     add_model_argument,
     add_parallel_options,
     add_sparsity_option,
     add_speculative_options,
+    compile_args,
     expert_cache_args,
     parallel_args,
     sparsity_args,
@@ -108,6 +110,7 @@ def add_commands(commands) -> None:
         "(default: %(default)s)",
     )
     add_dtype_option(serve)
+    add_compile_option(serve)
     add_expert_cache_option(serve)
     add_sparsity_option(serve)
     add_speculative_options(serve)
@@ -138,6 +141,7 @@ def _serve(args: argparse.Namespace) -> None:
         engine_args["enable_prefix_caching"] = False
     if args.per_request_depth:
         engine_args["per_request_depth"] = True
+    engine_args.update(compile_args(args))
     engine_args.update(expert_cache_args(args))
     engine_args.update(sparsity_args(args))
     engine_args.update(speculative_args(args))
