@@ -1731,38 +1731,58 @@ torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
   for (int64_t e = num_routed; e < E; ++e)
     for (int64_t t = 0; t < T; ++t) routed[e].emplace_back(t, 1.f);
   struct Pass {
-    int64_t e, M;
+    int64_t e, M, I;
     const std::pair<int64_t, float>* tokens;  // routed[e]
-    std::vector<float> x, h, act, y;           // [M, D], [M, 2 I], [M, I], [M, D]
-    std::unique_ptr<QuantizedInput> x_in, act_in;
+    float *x, *h, *act, *y;                    // [M, D] (its tokens' rows), [M, 2 I], [M, I], [M, D]
+    const QuantizedInput* x_in;
+    std::unique_ptr<QuantizedInput> own_x_in, act_in;
   };
   std::vector<Pass> passes;
   for (int64_t e = 0; e < E; ++e)
-    if (!routed[e].empty()) passes.push_back(Pass{e, static_cast<int64_t>(routed[e].size()), routed[e].data()});
+    if (!routed[e].empty())
+      passes.push_back(Pass{e, static_cast<int64_t>(routed[e].size()), G.w[e].rows, routed[e].data()});
   auto out = torch::zeros({T, D}, x.options().dtype(at::kFloat));
   if (passes.empty()) return out;
   const auto xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
+  // A pass of every token (a shared expert; every pass of a one-token step) reads x quantized
+  // once for all of them: rows quantize independently, so its codes are those of its own rows.
+  std::unique_ptr<QuantizedInput> every_token;
+  std::vector<int64_t> x_types;
+  for (const Pass& p : passes) x_types.push_back(G.type[p.e]), x_types.push_back(U.type[p.e]);
+  if (std::any_of(passes.begin(), passes.end(), [T](const Pass& p) { return p.M == T; }))
+    every_token = std::make_unique<QuantizedInput>(xp, T, D, x_types);
+  // One buffer for every pass's rows (a few hundred small vectors a step otherwise).
+  size_t floats = 0;
+  for (const Pass& p : passes) floats += p.M * (2 * D + 3 * p.I);
+  std::vector<float> work(floats);
+  float* next = work.data();
+  for (Pass& p : passes) {
+    p.x = next, p.h = p.x + p.M * D, p.act = p.h + p.M * 2 * p.I, p.y = p.act + p.M * p.I;
+    next = p.y + p.M * D;
+  }
   // Gate and up of every pass, each on its tokens' rows quantized once.
   std::vector<Segment> segments;
   for (Pass& p : passes) {
-    const int64_t I = G.w[p.e].rows;
-    p.x.resize(p.M * D), p.h.resize(p.M * 2 * I);
-    for (int64_t m = 0; m < p.M; ++m) std::copy_n(xp + p.tokens[m].first * D, D, &p.x[m * D]);
-    const int64_t types[] = {G.type[p.e], U.type[p.e]};
-    p.x_in = std::make_unique<QuantizedInput>(p.x.data(), p.M, D, types);
-    segments.push_back({G.w[p.e], G.type[p.e], p.x_in.get(), p.h.data(), 2 * I});
-    segments.push_back({U.w[p.e], U.type[p.e], p.x_in.get(), p.h.data() + I, 2 * I});
+    if (p.M == T) {
+      p.x_in = every_token.get();
+    } else {
+      for (int64_t m = 0; m < p.M; ++m) std::copy_n(xp + p.tokens[m].first * D, D, p.x + m * D);
+      const int64_t types[] = {G.type[p.e], U.type[p.e]};
+      p.own_x_in = std::make_unique<QuantizedInput>(p.x, p.M, D, types);
+      p.x_in = p.own_x_in.get();
+    }
+    segments.push_back({G.w[p.e], G.type[p.e], p.x_in, p.h, 2 * p.I});
+    segments.push_back({U.w[p.e], U.type[p.e], p.x_in, p.h + p.I, 2 * p.I});
   }
   gemv_segments(segments);
   // silu(gate) * up, quantized for the down projection; every pass's down rows.
   segments.clear();
   for (Pass& p : passes) {
-    const int64_t I = G.w[p.e].rows;
-    p.act.resize(p.M * I), p.y.resize(p.M * D);
-    for (int64_t m = 0; m < p.M; ++m) silu_mul(&p.h[m * 2 * I], &p.h[m * 2 * I + I], I, &p.act[m * I]);
-    p.act_in = std::make_unique<QuantizedInput>(p.act.data(), p.M, I, at::IntArrayRef(&Dn.type[p.e], 1));
-    segments.push_back({Dn.w[p.e], Dn.type[p.e], p.act_in.get(), p.y.data(), D});
+    const int64_t I = p.I;
+    for (int64_t m = 0; m < p.M; ++m) silu_mul(p.h + m * 2 * I, p.h + m * 2 * I + I, I, p.act + m * I);
+    p.act_in = std::make_unique<QuantizedInput>(p.act, p.M, I, at::IntArrayRef(&Dn.type[p.e], 1));
+    segments.push_back({Dn.w[p.e], Dn.type[p.e], p.act_in.get(), p.y, D});
   }
   gemv_segments(segments);
   // Each token's sum in pass order: routed experts by ascending id, then the shared ones.
