@@ -168,15 +168,12 @@ class MoE(nn.Module):
         return self._step_lists(x)[0]
 
     def _traced_gguf_stacks(self) -> tuple | None:
-        """ggml_moe's arguments from the routed experts' stacks (gathered at the last eager step
-        or `gather_weights`) and the shared expert's module, or None."""
-        if self.gguf_gate_stack is None or not ggml_available() or self._gguf_weights is None:
+        """ggml_moe's lists as gathered at the last eager step or `gather_weights`, where they
+        hold the routed experts as stacks (their tensors are the stack attributes and the shared
+        expert's buffers, which DirectStep finds), or None."""
+        if self.gguf_gate_stack is None or not ggml_available():
             return None
-        shared = (self.shared_experts.gate_proj, self.shared_experts.up_proj,
-                  self.shared_experts.down_proj)  # fmt: skip
-        stacks = (self.gguf_gate_stack, self.gguf_up_stack, self.gguf_down_stack)
-        data = ([stack, p.packed.data] for stack, p in zip(stacks, shared))
-        return (*data, *self._gguf_weights[3:])
+        return self._gguf_weights
 
     def gather_weights(self) -> None:
         """Gathers the experts' weight lists again if a module was swapped (ModelRunner.set_plan
