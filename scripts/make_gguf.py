@@ -60,6 +60,8 @@ KQUANT_DIMS = {
         intermediate_size=512,
         moe_intermediate_size=256,
         v_head_dim=64,
+        # llama.cpp rotates the indexer's q and k by a Hadamard matrix of at least 64 x 64
+        index_head_dim=64,
         # GlmMoeDsaConfig defaults to 0.5, which the converter writes as a rope dimension count
         # that llama.cpp's glm-dsa loader refuses (kv_a_mqa rows = kv_lora_rank + rope dims)
         rope_parameters={
