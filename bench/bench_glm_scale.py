@@ -1,9 +1,10 @@
-"""A GLM-4.5-Air-shaped MoE at scale: ZCode against llama.cpp on the same GGUF file.
+"""A GLM-4.5-Air- or GLM-5-shaped MoE at scale: ZCode against llama.cpp on the same GGUF file.
 
-The model is scripts/synthetic.py's glm45-air shape at --params (default 1.3B: ~64
-experts of which 8 routed + 1 shared, hidden 1024, SmolLM2's tokenizer), made once and cached
-under ~/.cache/zcode/bench/glm-scale/. For each file type (bf16, Q4_0 by default) and thread
-count (1 and 2), both engines load the same file and run, round-robin within each repeat:
+The model is scripts/make_glm_synthetic.py's --shape (glm45-air, default, or glm5: MLA + DSA +
+MoE) at --params (default 1.3B; glm45-air: ~64 experts of which 8 routed + 1 shared, hidden
+1024, SmolLM2's tokenizer), made once and cached under ~/.cache/zcode/bench/glm-scale/. For
+each file type (bf16, Q4_0 by default) and thread count (1 and 2), both engines load the same
+file and run, round-robin within each repeat:
 
 - batch-1 decode: --new-tokens greedy tokens after a short prompt, tok/s;
 - prefill: one --prompt-len-token prompt, tok/s;
@@ -17,8 +18,8 @@ reported as min / median over --repeats (>= 3 for figures), beside the decode to
 fit planner predicts for that file type on this machine (its fitted cost model, else the
 read-bandwidth roofline; the column says which) and the measured / predicted ratio.
 
-    .venv/bin/python bench/bench_glm_scale.py [--params 1.3B] [--types bf16 q4_0] [--threads 1 2] \
-        [--compile] [--batches 4 16]
+    .venv/bin/python bench/bench_glm_scale.py [--shape glm5] [--params 1.3B] [--types bf16 q4_0] \
+        [--threads 1 2] [--compile] [--batches 4 16]
     .venv/bin/python bench/bench_glm_scale.py --params 3M --vocab 256 --repeats 1 --new-tokens 8 \\
         --prompt-len 32 --threads 1      # smoke run on a tiny model
 """
@@ -44,12 +45,12 @@ RESULTS_PATH = Path(__file__).parent / "results" / "glm_scale.json"
 SHORT_PROMPT = "Write a short poem about the sea."
 
 
-def model_files(params: int, vocab: int | None, types: list[str]) -> dict[str, Path]:
-    """The cached glm45-air checkpoint of `params` and its GGUF files, made where missing."""
-    hf_dir = CACHE_DIR / f"glm45-air-{params}-v{vocab or 'smollm2'}" / "hf"
+def model_files(shape: str, params: int, vocab: int | None, types: list[str]) -> dict[str, Path]:
+    """The cached checkpoint of this shape and `params` and its GGUF files, made where missing."""
+    hf_dir = CACHE_DIR / f"{shape}-{params}-v{vocab or 'smollm2'}" / "hf"
     if not (hf_dir / "config.json").is_file():
         print(f"making {hf_dir} ...")
-        synthetic.make_checkpoint("glm45-air", params, hf_dir, vocab)
+        synthetic.make_checkpoint(shape, params, hf_dir, vocab)
     paths = {t: hf_dir.parent / f"hf-{t}.gguf" for t in types}
     if missing := [t for t, p in paths.items() if not p.is_file()]:
         print(f"making {', '.join(missing)} GGUF files ...")
@@ -106,9 +107,9 @@ def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], batc
 
 
 def run(args) -> dict:
-    files = model_files(args.params, args.vocab, args.types)
+    files = model_files(args.shape, args.params, args.vocab, args.types)
     predicted, predictor = predicted_tok_s(files["hf"], args.prompt_len)
-    results = {"params": args.params, "predictor": predictor, "runs": []}
+    results = {"shape": args.shape, "params": args.params, "predictor": predictor, "runs": []}
     for file_type in args.types:
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -172,6 +173,7 @@ def print_table(results: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(synthetic.SHAPES), default="glm45-air")
     parser.add_argument(
         "--params", type=synthetic.parse_count, default=synthetic.parse_count("1.3B")
     )

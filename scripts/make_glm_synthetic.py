@@ -123,8 +123,12 @@ def scaled_config(shape: str, w: float, vocab_size: int) -> dict:
             qk_nope_head_dim=_multiple(base["qk_nope_head_dim"] * f, 16, 16),
             qk_rope_head_dim=rope,
             v_head_dim=_multiple(base["v_head_dim"] * f, 16, 16),
-            index_n_heads=max(2, round(base["index_n_heads"] * w)),
-            index_head_dim=max(rope, _multiple(base["index_head_dim"] * f, 16, 16)),
+            # A power of two: llama.cpp's glm-dsa indexer departs from transformers otherwise
+            # (the tiny DSA F32 file with 5 indexer heads: 6% of max |logit| from position 29;
+            # 8 or 16 heads: within 6e-5 at every position).
+            index_n_heads=2 ** max(1, round(math.log2(base["index_n_heads"] * w))),
+            # llama.cpp rotates the indexer's q and k by a Hadamard matrix of at least 64 x 64
+            index_head_dim=max(rope, _multiple(base["index_head_dim"] * f, 64, 64)),
             # llama.cpp's glm-dsa loader wants the whole qk_rope_head_dim rotated
             rope_parameters={**base["rope_parameters"], "partial_rotary_factor": 1.0},
         )

@@ -12,8 +12,10 @@ as zcode.layers.mla.MLAttention does it. CPU variants:
   attention runs in the latent space, so the context is never expanded to H heads.
 """
 
+from collections.abc import Callable
+
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from zcode.forward_batch import ForwardBatch
 from zcode.kernels import paged_attention
@@ -106,33 +108,38 @@ def cpp_paged(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scal
 def mla_reference(
     q: torch.Tensor,
     latent_cache: torch.Tensor,
-    kv_b_weight: torch.Tensor,
+    kv_b_proj: nn.Module,
     batch: ForwardBatch,
     v_dim: int,
     scale: float,
     keep: torch.Tensor | None,
 ) -> torch.Tensor:
-    """q: [T, H, nope + rope]; latent_cache: [num_blocks, block_size, R + rope];
-    kv_b_weight: [H * (nope + v), R]; keep: [B, 1, S, L] bool (DSA) or None -> [T, H, v]."""
+    """q: [T, H, nope + rope]; latent_cache: [num_blocks, block_size, R + rope]; kv_b_proj: the
+    layer's R -> H * (nope + v) linear (any weight format); keep: [B, 1, S, L] bool (DSA) or None
+    -> [T, H, v]. The context's keys and values are expanded from the latent for every call."""
     num_heads = q.shape[1]
-    kv_lora_rank = kv_b_weight.shape[1]
-    nope_dim = kv_b_weight.shape[0] // num_heads - v_dim
+    kv_lora_rank = kv_b_proj.in_features
+    nope_dim = kv_b_proj.out_features // num_heads - v_dim
     latent = gather_cache(latent_cache, batch.context_slots)  # [B, L, R + rope]
     num_seqs, context_len = latent.shape[:2]
     k_pass, k_rot = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
-    kv = F.linear(k_pass, kv_b_weight).view(num_seqs, context_len, num_heads, -1)
+    kv = kv_b_proj(k_pass).view(num_seqs, context_len, num_heads, -1)
     k_nope, values = kv.split([nope_dim, v_dim], dim=-1)
     k_rot = k_rot[:, :, None, :].expand(-1, -1, num_heads, -1)
     keys = torch.cat([k_nope, k_rot], dim=-1)  # [B, L, H, nope + rope]
-    mask = batch.attn_mask if keep is None else keep
-    if keep is not None and batch.attn_mask is not None:
-        mask = keep & batch.attn_mask
-    return padded_attention(q, keys, values, batch, scale, mask)
+    return padded_attention(q, keys, values, batch, scale, _mla_mask(batch, keep))
 
 
-def mla_shape_class(q, latent_cache, kv_b_weight, batch, v_dim, scale, keep) -> str:
+def _mla_mask(batch: ForwardBatch, keep: torch.Tensor | None) -> torch.Tensor | None:
+    """The batch's causal mask, narrowed to the DSA indexer's selection where there is one."""
+    if keep is None or batch.attn_mask is None:
+        return batch.attn_mask if keep is None else keep
+    return keep & batch.attn_mask
+
+
+def mla_shape_class(q, latent_cache, kv_b_proj, batch, v_dim, scale, keep) -> str:
     context = "short" if batch.context_slots.shape[1] <= 256 else "long"
-    return f"H{q.shape[1]}xR{kv_b_weight.shape[1]}|{_rows(batch)}|{context}|{q.dtype}"
+    return f"H{q.shape[1]}xR{kv_b_proj.in_features}|{_rows(batch)}|{context}|{q.dtype}"
 
 
 def mla_cases() -> list:
@@ -143,13 +150,17 @@ def mla_cases() -> list:
             batch, num_blocks = random_batch(query_lens, context_lens, generator)
             q = torch.randn(sum(query_lens), heads, nope + rope, generator=generator)
             cache = torch.randn(num_blocks, BLOCK_SIZE, rank + rope, generator=generator)
-            weight = torch.randn(heads * (nope + v_dim), rank, generator=generator) * rank**-0.5
+            kv_b_proj = nn.Linear(rank, heads * (nope + v_dim), bias=False)
+            with torch.no_grad():
+                kv_b_proj.weight.copy_(
+                    torch.randn(heads * (nope + v_dim), rank, generator=generator) * rank**-0.5
+                )
             keep = None
             if with_keep:
                 shape = (len(query_lens), 1, batch.query_index.shape[1], max(context_lens))
                 keep = torch.rand(shape, generator=generator) < 0.6
                 keep[..., 0] = True  # every query keeps its first token: no empty row
-            return q, cache, weight, batch, v_dim, (nope + rope) ** -0.5, keep
+            return q, cache, kv_b_proj, batch, v_dim, (nope + rope) ** -0.5, keep
 
         keep_name = "-dsa" if with_keep else ""
         return f"{_shape_name(query_lens, context_lens)}{keep_name}", make
@@ -160,32 +171,41 @@ def mla_cases() -> list:
 define_op("mla", mla_reference, mla_shape_class, mla_cases, _tolerance)
 
 
-@register("mla", "absorbed")
+@register("mla", "absorbed", supports=lambda q, cache, kv_b_proj, *rest: _float_weight(kv_b_proj))
 def mla_absorbed(
     q: torch.Tensor,
     latent_cache: torch.Tensor,
-    kv_b_weight: torch.Tensor,
+    kv_b_proj: nn.Module,
     batch: ForwardBatch,
     v_dim: int,
     scale: float,
     keep: torch.Tensor | None,
 ) -> torch.Tensor:
-    num_heads, kv_lora_rank = q.shape[1], kv_b_weight.shape[1]
-    w = kv_b_weight.view(num_heads, -1, kv_lora_rank)  # [H, nope + v, R]
+    num_heads, kv_lora_rank = q.shape[1], kv_b_proj.in_features
+    w = kv_b_proj.weight.view(num_heads, -1, kv_lora_rank)  # [H, nope + v, R]
     nope_dim = w.shape[1] - v_dim
-    w_uk, w_uv = w[:, :nope_dim].float(), w[:, nope_dim:].float()
-    q_nope, q_rot = q.float().split([nope_dim, q.shape[-1] - nope_dim], dim=-1)
-    # q_nope . (W_uk c) = (W_uk^T q_nope) . c: queries move into the latent space.
-    q_latent = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot], dim=-1)
+    w_uk, w_uv = w[:, :nope_dim], w[:, nope_dim:]
+    q_nope, q_rot = q.split([nope_dim, q.shape[-1] - nope_dim], dim=-1)
+    # q_nope . (W_uk c) = (W_uk^T q_nope) . c: queries move into the latent space. The weight
+    # stays in its dtype (an fp32 copy of a bf16 GLM-5 layer's would be ~60 MB a call).
+    q_latent = torch.einsum("thn,hnr->thr", q_nope.to(w.dtype), w_uk).float()
+    q_latent = torch.cat([q_latent, q_rot.float()], dim=-1)  # [T, H, R + rope]
     latent = gather_cache(latent_cache, batch.context_slots).float()  # [B, L, R + rope]
     qp = q_latent[batch.query_index]  # [B, S, H, R + rope]
     scores = torch.einsum("bshc,blc->bhsl", qp, latent) * scale
-    mask = batch.attn_mask if keep is None else keep
-    if keep is not None and batch.attn_mask is not None:
-        mask = keep & batch.attn_mask
-    if mask is not None:
+    if (mask := _mla_mask(batch, keep)) is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1)
     out_latent = torch.einsum("bhsl,blr->bshr", probs, latent[..., :kv_lora_rank])
-    out = torch.einsum("bshr,hvr->bshv", out_latent, w_uv)  # [B, S, H, v]
+    out = torch.einsum("bshr,hvr->bshv", out_latent.to(w.dtype), w_uv)  # [B, S, H, v]
     return out.reshape(-1, num_heads, v_dim)[batch.token_index].to(q.dtype)
+
+
+def mla_in_graph(kv_b_proj: nn.Module) -> Callable:
+    """What a compiled decode graph runs (one query per sequence): the absorbed form wherever it
+    applies, since it reads the context once per head instead of expanding it."""
+    return mla_absorbed if _float_weight(kv_b_proj) else mla_reference
+
+
+def _float_weight(linear: nn.Module) -> bool:
+    return isinstance(linear, nn.Linear) and linear.weight.dtype in (torch.float32, torch.bfloat16)

@@ -1,16 +1,22 @@
 """Multi-head latent attention with the DSA lightning indexer (GLM-5 / DeepSeek-V3.2 style).
 
 The cache holds, per token, the normalised KV latent with its rotated shared key
-([kv_lora_rank + qk_rope_head_dim]) and the indexer's own key ([index_head_dim]). Keys and values
-are re-expanded from the latent through kv_b_proj for every step: the plain reference path.
+([kv_lora_rank + qk_rope_head_dim]) and the indexer's own key ([index_head_dim]). Attention over
+it is the kernel registry's `mla` op (zcode.kernels.attention): its reference expands every
+cached latent to per-head keys and values through kv_b_proj, ~H * (nope + v) * R multiply-adds
+per context token and layer; its `absorbed` variant folds kv_b_proj into the query and the
+output instead, ~H * (2R + rope) per context token and query (GLM-5: ~80x less at decode).
+Eager calls take the autotuned choice per shape class; compiled graphs take `mla_in_graph`.
 """
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from zcode.forward_batch import ForwardBatch
-from zcode.layers.attention import gather_cache, padded_attention, write_cache
+from zcode.layers.attention import gather_cache, write_cache
 from zcode.layers.linear import Linear
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import apply_rotary
@@ -86,6 +92,7 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.v_dim, c.hidden_size, bias=c.attention_bias)
         self.indexer = Indexer(c) if use_indexer else None
         self.cache: dict[str, torch.Tensor] = {}
+        self._kernels: dict[tuple, Callable] = {}  # (shape class, kv_b_proj) -> implementation
 
     def cache_spec(self) -> dict[str, tuple[int, ...]]:
         spec = {"latent": (self.kv_lora_rank + self.rope_dim,)}
@@ -114,14 +121,6 @@ class MLAttention(nn.Module):
             torch.cat([self.kv_a_layernorm(kv_pass), k_rot], -1),
             batch.slot_mapping,
         )
-        latent = gather_cache(self.cache["latent"], batch.context_slots)  # [B, L, R + rope]
-        num_seqs, context_len = latent.shape[:2]
-        k_pass, k_rot = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(k_pass).view(num_seqs, context_len, self.num_heads, -1)
-        k_nope, values = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_rot = k_rot[:, :, None, :].expand(-1, -1, self.num_heads, -1)
-        keys = torch.cat([k_nope, k_rot], dim=-1)  # [B, L, H, qk_head_dim]
-
         if self.indexer is not None:
             keep = self.indexer(x, q_resid, rope, batch, self.cache["index_k"])
         elif prev_keep is not None:
@@ -130,9 +129,22 @@ class MLAttention(nn.Module):
             raise ValueError(
                 "a shared DSA layer needs the top-k selection of an earlier full layer"
             )
-        mask = keep if batch.attn_mask is None else keep & batch.attn_mask
-        out = padded_attention(q, keys, values, batch, self.scale, mask)  # [T, H, v_dim]
+        args = (q, self.cache["latent"], self.kv_b_proj, batch, self.v_dim, self.scale, keep)
+        out = self._attention(*args)(*args)  # [T, H, v_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim)), keep
+
+    def _attention(self, *args) -> Callable:
+        """The registry's `mla` implementation for these arguments."""
+        from zcode import kernels  # zcode.kernels imports zcode.layers
+
+        if torch.compiler.is_compiling():  # no timing, nor guards on the context length
+            return kernels.attention.mla_in_graph(self.kv_b_proj)
+        # kv_b_proj in the key: a precision plan may swap in a quantized one, which only the
+        # reference takes
+        key = (kernels.OPS["mla"].shape_class(*args), self.kv_b_proj)
+        if (fn := self._kernels.get(key)) is None:
+            fn = self._kernels[key] = kernels.get("mla", *args)
+        return fn
 
 
 def _yarn_mscale_sq(hf_config) -> float:
