@@ -145,12 +145,12 @@ def mla_shape_class(q, latent_cache, kv_b_proj, batch, v_dim, scale, keep) -> st
 def mla_cases() -> list:
     heads, nope, rope, v_dim, rank = 4, 16, 8, 16, 32
 
-    def case(query_lens, context_lens, with_keep: bool):
+    def case(query_lens, context_lens, with_keep: bool, dtype=torch.float32):
         def make(generator: torch.Generator):
             batch, num_blocks = random_batch(query_lens, context_lens, generator)
             q = torch.randn(sum(query_lens), heads, nope + rope, generator=generator)
             cache = torch.randn(num_blocks, BLOCK_SIZE, rank + rope, generator=generator)
-            kv_b_proj = nn.Linear(rank, heads * (nope + v_dim), bias=False)
+            kv_b_proj = nn.Linear(rank, heads * (nope + v_dim), bias=False, dtype=dtype)
             with torch.no_grad():
                 kv_b_proj.weight.copy_(
                     torch.randn(heads * (nope + v_dim), rank, generator=generator) * rank**-0.5
@@ -160,12 +160,14 @@ def mla_cases() -> list:
                 shape = (len(query_lens), 1, batch.query_index.shape[1], max(context_lens))
                 keep = torch.rand(shape, generator=generator) < 0.6
                 keep[..., 0] = True  # every query keeps its first token: no empty row
-            return q, cache, kv_b_proj, batch, v_dim, (nope + rope) ** -0.5, keep
+            scale = (nope + rope) ** -0.5
+            return q.to(dtype), cache.to(dtype), kv_b_proj, batch, v_dim, scale, keep
 
         keep_name = "-dsa" if with_keep else ""
-        return f"{_shape_name(query_lens, context_lens)}{keep_name}", make
+        return f"{_shape_name(query_lens, context_lens)}{keep_name}-{dtype}", make
 
-    return [case(q, c, keep) for q, c in BATCH_SHAPES for keep in (False, True)]
+    cases = [case(q, c, keep) for q, c in BATCH_SHAPES for keep in (False, True)]
+    return cases + [case([1, 1], [9, 9], True, torch.bfloat16)]
 
 
 define_op("mla", mla_reference, mla_shape_class, mla_cases, _tolerance)
