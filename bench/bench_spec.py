@@ -3,7 +3,7 @@ same run, and the acceptance behind it.
 
     .venv/bin/python bench/bench_spec.py [--quick] [--dtype bfloat16] [--batches 1,4,16]
         [--num-new 64] [--repeats 3] [--num-draft-tokens 3] [--methods ngram,quantized,...]
-        [--workloads continuation,"code editing"]
+        [--workloads continuation,"code editing"] [--compile]
 
 Workloads, from the held-out split of zcode.calibration (stdlib sources no calibration saw):
 (a) continuation: windows of held-out source, continued; (b) code editing: a held-out function
@@ -14,11 +14,12 @@ answer mostly copies the prompt (where prompt lookup pays). Methods: plain decod
 --num-draft-tokens per step (draft policy "fixed") and with the adaptive policy, which drafts
 per request and step what pays by measured acceptance and the cost model ("drafts/step":
 drafted tokens per request and decode step, where it turns speculation down or off). Engines
-run round-robin within each repeat. Each cell is min / median of --repeats runs of decode tok/s
-(first token to last, greedy, batch B); ZCode's outputs are checked equal to plain decoding's
-(column "same"). llama.cpp (its GGUF file, Q4_1) with and without prompt lookup decoding
-(llama-cpp-python's LlamaPromptLookupDecoding) runs at batch 1 when llama_cpp is installed.
-Writes bench/results/spec.json.
+run round-robin within each repeat, after one untimed run each (graphs compiled, kernels tuned).
+With --compile, decode steps, verifying steps and self-drafts run compiled graphs. Each cell is
+min / median of --repeats runs of decode tok/s (first token to last, greedy, batch B); ZCode's
+outputs are checked equal to plain decoding's (column "same"). llama.cpp (its GGUF file, Q4_1)
+with and without prompt lookup decoding (llama-cpp-python's LlamaPromptLookupDecoding) runs at
+batch 1 when llama_cpp is installed. Writes bench/results/spec.json.
 """
 
 import argparse
@@ -106,12 +107,16 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
             num_draft_tokens=args.num_draft_tokens,
             draft_policy=policy,
             enable_prefix_caching=False,  # repeats reuse their prompts
+            compile=args.compile,
         )
         engines[name] = LLMEngine(llm.model, llm.tokenizer, config, cost_model=cost)
     cells = []
     for workload, prompts in workloads.items():
         for batch in batches:
             runs = {name: [] for name in engines}
+            for engine in engines.values():  # untimed: compiles graphs, tunes kernels
+                decode_run(engine, prompts[:batch], args.num_new)
+                engine.spec_totals = dict.fromkeys(engine.spec_totals, 0)
             for _ in range(args.repeats):
                 for name, engine in engines.items():
                     runs[name].append(decode_run(engine, prompts[:batch], args.num_new))
@@ -179,6 +184,9 @@ def main() -> None:
         "--methods", default=",".join(names), help=f"besides plain, some of: {', '.join(names)}"
     )
     parser.add_argument("--workloads", default="continuation,code editing")
+    parser.add_argument(
+        "--compile", action="store_true", help="compiled decode, drafts and verifying steps"
+    )
     args = parser.parse_args()
     args.methods = args.methods.split(",")
     unknown = set(args.methods) - set(names)
@@ -217,7 +225,8 @@ def main() -> None:
         )
     headers = ["method", "workload", "batch", "tok/s min / median", "vs plain", "accept"]
     headers += ["drafts/step", "same"]
-    print(f"SmolLM2-135M {args.dtype}, {args.num_new} new tokens, {args.repeats} repeats")
+    mode = "compiled" if args.compile else "eager"
+    print(f"SmolLM2-135M {args.dtype} {mode}, {args.num_new} new tokens, {args.repeats} repeats")
     print_rows(headers, rows)
     RESULTS.parent.mkdir(exist_ok=True)
     for c in cells:

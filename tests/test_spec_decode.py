@@ -178,6 +178,42 @@ def test_greedy_outputs_are_those_of_transformers(name, method, tiny_checkpoint)
     assert_no_blocks_held(llm.engine)
 
 
+@pytest.mark.parametrize(
+    ("name", "method"), [("llama", "ngram"), ("llama", "quantized"), ("glm4_moe", "quantized")]
+)
+def test_compiled_drafts_and_verification_give_transformers_outputs(name, method, tiny_checkpoint):
+    """With compile, drafts are verified by compiled steps of a fixed query width (rows with
+    fewer drafts padded: n-gram drafts 0 to 3 tokens per row) and a self-draft runs compiled
+    graphs of its own module tree (an MoE one gathers its own quantized experts); tokens as
+    transformers', and the model itself never changes."""
+    checkpoint = tiny_checkpoint(name)
+    llm = LLM(
+        checkpoint.path,
+        kv_cache_bytes=1 << 20,
+        block_size=BLOCK,
+        compile=True,
+        max_num_seqs=4,
+        speculative=method,
+        num_draft_tokens=3,
+        draft_policy="fixed",
+        **DRAFTERS[method],
+    )
+    weights_before = {name: id(t) for name, t in llm.model.state_dict(keep_vars=True).items()}
+    outputs = llm.generate(prompts(), GREEDY)
+    for prompt, out in zip(prompts(), outputs, strict=True):
+        assert out.token_ids == oracle_greedy(checkpoint.oracle, prompt, GREEDY.max_tokens)
+    assert_drafts_were_tested(llm.engine)
+    assert_no_blocks_held(llm.engine)
+    widths = {width for _, _, width in llm.engine.runner.graphs.graphs}
+    assert 4 in widths, widths  # verifying steps ran compiled
+    drafter_graphs = getattr(llm.engine.drafter, "graphs", None)
+    if method != "ngram":
+        assert drafter_graphs.num_compiles > 0 and drafter_graphs.direct
+    assert {
+        name: id(t) for name, t in llm.model.state_dict(keep_vars=True).items()
+    } == weights_before
+
+
 def test_skip_layers_draft_of_an_identity_layer_is_always_accepted(tiny_checkpoint):
     """With layer 1 made an identity (zero output projections), the draft that skips it is the
     model itself: every draft is accepted unless the draft ran at the wrong positions or read

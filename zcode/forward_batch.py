@@ -7,9 +7,10 @@ each sequence's queries and cached context into padded [B, S_max] and [B, L_max]
     padded queries  b * S_max + s         (token_index maps t -> b * S_max + s)
     context slots   context_slots[b, j]   (cache slot of position j of sequence b)
 
-`build_decode` makes the fixed-shape batch of a compiled decode step: one token per sequence,
-padded to a batch-size bucket, context rounded up to whole blocks, and always an explicit mask,
-so a compiled graph sees the same shapes (up to the context length) and structure every step.
+`build_decode` makes the fixed-shape batch of a compiled step: one token per sequence (or a
+fixed width of verified drafts), padded to a batch-size bucket, context rounded up to whole
+blocks, and always an explicit mask, so a compiled graph sees the same shapes (up to the context
+length) and structure every step.
 """
 
 from dataclasses import dataclass
@@ -108,11 +109,17 @@ class ForwardBatch:
         block_size: int,
         num_padded: int,
         pad_block: int,
+        query_lens: list[int] | None = None,
+        query_width: int = 1,
     ) -> "ForwardBatch":
-        """One new token (the last of its context) per sequence, rows padded to `num_padded`.
+        """The last query_lens[b] tokens of each sequence's context (default: its last one, a
+        decode step; more: its last token and the drafts that follow it, a verifying step), each
+        row padded to `query_width` tokens and the rows to `num_padded`.
 
-        Padding rows and padding context read and write block `pad_block`, which no sequence
-        owns; their outputs are dropped. The context axis is rounded up to whole blocks.
+        Padding tokens and rows sit at position 0 and write their KV to block `pad_block`,
+        which no sequence owns; their outputs are dropped. The context axis is rounded up to
+        whole blocks. Every padded token has logits: [num_padded * query_width] rows, row b's
+        token s at b * query_width + s.
         """
         # Built with numpy and handed to torch without copies: a dozen torch ops on these
         # few-element tensors cost ~45 us a step on the CPU, numpy ~18.
@@ -125,19 +132,24 @@ class ForwardBatch:
         context_slots = (tables[:, :, None] * block_size + offsets).reshape(num_padded, -1)
         lens = np.ones(num_padded, dtype=np.int64)
         lens[:num_seqs] = context_lens
-        positions = lens - 1
-        rows = np.arange(num_padded, dtype=np.int64)
-        slot_mapping = context_slots[rows, positions]
-        slot_mapping[num_seqs:] = pad_block * block_size
-        mask = np.arange(context_slots.shape[1])[None, :] < lens[:, None]  # [B, L]
+        q_lens = np.zeros(num_padded, dtype=np.int64)
+        q_lens[:num_seqs] = 1 if query_lens is None else query_lens
+        s = np.arange(query_width, dtype=np.int64)
+        real = s[None, :] < q_lens[:, None]  # [B, S]
+        positions = np.where(real, lens[:, None] - q_lens[:, None] + s[None, :], 0)  # [B, S]
+        rows = np.arange(num_padded, dtype=np.int64)[:, None]
+        slot_mapping = np.where(real, context_slots[rows, positions], pad_block * block_size)
+        # A token at position p sees positions 0..p (a padding token: 0 only).
+        mask = np.arange(context_slots.shape[1])[None, None, :] <= positions[:, :, None]
+        tokens = np.arange(num_padded * query_width, dtype=np.int64)
         return cls(
-            positions=torch.from_numpy(positions),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            query_index=torch.from_numpy(rows[:, None].copy()),
-            token_index=torch.from_numpy(rows),
+            positions=torch.from_numpy(positions.reshape(-1)),
+            slot_mapping=torch.from_numpy(slot_mapping.reshape(-1)),
+            query_index=torch.from_numpy(tokens.reshape(num_padded, query_width)),
+            token_index=torch.from_numpy(tokens),
             context_slots=torch.from_numpy(context_slots),
-            attn_mask=torch.from_numpy(mask)[:, None, None, :],  # [B, 1, 1, L]
-            logits_index=torch.from_numpy(rows.copy()),
+            attn_mask=torch.from_numpy(mask)[:, None],  # [B, 1, S, L]
+            logits_index=torch.from_numpy(tokens.copy()),
         )
 
 

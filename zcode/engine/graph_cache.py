@@ -1,6 +1,7 @@
-"""The plan cache: compiled decode steps keyed by (plan signature, batch-size bucket).
+"""The plan cache: compiled decode steps keyed by (plan signature, batch-size bucket, query width).
 
-A decode step (one new token per sequence) is traced whole by torch.compile with inductor (C++
+A decode step (one new token per sequence, or a fixed width of a token and its drafts to verify)
+is traced whole by torch.compile with inductor (C++
 codegen on CPU) and reused for every later step with the same key. Shapes are static except the
 context length: the batch is padded to a power-of-two bucket and `ForwardBatch.build_decode`
 always supplies a mask, so a step only recompiles when the plan or the bucket changes.
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from zcode.forward_batch import ForwardBatch
+from zcode.layers.moe import MoE
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +48,8 @@ class GraphCache:
     def __init__(self, model: nn.Module, max_num_seqs: int) -> None:
         self.model = model
         self.buckets = batch_buckets(max_num_seqs)
-        self.graphs: dict[tuple[str, int], Callable] = {}
-        self.direct: dict[tuple[str, int], DirectStep] = {}
+        self.graphs: dict[tuple[str, int, int], Callable] = {}
+        self.direct: dict[tuple[str, int, int], DirectStep] = {}
         self._compiled: tuple[Callable, list] | None = None  # set by _backend during a compile
         self.num_compiles = 0
         self.compile_s = 0.0  # wall time of first calls per key (trace + codegen + one run)
@@ -56,8 +58,9 @@ class GraphCache:
         return next(b for b in self.buckets if b >= num_seqs)
 
     def run(self, signature: str, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """input_ids: [B] for a batch from ForwardBatch.build_decode -> logits [B, V] fp32."""
-        key = (signature, batch.num_seqs)
+        """input_ids: [B * S] for a batch from ForwardBatch.build_decode (S: its query width)
+        -> logits [B * S, V] fp32."""
+        key = (signature, batch.num_seqs, batch.query_index.shape[1])
         if (direct := self.direct.get(key)) is not None:
             if direct.is_current() or direct.refresh(self.model):
                 return direct(input_ids, batch)
@@ -85,8 +88,12 @@ class GraphCache:
         return logits
 
     def model_changed(self) -> None:
-        """Re-reads the model tensors every direct step passes (modules may have been swapped);
-        a step whose tensors are gone or changed shape goes back to dynamo."""
+        """Re-reads the model tensors every direct step passes (modules may have been swapped;
+        MoE layers gather their experts' weights again first); a step whose tensors are gone or
+        changed shape goes back to dynamo."""
+        for module in self.model.modules():
+            if isinstance(module, MoE):  # the expert stacks its graphs pass
+                module.gather_weights()
         self.direct = {key: d for key, d in self.direct.items() if d.refresh(self.model)}
 
     def _new_graph(self) -> Callable:

@@ -13,7 +13,6 @@ from zcode.engine.scheduler import ScheduledSeq
 from zcode.engine.sequence import Sequence
 from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
-from zcode.layers.moe import MoE
 from zcode.models.base import Backbone
 from zcode.sparsity.expert_skip import AdaptiveMoE
 from zcode.sparsity.sparse_mlp import SparseMLP, tokens_at_levels
@@ -81,9 +80,6 @@ class ModelRunner:
         with sparse FFN levels decodes eagerly: the row-skipping kernel is not a torch op yet."""
         self.plan, self.plan_signature = plan, plan.signature()
         if self.graphs is not None:
-            for module in self.model.modules():
-                if isinstance(module, MoE):  # the expert stacks its graphs pass
-                    module.gather_weights()
             self.graphs.model_changed()
         self.compiles_plan = self.graphs is not None and not any(
             isinstance(m, SparseMLP) and not m.is_dense for m in self.model.modules()
@@ -105,13 +101,9 @@ class ModelRunner:
         None, [B, L, 2] FFN thresholds of each sequence) when the sequences run different FFN
         levels (PlanExecutor.token_levels); the step then runs eagerly.
         """
-        if (
-            token_levels is None
-            and self.compiles_plan
-            and all(_is_last_token(s) for s in scheduled)
-            and len({_skips(s.seq) for s in scheduled}) == 1  # one graph runs one plan
-        ):
-            return list(self._execute_compiled(scheduled)[:, None])
+        if token_levels is None and self._runs_compiled(scheduled):
+            logits = self._execute_compiled(scheduled)  # [B, S, V]
+            return [logits[b, : 1 + len(s.seq.spec_token_ids)] for b, s in enumerate(scheduled)]
         input_ids, query_lens, context_lens, tables, num_logits = [], [], [], [], []
         for s in scheduled:
             start, drafts = s.seq.num_computed_tokens, s.seq.spec_token_ids
@@ -137,16 +129,29 @@ class ModelRunner:
         return list(logits.split(num_logits))
 
     @torch.inference_mode()
-    def decode_eager(
-        self, seqs: list[Sequence], input_ids: list[int], context_lens: list[int]
+    def decode(
+        self,
+        model: nn.Module,
+        graphs: GraphCache | None,
+        seqs: list[Sequence],
+        input_ids: list[int],
+        context_lens: list[int],
     ) -> torch.Tensor:
         """One token per sequence at position context_lens[i] - 1 of seqs[i]'s block table,
-        through the model as it is now (a drafter's cheaper plan): logits [B, V]."""
+        through `model` (a drafter's cheaper plan over this runner's tensors and KV), compiled
+        in `graphs` where given: logits [B, V]."""
         tables = [seq.block_table for seq in seqs]
-        batch = ForwardBatch.build([1] * len(seqs), context_lens, tables, self.block_size)
-        if self.pages is not None:
-            batch = self._with_paging(batch, seqs, [1] * len(seqs))
-        return self._forward(torch.tensor(input_ids, dtype=torch.int64), batch)
+        if graphs is None or self.pages is not None:
+            batch = ForwardBatch.build([1] * len(seqs), context_lens, tables, self.block_size)
+            if self.pages is not None:
+                batch = self._with_paging(batch, seqs, [1] * len(seqs))
+            return model(torch.tensor(input_ids, dtype=torch.int64), batch)
+        num_padded = graphs.bucket(len(seqs))
+        batch = ForwardBatch.build_decode(
+            context_lens, tables, self.block_size, num_padded, self.pad_block
+        )
+        padded_ids = torch.tensor(input_ids + [0] * (num_padded - len(seqs)), dtype=torch.int64)
+        return graphs.run("draft", padded_ids, batch)[: len(seqs)]
 
     def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.hidden_observer is None:
@@ -160,16 +165,34 @@ class ModelRunner:
         finally:
             hook.remove()
 
+    def _runs_compiled(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether this step is one compiled graph: every row computes its last known token
+        (and verifies its drafts), all under one plan."""
+        if not self.compiles_plan or not all(_is_decode_row(s) for s in scheduled):
+            return False
+        if len({_skips(s.seq) for s in scheduled}) != 1:  # one graph runs one plan
+            return False
+        # Drafts to verify: not with per-request pages (their step writes KV per row and
+        # head), nor while a drafter reads the final hidden states of every forward.
+        drafting = any(s.seq.spec_token_ids for s in scheduled)
+        return not drafting or (self.pages is None and self.hidden_observer is None)
+
     def _execute_compiled(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Every sequence computes its last known token: one compiled decode step; [B, V]."""
+        """Every sequence computes its last known token and its drafts: one compiled step;
+        [B, S, V], row b's first 1 + len(drafts) positions its logits."""
         num_seqs = len(scheduled)
         num_padded = self.graphs.bucket(num_seqs)
+        drafts = [s.seq.spec_token_ids for s in scheduled]
+        query_lens = [1 + len(d) for d in drafts]
+        width = 1 << (max(query_lens) - 1).bit_length()  # a power of two: few graphs
         batch = ForwardBatch.build_decode(
-            [s.seq.num_tokens for s in scheduled],
+            [s.seq.num_tokens + len(d) for s, d in zip(scheduled, drafts)],
             [s.seq.block_table for s in scheduled],
             self.block_size,
             num_padded,
             self.pad_block,
+            query_lens,
+            width,
         )
         signature = self.plan_signature
         if self.pages is not None:  # one plan for every row: padding rows follow the first
@@ -177,10 +200,14 @@ class ModelRunner:
             batch = self._with_paging(batch, seqs, [1] * num_padded)
             layers, heads = _skips(scheduled[0].seq)
             signature += f"|skip {sorted(layers)} {sorted(heads)}"
-        last_tokens = [s.seq.token_ids[-1] for s in scheduled]
-        input_ids = torch.tensor(last_tokens + [0] * (num_padded - num_seqs), dtype=torch.int64)
-        logits = self.graphs.run(signature, input_ids, batch)  # [B_padded, V]
-        return logits[:num_seqs]
+        rows = [
+            [s.seq.token_ids[-1], *d, *[0] * (width - 1 - len(d))]
+            for s, d in zip(scheduled, drafts)
+        ]
+        rows += [[0] * width] * (num_padded - num_seqs)
+        input_ids = torch.tensor(rows, dtype=torch.int64).view(-1)  # [B_padded * S]
+        logits = self.graphs.run(signature, input_ids, batch)  # [B_padded * S, V]
+        return logits.view(num_padded, width, -1)[:num_seqs]
 
     def _with_paging(
         self, batch: ForwardBatch, seqs: list[Sequence], query_lens: list[int]
@@ -202,5 +229,6 @@ def _skips(seq: Sequence) -> tuple[frozenset, frozenset]:
     return seq.skip_layers, seq.skip_kv_heads
 
 
-def _is_last_token(s: ScheduledSeq) -> bool:
-    return s.num_new_tokens == 1 and s.completes_prompt and not s.seq.spec_token_ids
+def _is_decode_row(s: ScheduledSeq) -> bool:
+    """The row computes its last known token (its drafts may follow)."""
+    return s.num_new_tokens == 1 and s.completes_prompt

@@ -18,6 +18,7 @@ afterwards; KV computed under a variant is salted by the plan, so its requests r
 prefix-cache blocks among themselves only.
 """
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -221,6 +222,27 @@ def swap(model: nn.Module, modules: dict[str, nn.Module]) -> dict[str, nn.Module
         replaced[name] = getattr(model.get_submodule(parent), child)
         setattr(model.get_submodule(parent), child, module)
     return replaced
+
+
+def copy_with(model: nn.Module, modules: dict[str, nn.Module]) -> nn.Module:
+    """A second module tree over the model's tensors (parameters, buffers, the KV cache's
+    dicts), with `modules` in place by name: a cheaper plan that runs, and compiles, beside the
+    model without changing it. Private dicts (children, hooks, kernel choices) are the copy's
+    own; public dict attributes such as `cache` stay shared."""
+
+    def tree(module: nn.Module) -> nn.Module:
+        clone = copy.copy(module)
+        for attr, value in vars(module).items():
+            if attr.startswith("_") and isinstance(value, dict):
+                clone.__dict__[attr] = type(value)(value)
+        clone.__dict__["_modules"] = {
+            name: None if child is None else tree(child) for name, child in module._modules.items()
+        }
+        return clone
+
+    clone = tree(model)
+    swap(clone, modules)
+    return clone
 
 
 @contextmanager

@@ -2,47 +2,53 @@
 
 The cheaper plan skips decoder layers (LayerSkip / Draft & Verify style), or runs every linear
 in a quantized weight format (`QuantizedDrafter`: int8 by default, whose greedy tokens are
-mostly the full model's). It reads the full model's KV of the computed context, and writes its
-own KV of the draft positions into the slots the verifying forward then overwrites, so it needs
-no cache of its own.
+mostly the full model's). It is a second module tree over the model's tensors
+(`zcode.quant.variants.copy_with`) with the cheaper modules in place, so the model itself never
+changes and, in an engine that compiles decode steps, the draft's steps are compiled graphs of
+their own. It reads the full model's KV of the computed context, and writes its own KV of the
+draft positions into the slots the verifying forward then overwrites, so it needs no cache of
+its own.
 """
-
-from abc import abstractmethod
-from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
 
+from zcode.engine.graph_cache import GraphCache
 from zcode.engine.sequence import Sequence
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.models.base import Backbone
+from zcode.quant.variants import copy_with
 from zcode.sparsity.layer_skip import SkippedLayer
 from zcode.spec.drafter import Drafter
 
 
 class SelfDrafter(Drafter):
-    """Drafts greedily with the engine's own model while `cheaper()` holds it in the cheaper
-    plan, one eager decode forward per draft position."""
+    """Drafts greedily with `self.model`, the engine's model with `modules` in place, one
+    decode step per draft position (compiled where the engine compiles its steps)."""
 
-    runner = None  # the engine's ModelRunner
-
-    @abstractmethod
-    def cheaper(self) -> AbstractContextManager:
-        """The model in the draft's plan while it is held, as it was after."""
+    def __init__(self, runner, modules: dict[str, nn.Module]) -> None:
+        """runner: the engine's ModelRunner; modules: the draft's modules by name."""
+        self.runner = runner
+        self.model = copy_with(runner.model, modules)
+        self.graphs = None
+        if runner.graphs is not None:
+            self.graphs = GraphCache(self.model, runner.graphs.buckets[-1])
+            self.graphs.model_changed()  # MoE layers gather the draft's expert weights
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
-        with self.cheaper():
-            for step in range(max(max_num_tokens, default=0)):
-                rows = [i for i, n in enumerate(max_num_tokens) if n > step]
-                # Row i feeds its newest token (the last known one, then its latest draft).
-                input_ids = [drafts[i][-1] if drafts[i] else seqs[i].token_ids[-1] for i in rows]
-                context_lens = [seqs[i].num_tokens + len(drafts[i]) for i in rows]
-                logits = self.runner.decode_eager([seqs[i] for i in rows], input_ids, context_lens)
-                for i, token in zip(rows, logits.argmax(-1).tolist()):  # logits: [R, V]
-                    drafts[i].append(token)
+        for step in range(max(max_num_tokens, default=0)):
+            rows = [i for i, n in enumerate(max_num_tokens) if n > step]
+            # Row i feeds its newest token (the last known one, then its latest draft).
+            input_ids = [drafts[i][-1] if drafts[i] else seqs[i].token_ids[-1] for i in rows]
+            context_lens = [seqs[i].num_tokens + len(drafts[i]) for i in rows]
+            logits = self.runner.decode(
+                self.model, self.graphs, [seqs[i] for i in rows], input_ids, context_lens
+            )
+            for i, token in zip(rows, logits.argmax(-1).tolist()):  # logits: [R, V]
+                drafts[i].append(token)
         return drafts
 
 
@@ -71,13 +77,14 @@ class SkipLayersDrafter(SelfDrafter):
                 f"draft_skip_layers must name some but not all of the {num_layers} layers, "
                 f"got {list(skip_layer_ids)}"
             )
-        self.runner, self.skip_layer_ids = runner, tuple(sorted(set(skip_layer_ids)))
+        self.skip_layer_ids = tuple(sorted(set(skip_layer_ids)))
+        layers = model.model.layers
+        super().__init__(
+            runner, {f"model.layers.{i}": SkippedLayer(layers[i]) for i in self.skip_layer_ids}
+        )
 
     def cost_plan(self, num_layers: int) -> ExecutionPlan:
         return ExecutionPlan(name="draft", skip_layers=self.skip_layer_ids)
-
-    def cheaper(self) -> AbstractContextManager:
-        return _skipping(self.runner.model, self.skip_layer_ids)
 
 
 class QuantizedDrafter(SelfDrafter):
@@ -91,32 +98,13 @@ class QuantizedDrafter(SelfDrafter):
         if fmt not in FORMATS:
             raise ValidationError(f"draft_format must be one of {sorted(FORMATS)}, got {fmt!r}")
         model = runner.model
-        self.runner, self.format = runner, fmt
-        self.modules = {
-            name: quantize_linear(model.get_submodule(name), fmt)
-            for name in quantizable_modules(model)
-        }
+        self.format = fmt
+        self.names = sorted(quantizable_modules(model))
+        super().__init__(
+            runner, {name: quantize_linear(model.get_submodule(name), fmt) for name in self.names}
+        )
 
     def cost_plan(self, num_layers: int) -> ExecutionPlan:
         return ExecutionPlan(
-            name="draft", precision=tuple((name, self.format) for name in sorted(self.modules))
+            name="draft", precision=tuple((name, self.format) for name in self.names)
         )
-
-    def cheaper(self) -> AbstractContextManager:
-        from zcode.quant.variants import swapped
-
-        return swapped(self.runner.model, self.modules)
-
-
-@contextmanager
-def _skipping(model: nn.Module, layer_ids: tuple[int, ...]):
-    """The model with these decoder layers passed through, restored on exit."""
-    layers = model.model.layers
-    originals = {i: layers[i] for i in layer_ids}
-    try:
-        for i, layer in originals.items():
-            layers[i] = SkippedLayer(layer)
-        yield
-    finally:
-        for i, layer in originals.items():
-            layers[i] = layer
