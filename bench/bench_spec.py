@@ -3,18 +3,18 @@ same run, and the acceptance behind it.
 
     .venv/bin/python bench/bench_spec.py [--quick] [--dtype bfloat16] [--batches 1,4,16]
         [--num-new 64] [--repeats 3] [--num-draft-tokens 3] [--methods ngram,quantized,...]
-        [--workloads continuation,"code editing"] [--compile]
+        [--workloads continuation,"code editing"] [--compile] [--draft-format FMT]
 
-Workloads, from the held-out split of zcode.calibration (stdlib sources no calibration saw):
-(a) continuation: windows of held-out source, continued; (b) code editing: a held-out function
-followed by an instruction to repeat it with one name changed, and the new header, so the
-answer mostly copies the prompt (where prompt lookup pays). Methods: plain decoding, `ngram`
-(prompt lookup), `skip_layers` (the model without every other inner layer drafts) and
-`quantized` (the model with int8 weights drafts), each with every request drafting
+Workloads, from the held-out split of zcode.calibration (stdlib sources no calibration saw): (a)
+continuation: windows of held-out source, continued; (b) code editing: a held-out function
+followed by an instruction to repeat it with one name changed, and the new header, so the answer
+mostly copies the prompt (where prompt lookup pays). Methods: plain decoding, `ngram` (prompt
+lookup), `skip_layers` (the model without every other inner layer drafts) and `quantized` (the
+model with int8 or --draft-format weights drafts), each with every request drafting
 --num-draft-tokens per step (draft policy "fixed") and with the adaptive policy, which drafts
-per request and step what pays by measured acceptance and the cost model ("drafts/step":
-drafted tokens per request and decode step, where it turns speculation down or off). Engines
-run round-robin within each repeat, after one untimed run each (graphs compiled, kernels tuned).
+per request and step what pays by measured acceptance and the cost model ("drafts/step": drafted
+tokens per request and decode step, where it turns speculation down or off). Engines run
+round-robin within each repeat, after one untimed run each (graphs compiled, kernels tuned).
 With --compile, decode steps, verifying steps and self-drafts run compiled graphs. Each cell is
 min / median of --repeats runs of decode tok/s (first token to last, greedy, batch B); ZCode's
 outputs are checked equal to plain decoding's (column "same"). llama.cpp (its GGUF file, Q4_1)
@@ -108,6 +108,7 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
             draft_policy=policy,
             enable_prefix_caching=False,  # repeats reuse their prompts
             compile=args.compile,
+            draft_format=args.draft_format if method == "quantized" else None,
         )
         engines[name] = LLMEngine(llm.model, llm.tokenizer, config, cost_model=cost)
     cells = []
@@ -184,6 +185,7 @@ def main() -> None:
         "--methods", default=",".join(names), help=f"besides plain, some of: {', '.join(names)}"
     )
     parser.add_argument("--workloads", default="continuation,code editing")
+    parser.add_argument("--draft-format", help="the quantized draft's format (default int8)")
     parser.add_argument(
         "--compile", action="store_true", help="compiled decode, drafts and verifying steps"
     )
