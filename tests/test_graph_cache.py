@@ -90,6 +90,26 @@ def test_decode_batch_pads_rows_and_context():
     assert (batch.context_slots[2:] // 4 == 9).all()
 
 
+def test_verifying_batch_pads_each_row_to_the_width():
+    """Rows of 1 and 3 query tokens (a token and its drafts) in a width of 4, padded to 4 rows:
+    every real token has the position, slot and visible context the eager batch gives it;
+    padding tokens sit at position 0, write the pad block and see position 0 only."""
+    lens, tables, q_lens = [5, 18], [[7, 3], [0, 1, 2, 5, 6]], [1, 3]
+    batch = ForwardBatch.build_decode(lens, tables, 4, 4, 9, query_lens=q_lens, query_width=4)
+    eager = ForwardBatch.build(q_lens, lens, tables, 4, num_logits=q_lens)
+    real = [0, 4, 5, 6]  # row 0 token 0, row 1 tokens 0-2
+    assert batch.positions[real].tolist() == eager.positions.tolist()
+    assert batch.slot_mapping[real].tolist() == eager.slot_mapping.tolist()
+    visible = batch.attn_mask[:, 0].reshape(16, -1)  # [B * S, L]
+    for t, (b, s) in zip(real, [(0, 0), (1, 0), (1, 1), (1, 2)]):
+        seen = eager.context_slots[b][eager.attn_mask[b, 0, s]]
+        assert batch.context_slots[b][visible[t]].tolist() == seen.tolist()
+    padding = sorted(set(range(16)) - set(real))
+    assert batch.positions[padding].eq(0).all() and batch.slot_mapping[padding].eq(36).all()
+    assert visible[padding].sum(-1).eq(1).all() and visible[padding, 0].all()
+    assert batch.logits_index.tolist() == list(range(16))
+
+
 @pytest.mark.slow
 def test_compiled_decode_matches_eager_and_transformers(tiny, compiled):
     net, oracle = tiny

@@ -47,7 +47,8 @@ class SelfDrafter(Drafter):
             logits = self.runner.decode(
                 self.model, self.graphs, [seqs[i] for i in rows], input_ids, context_lens
             )
-            for i, token in zip(rows, logits.argmax(-1).tolist()):  # logits: [R, V]
+            # numpy's argmax: ~3 us over a 49152-token vocabulary, torch's ~75 (Sampler)
+            for i, token in zip(rows, logits.float().numpy().argmax(-1).tolist()):  # [R, V]
                 drafts[i].append(token)
         return drafts
 
