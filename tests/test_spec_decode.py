@@ -427,22 +427,29 @@ DEFAULT_PROMPTS = [
 @pytest.mark.slow  # ~300 forwards of SmolLM2 in float32
 def test_default_model_greedy_outputs_are_those_of_plain_decoding(default_llm):
     """SmolLM2 in float32 (int8 activations would make logits depend on how tokens are split
-    into forwards): 64 tokens of 5 prompts with each drafter, and a request that does not
-    speculate in the same batch."""
+    into forwards): 64 tokens of 5 prompts with each drafter, eager and, for the quantized
+    self-draft and n-gram lookup, compiled, and a request that does not speculate in the same
+    batch."""
     ids = [default_llm.encode(p) for p in DEFAULT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     want = [o.token_ids for o in default_llm.generate(ids, params)]
     plain = dataclasses.replace(params, num_draft_tokens=0)
-    for method in ("ngram", "skip_layers", "quantized"):
+    runs = [("ngram", False), ("skip_layers", False), ("quantized", False)]
+    for method, compile in runs + [("ngram", True), ("quantized", True)]:
         config = dataclasses.replace(
-            default_llm.config, speculative=method, num_draft_tokens=3, draft_policy="fixed"
+            default_llm.config,
+            speculative=method,
+            num_draft_tokens=3,
+            draft_policy="fixed",
+            compile=compile,
         )
         engine = LLMEngine(default_llm.model, default_llm.tokenizer, config)
         got = run(engine, [(p, params) for p in ids] + [(ids[0], plain)])
-        assert [o.token_ids for o in got] == want + want[:1], method
+        assert [o.token_ids for o in got] == want + want[:1], (method, compile)
         assert engine.spec_totals["num_draft_tokens"] > 0
+        assert not compile or engine.runner.num_graph_compiles > 0
         rates = [o.plan.speculative["acceptance_rate"] for o in got[:-1]]
-        print(f"SmolLM2 {method}: acceptance per prompt {rates}")
+        print(f"SmolLM2 {method} compile={compile}: acceptance per prompt {rates}")
 
 
 def test_server_requests_carry_num_draft_tokens():
