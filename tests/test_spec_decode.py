@@ -424,18 +424,18 @@ DEFAULT_PROMPTS = [
 ]
 
 
-@pytest.mark.slow  # ~300 forwards of SmolLM2 in float32
+@pytest.mark.slow  # ~300 forwards of SmolLM2 in float32, and compiling its graphs
+@pytest.mark.timeout(1800)  # 600 s was reached on the quiet machine once graphs were compiled
 def test_default_model_greedy_outputs_are_those_of_plain_decoding(default_llm):
     """SmolLM2 in float32 (int8 activations would make logits depend on how tokens are split
     into forwards): 64 tokens of 5 prompts with each drafter, eager and, for the quantized
-    self-draft and n-gram lookup, compiled, and a request that does not speculate in the same
-    batch."""
+    self-draft, compiled, and a request that does not speculate in the same batch."""
     ids = [default_llm.encode(p) for p in DEFAULT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     want = [o.token_ids for o in default_llm.generate(ids, params)]
     plain = dataclasses.replace(params, num_draft_tokens=0)
     runs = [("ngram", False), ("skip_layers", False), ("quantized", False)]
-    for method, compile in runs + [("ngram", True), ("quantized", True)]:
+    for method, compile in runs + [("quantized", True)]:
         config = dataclasses.replace(
             default_llm.config,
             speculative=method,
