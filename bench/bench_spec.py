@@ -97,8 +97,9 @@ def decode_run(
 def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dict]:
     """Every method's engine on the same prompts, round-robin within each repeat."""
     adaptive = any(policy == "adaptive" and name in args.methods for name, _, policy in METHODS)
-    # The adaptive policy's cost model (fitted once per machine, ~8 min)
-    cost = CostModel.load_or_fit() if adaptive else None
+    # The adaptive policy's cost model (fitted once per machine, ~8 min; its compiled steps
+    # ~8 min more)
+    cost = CostModel.load_or_fit(compiled=args.compile) if adaptive else None
     engines = {}
     for name, method, policy in METHODS:
         if name != "plain" and name not in args.methods:

@@ -40,7 +40,7 @@ OPTIONS = {
     ],
     "info": ["MODEL", "--json"],
     "ppl": ["MODEL", "FILE", "--window", "--stride", "--max-tokens", "--dtype"],
-    "hw": ["--refresh", "--json"],
+    "hw": ["--refresh", "--json", "--fit-cost", "--compiled"],
     "plan": [
         "MODEL", "--sparsity", "--profile", "--budget", "--max-latency-ms", "--max-quality-loss",
         "--quality", "--max-kv-bytes", "--per-request-depth", "--batch-size", "--context-len",
@@ -91,6 +91,7 @@ def test_help_explains_every_option(command, capsys):
         (["ppl", "missing.txt"], "missing.txt: No such file or directory"),
         (["ppl", "f.txt", "--window", "64", "--stride", "65"], "--stride must be between 1"),
         (["serve", "--chat-template", "missing.jinja"], "--chat-template missing.jinja"),
+        (["hw", "--compiled"], "pass it with --fit-cost"),
     ],
 )
 def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, tmp_path):

@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -108,6 +110,51 @@ def test_cache_round_trip(tmp_path):
     assert CostModel.load(tmp_path / "c.json") == cost
     (tmp_path / "bad.json").write_text("{")
     assert CostModel.load(tmp_path / "bad.json") is None
+
+
+def test_compiled_steps_are_predicted_by_their_own_fit(llama, tmp_path):
+    """Without a fit of compiled steps, a compiled prediction is refused (naming the command
+    that fits it); with one, its coefficients price the step, and lm_head computes every
+    token's logits (a verifying graph's), not only each sequence's last."""
+    zero = dict.fromkeys(step_features(llama, None, 8, 16, 2), 0.0)
+    eager = CostModel(zero | {"step": 1.0, "dense-float32:GFLOP": 1.0}, {}, "k")
+    step = dict(num_tokens=8, num_seqs=2, context_len=16)
+    with pytest.raises(ValueError, match="--fit-cost --compiled"):
+        eager.predict_step_ms(llama, compiled=True, **step)
+    fit = zero | {"step": 0.25, "dense-float32:GFLOP": 1.0}
+    compiled = dataclasses.replace(eager, compiled_decode=fit)
+    head = llama.lm_head
+    head_gflop = 2 * head.out_features * head.in_features / 1e9
+    # lm_head over 8 rows compiled against 2 eager: 6 more rows of its arithmetic
+    gap = compiled.predict_step_ms(llama, compiled=True, **step) - 0.25
+    assert gap - (eager.predict_step_ms(llama, **step) - 1.0) == pytest.approx(6 * head_gflop)
+    compiled.save(tmp_path / "c.json")
+    assert CostModel.load(tmp_path / "c.json") == compiled
+
+
+def test_a_compiled_fit_is_added_to_the_cached_one(tmp_path, monkeypatch):
+    """load_or_fit(compiled=True) fits compiled steps once, beside the cached eager fit (which
+    it does not refit), and caches both."""
+    from zcode.hardware import cost_fit
+    from zcode.hardware.cost_model import cache_path
+    from zcode.hardware.probe import HardwareInfo
+
+    info = HardwareInfo.__new__(HardwareInfo)
+    monkeypatch.setattr("zcode.hardware.cost_model.cost_key", lambda info=None: "k")
+    eager = CostModel({"step": 1.0}, {"step": 2.0}, "k")
+    eager.save(cache_path("k", tmp_path))
+    fits = []
+
+    def fit_compiled(cost):
+        fits.append(cost)
+        return dataclasses.replace(cost, compiled_decode={"step": 0.5}), []
+
+    monkeypatch.setattr(cost_fit, "fit_compiled", fit_compiled)
+    monkeypatch.setattr(cost_fit, "fit_smollm2", lambda key: pytest.fail("refit the eager cost"))
+    for _ in range(2):
+        cost = CostModel.load_or_fit(info, cache_dir=tmp_path, compiled=True)
+        assert cost == dataclasses.replace(eager, compiled_decode={"step": 0.5})
+    assert fits == [eager]
 
 
 def test_a_fit_on_a_busy_machine_is_recorded_and_reported(tmp_path, monkeypatch):

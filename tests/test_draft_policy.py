@@ -28,18 +28,27 @@ PROBES = GREEDY.max_tokens // PROBE_EVERY + 1  # the most drafts a request held 
 @dataclasses.dataclass
 class LinearCost:
     """ms = fixed_ms + ms_per_token * tokens for the verifying step; a draft step (any plan
-    but None) costs draft_ms whatever its rows."""
+    but None) costs draft_ms whatever its rows. Compiled steps are priced by `compiled`'s
+    numbers (None: no fit of compiled steps); `shapes` records every step asked."""
 
     fixed_ms: float
     ms_per_token: float
     draft_ms: float = 0.0
+    compiled: "LinearCost | None" = None
+    shapes: list = dataclasses.field(default_factory=list)  # (plan, tokens, seqs, compiled)
+
+    @property
+    def compiled_decode(self):
+        return self.compiled
 
     def predict_step_ms(
-        self, model, plan, *, num_tokens, num_seqs, context_len, modules=None
+        self, model, plan, *, num_tokens, num_seqs, context_len, modules=None, compiled=False
     ) -> float:
+        self.shapes.append((plan, num_tokens, num_seqs, compiled))
+        prices = self.compiled if compiled else self
         if plan is not None:
-            return self.draft_ms
-        return self.fixed_ms + self.ms_per_token * num_tokens
+            return prices.draft_ms
+        return prices.fixed_ms + prices.ms_per_token * num_tokens
 
 
 def tokens_per_ms(cost: LinearCost, rates, drafts, num_seqs: int) -> float:
@@ -94,6 +103,31 @@ def test_a_costly_draft_needs_a_high_acceptance():
     assert sum(choose(cost, [0.95], 4)) == 4  # free drafts at the same rate
 
 
+def test_compiled_steps_are_priced_as_the_graphs_that_run_them():
+    """Eager prices where a draft step costs 0.9 of a step (as an eager W4A8 draft of SmolLM2
+    does) turn drafting off; the same engine's compiled prices (a draft step 0.4 of a step) turn
+    it on. A compiled step is priced at its graph's shape: rows padded to the batch bucket,
+    each to a power-of-two width."""
+    draft = ExecutionPlan(skip_layers=(1,))
+    cost = LinearCost(10.0, 0.5, draft_ms=9.5, compiled=LinearCost(10.0, 0.5, draft_ms=4.0))
+    policy = DraftPolicy(cost, model=None, draft_plan=draft, graph_buckets=[1, 2, 4, 8])
+    one = dict(num_tokens=1, num_seqs=1, context_len=100, base_yield=1)
+    assert policy.choose([0.9], [3], **one) == [0]
+    # k = 1, 2, 3: (1 + E) / (10 + 0.5 * width + 4 k), widths 2, 4, 4: 0.127, 0.136, 0.143
+    assert policy.choose([0.9], [3], compiled=True, **one) == [3]
+    cost.shapes.clear()
+    three = dict(num_tokens=3, num_seqs=3, context_len=100, base_yield=3)
+    policy.choose([0.9, 0.5, 0.2], [3, 3, 3], compiled=True, **three)
+    verify = {(tokens, seqs) for plan, tokens, seqs, compiled in cost.shapes if plan is None}
+    drafts = {(tokens, seqs) for plan, tokens, seqs, compiled in cost.shapes if plan is draft}
+    assert verify == {(4, 4), (8, 4), (16, 4)}
+    assert drafts <= {(1, 1), (2, 2), (4, 4)} and drafts
+    assert all(compiled for *_, compiled in cost.shapes)
+    # An engine that does not compile prices eager steps whatever the step says.
+    eager = DraftPolicy(cost, model=None, draft_plan=draft)
+    assert eager.choose([0.9], [3], compiled=True, **one) == [0]
+
+
 # ---- in the engine ---------------------------------------------------------------------------
 
 
@@ -126,6 +160,24 @@ def test_the_engine_drafts_where_the_cost_model_says_it_pays(tiny):
     out = run(bandwidth_bound, [(loop, GREEDY)])[0]
     assert out.token_ids == plain
     assert out.plan.speculative["num_draft_tokens"] > PROBES
+
+
+def test_a_compiled_engine_drafts_by_the_cost_of_compiled_steps(tiny):
+    """Eager prices that never pay for drafts, with compiled prices that do: a compiled engine
+    drafts (verifying graphs of width > 1 compiled), with plain decoding's tokens; without a
+    fit of compiled steps its policy is fixed and says why."""
+    loop = prompts()[-1]
+    plain = run(engine(tiny, None, draft_policy="fixed"), [(loop, dataclasses.replace(
+        GREEDY, num_draft_tokens=0))])[0].token_ids  # fmt: skip
+    unfitted = engine(tiny, LinearCost(0.0, 1.0), compile=True)
+    assert unfitted.draft_policy is None
+    assert unfitted.draft_policy_name.startswith("fixed: no cost fit of compiled steps")
+    pays = engine(tiny, LinearCost(0.0, 1.0, compiled=LinearCost(10.0, 0.01)), compile=True)
+    assert pays.draft_policy.graph_buckets == pays.runner.graphs.buckets
+    out = run(pays, [(loop, GREEDY)])[0]
+    assert out.token_ids == plain
+    assert out.plan.speculative["num_draft_tokens"] > PROBES
+    assert any(width > 1 for _, _, width in pays.runner.graphs.graphs)
 
 
 def test_without_a_fitted_cost_model_every_request_drafts_its_tokens(tiny, tmp_path, monkeypatch):

@@ -140,9 +140,24 @@ class LLM:
                 kv_paged=self.engine.runner.pages is not None,
                 router=self.router,
                 speculation=speculation,
+                compiled=self._prices_compiled_steps(),
             )
             self._planner = (key, planner)
         return self._planner[1]
+
+    def _prices_compiled_steps(self) -> bool:
+        """Whether the planner prices compiled steps: the engine compiles them and the cost
+        model has their fit (else it prices eager steps, slower than this engine's, and says
+        so)."""
+        if self.engine.runner.graphs is None or self.cost_model is None:
+            return False
+        if self.cost_model.compiled_decode is None:
+            logger.warning(
+                "this engine compiles its decode steps, but the cost model has no fit of "
+                "compiled steps: plans are priced as eager steps (zcode hw --fit-cost --compiled)"
+            )
+            return False
+        return True
 
     def executor(self) -> PlanExecutor:
         default = Planner(self.model, None, self.precision_variants, self.sparsity).default_plan()

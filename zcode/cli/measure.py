@@ -77,6 +77,12 @@ def add_commands(commands) -> None:
         help="fit the cost model if this machine has none cached (minutes); with "
         "--refresh, fit it again",
     )
+    hw.add_argument(
+        "--compiled",
+        action="store_true",
+        help="with --fit-cost: also fit the cost of compiled decode steps (compile=True "
+        "engines; minutes more), if the cached fit has none",
+    )
     hw.set_defaults(run=_hw)
 
     ppl = commands.add_parser(
@@ -139,10 +145,12 @@ def _hw(args: argparse.Namespace) -> None:
     from zcode.hardware import format_report, probe
     from zcode.hardware.cost_model import CostModel, format_cost
 
+    if args.compiled and not args.fit_cost:
+        raise ValidationError("--compiled fits compiled steps: pass it with --fit-cost")
     info = probe(refresh=args.refresh)
     # The fit is cached under the machine and kernels version (cost_key), not the bare fingerprint.
     if args.fit_cost:
-        cost = CostModel.load_or_fit(info, refresh=args.refresh)
+        cost = CostModel.load_or_fit(info, refresh=args.refresh, compiled=args.compiled)
     else:
         cost = CostModel.cached(info)
     if args.json:

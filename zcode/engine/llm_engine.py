@@ -114,12 +114,20 @@ class LLMEngine:
             from zcode.hardware.cost_model import CostModel
 
             cost_model = CostModel.cached()
+        buckets = self.runner.graphs.buckets if self.runner.compiles_drafts else None
+        note = None
         if cost_model is None:
             note = "fixed: no cost model is fitted on this machine (zcode hw --fit-cost)"
+        elif buckets is not None and cost_model.compiled_decode is None:
+            note = (
+                "fixed: no cost fit of compiled steps on this machine "
+                "(zcode hw --fit-cost --compiled)"
+            )
+        if note is not None:
             logger.info("speculative decoding drafts %s", note)
             return None, note
-        num_layers = len(self.model.model.layers)
-        return DraftPolicy(cost_model, self.model, self.drafter.cost_plan(num_layers)), "adaptive"
+        draft_plan = self.drafter.cost_plan(len(self.model.model.layers))
+        return DraftPolicy(cost_model, self.model, draft_plan, graph_buckets=buckets), "adaptive"
 
     def add_request(
         self,
@@ -311,7 +319,8 @@ class LLMEngine:
         if not scheduled:
             return []
         if self.draft_policy is not None:
-            scheduled = self.draft_policy.limit(scheduled, self.spec_totals)
+            compiled = self.runner.runs_compiled(scheduled)
+            scheduled = self.draft_policy.limit(scheduled, self.spec_totals, compiled)
         self._propose_drafts(scheduled)
         ran, failed = [], []
         for plan, rows in self._by_plan(scheduled):

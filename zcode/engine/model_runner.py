@@ -101,7 +101,7 @@ class ModelRunner:
         None, [B, L, 2] FFN thresholds of each sequence) when the sequences run different FFN
         levels (PlanExecutor.token_levels); the step then runs eagerly.
         """
-        if token_levels is None and self._runs_compiled(scheduled):
+        if token_levels is None and self.runs_compiled(scheduled):
             logits = self._execute_compiled(scheduled)  # [B, S, V]
             return [logits[b, : 1 + len(s.seq.spec_token_ids)] for b, s in enumerate(scheduled)]
         input_ids, query_lens, context_lens, tables, num_logits = [], [], [], [], []
@@ -165,17 +165,22 @@ class ModelRunner:
         finally:
             hook.remove()
 
-    def _runs_compiled(self, scheduled: list[ScheduledSeq]) -> bool:
+    def runs_compiled(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether this step is one compiled graph: every row computes its last known token
         (and verifies its drafts), all under one plan."""
         if not self.compiles_plan or not all(_is_decode_row(s) for s in scheduled):
             return False
         if len({_skips(s.seq) for s in scheduled}) != 1:  # one graph runs one plan
             return False
-        # Drafts to verify: not with per-request pages (their step writes KV per row and
-        # head), nor while a drafter reads the final hidden states of every forward.
         drafting = any(s.seq.spec_token_ids for s in scheduled)
-        return not drafting or (self.pages is None and self.hidden_observer is None)
+        return not drafting or self.compiles_drafts
+
+    @property
+    def compiles_drafts(self) -> bool:
+        """Whether verifying steps can be compiled graphs: not with per-request pages (their
+        step writes KV per row and head), nor while a drafter reads the final hidden states of
+        every forward."""
+        return self.compiles_plan and self.pages is None and self.hidden_observer is None
 
     def _execute_compiled(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Every sequence computes its last known token and its drafts: one compiled step;

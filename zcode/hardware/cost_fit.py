@@ -1,13 +1,16 @@
 """Measuring the cost model's ground truth: engine step times of SmolLM2-135M under several plans.
 
-`fit_smollm2` measures FIT_PLANS at FIT_SETTINGS and fits the coefficients; `check_smollm2`
-measures CHECK_PLANS, which the fit never saw (other formats, other mixes, other batch sizes and
-context lengths), and returns predicted against measured for each. Step times are best-of:
-decode the fastest of several timed engine steps after a warm-up step, prefill the fastest of a
-few one-step prefills (other processes only ever make a step slower, so the minimum is the
-estimate of the idle machine's time that the model predicts).
+`fit_smollm2` measures FIT_PLANS at FIT_SETTINGS and fits the coefficients, `fit_compiled` those
+of compiled decode steps (COMPILED_FIT_PLANS on a few layers of the model, at two depths);
+`check_smollm2` measures CHECK_PLANS, which the fit never saw (other formats, other mixes, other
+batch sizes and context lengths), and returns predicted against measured for each. Step times
+are best-of: decode the fastest of several timed engine steps after a warm-up step, prefill the
+fastest of a few one-step prefills (other processes only ever make a step slower, so the
+minimum is the estimate of the idle machine's time that the model predicts).
 """
 
+import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -23,7 +26,9 @@ from zcode.hardware.cost_model import (
     predict,
     step_features,
 )
-from zcode.hardware.load import measure_other_load
+from zcode.hardware.load import BUSY_LOAD_PER_CORE, measure_other_load
+
+logger = logging.getLogger(__name__)
 
 Formats = Callable[[list[str]], dict[str, str]]
 
@@ -78,6 +83,16 @@ FIT_SETTINGS = ((DECODE, 1, 64), (DECODE, 1, 512), (DECODE, 4, 256), (DECODE, 16
                 (PREFILL, 1, 64), (PREFILL, 1, 256))
 CHECK_SETTINGS = ((DECODE, 1, 1000), (DECODE, 2, 128), (PREFILL, 1, 160))
 # fmt: on
+# Compiled steps: one plan per kernel kind, on the first 2 and 8 decoder layers of SmolLM2
+# (embeddings and lm_head whole). The features count per linear, so a few layers identify the same
+# coefficients, and a graph of 8 layers builds in ~20 s here against ~80 s for all 30 (three graphs
+# an engine: batch buckets 1, 4 and 16). Two depths, because at one depth every plan makes as
+# many linear calls per step as every other, and the fit cannot tell a cost per call from a cost
+# per step (at 6 layers alone it priced a 30-layer W4A8 step at 8.2 ms against 4.9 measured).
+COMPILED_FIT_DEPTHS = (2, 8)
+_ONE_PER_KIND = ("fp32", "bf16-model", "int8", "int4-g32", "bf16", "w8a8", "w4a8")
+COMPILED_FIT_PLANS = tuple(p for p in FIT_PLANS if p.name in _ONE_PER_KIND)
+COMPILED_FIT_SETTINGS = tuple(s for s in FIT_SETTINGS if s[0] == DECODE)
 NUM_ROUNDS = 2
 # Room for the largest setting (16 x 136 or 1 x 1008 tokens of SmolLM2, 46 KB each in fp32), not the
 # engine's default 1 GiB: one engine per dtype and every plan's quantized copy stay resident.
@@ -117,6 +132,28 @@ def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
     return cost, measurements
 
 
+def fit_compiled(
+    cost: CostModel,
+    plans: tuple[PlanSpec, ...] = COMPILED_FIT_PLANS,
+    settings=COMPILED_FIT_SETTINGS,
+) -> tuple[CostModel, list[Measurement]]:
+    """`cost` with decode coefficients of compiled steps fitted to `plans` measured compiled at
+    `settings` on this machine; and the measurements."""
+    measurements, other_load = measure_other_load(
+        lambda: measure_plans(plans, settings, compiled=True)
+    )
+    if other_load is not None and other_load / (os.cpu_count() or 1) > BUSY_LOAD_PER_CORE:
+        logger.warning(
+            "compiled steps were timed while other processes kept %.1f cores busy: the fit "
+            "predicts slower than idle (refit: zcode hw --fit-cost --compiled --refresh)",
+            other_load,
+        )
+    coefficients = fit_coefficients(
+        [m.features for m in measurements], [m.measured_ms for m in measurements]
+    )
+    return dataclasses.replace(cost, compiled_decode=coefficients), measurements
+
+
 def check_smollm2(
     cost: CostModel, plans: tuple[PlanSpec, ...] = CHECK_PLANS, settings=CHECK_SETTINGS
 ) -> list[tuple[Measurement, float]]:
@@ -131,38 +168,50 @@ def measure_plans(
     plans: tuple[PlanSpec, ...],
     settings: tuple[tuple[str, int, int], ...],
     num_rounds: int = NUM_ROUNDS,
+    compiled: bool = False,
 ) -> list[Measurement]:
     """Each plan at each setting, best of `num_rounds` rounds. A round visits every plan in
     turn (its quantized modules swapped in, then the originals back), so load from other
-    processes spreads over all plans instead of spoiling the one measured while it lasted."""
+    processes spreads over all plans instead of spoiling the one measured while it lasted.
+    `compiled`: every plan an engine of its own with compiled decode steps at each of
+    COMPILED_FIT_DEPTHS (graphs are built in each setting's untimed first step)."""
     from zcode import LLM
     from zcode.quant import apply_precision, quantizable_modules
     from zcode.quant.variants import swap, swapped
 
-    llms = {
-        dtype: LLM(None, dtype=dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES)
-        for dtype in dict.fromkeys(p.dtype for p in plans)
-    }
-    prepared = []  # (spec, llm, {name: quantized module}, {setting: features})
-    for spec in plans:
-        model = llms[spec.dtype].model
-        formats = spec.formats(quantizable_modules(model))
-        rows = {(mode, b, n): _features(model, formats, mode, b, n) for mode, b, n in settings}
-        originals = dict(model.named_modules())
-        quantized = apply_precision(model, formats)
-        swap(model, {name: originals[name] for name in quantized})
-        prepared.append((spec, llms[spec.dtype], quantized, rows))
+    if compiled:
+        prepared = [
+            (spec, *_compiled_engine(spec, settings, depth))
+            for spec in plans
+            for depth in COMPILED_FIT_DEPTHS
+        ]
+    else:
+        llms = {
+            dtype: LLM(
+                None, dtype=dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES
+            )
+            for dtype in dict.fromkeys(p.dtype for p in plans)
+        }
+        prepared = []  # (spec, engine, {name: quantized module}, {setting: features})
+        for spec in plans:
+            model = llms[spec.dtype].model
+            formats = spec.formats(quantizable_modules(model))
+            rows = {setting: _features(model, formats, *setting) for setting in settings}
+            originals = dict(model.named_modules())
+            quantized = apply_precision(model, formats)
+            swap(model, {name: originals[name] for name in quantized})
+            prepared.append((spec, llms[spec.dtype].engine, quantized, rows))
     best: dict[tuple[int, tuple[str, int, int]], float] = {}
     for _ in range(num_rounds):
-        for i, (_, llm, quantized, rows) in enumerate(prepared):
-            with swapped(llm.model, quantized):
-                _measure_decode(llm.engine, 1, 16)  # warm-up: first calls pick kernels
+        for i, (_, engine, quantized, rows) in enumerate(prepared):
+            with swapped(engine.model, quantized):
+                _measure_decode(engine, 1, 16)  # warm-up: first calls pick kernels
                 for setting in rows:
                     mode, b, n = setting
                     ms = (
-                        _measure_decode(llm.engine, b, n)
+                        _measure_decode(engine, b, n)
                         if mode == DECODE
-                        else _measure_prefill(llm.engine, n)
+                        else _measure_prefill(engine, n)
                     )
                     best[i, setting] = min(ms, best.get((i, setting), float("inf")))
     return [
@@ -170,6 +219,23 @@ def measure_plans(
         for i, (spec, _, _, rows) in enumerate(prepared)
         for setting, features in rows.items()
     ]
+
+
+def _compiled_engine(spec: PlanSpec, settings, num_layers: int) -> tuple:
+    """(engine compiling decode steps of the plan's first `num_layers` layers, {}: no modules
+    to swap in, {setting: features})."""
+    from zcode import LLM
+    from zcode.engine.llm_engine import LLMEngine
+    from zcode.quant import apply_precision, quantizable_modules
+
+    llm = LLM(None, dtype=spec.dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES)
+    model = llm.model
+    model.model.layers = model.model.layers[:num_layers]
+    formats = spec.formats(quantizable_modules(model))
+    rows = {setting: _features(model, formats, *setting) for setting in settings}
+    apply_precision(model, formats)
+    engine = LLMEngine(model, llm.tokenizer, dataclasses.replace(llm.config, compile=True))
+    return engine, {}, rows
 
 
 def _features(

@@ -16,16 +16,27 @@ the int kernels change algorithm with the row count. The coefficients are fitted
 non-negative least squares on relative error against measured engine steps of several plans of
 SmolLM2-135M (`fit_smollm2`), and cached as JSON next to the hardware probe.
 
+Compiled decode steps get coefficients of their own (`compiled_decode`, fitted apart on compiled
+steps of 2 and 8 layers of SmolLM2 by `fit_compiled`, since a whole-model graph takes ~80 s to
+build here): without Python between the ops, a step's fixed and per-call costs are a fraction of
+an eager step's (SmolLM2 bf16 at batch 1: ~12 ms compiled, several times that eager), so eager
+coefficients would price a compiled engine's steps, and the drafts that pay there, wrongly. A
+compiled step computes logits for every token it runs (`logits_rows`), not only each sequence's
+last.
+
 Public API:
 
     CostModel.load_or_fit(info: HardwareInfo | None = None, *, refresh: bool = False,
                           cache_dir: Path | None = None) -> CostModel
-    cost.predict_decode_ms(model, plan=None, *, batch_size=1, context_len=512) -> float
+    cost.predict_decode_ms(model, plan=None, *, batch_size=1, context_len=512,
+                           compiled=False) -> float
         ms of one decode step of `batch_size` sequences at `context_len` tokens of context
         (= the per-token latency each sequence sees)
-    cost.predict_step_ms(model, plan=None, *, num_tokens, num_seqs, context_len=512) -> float
+    cost.predict_step_ms(model, plan=None, *, num_tokens, num_seqs, context_len=512,
+                         compiled=False) -> float
         ms of one decode step computing `num_tokens` tokens over `num_seqs` sequences (a step
-        that verifies drafted tokens)
+        that verifies drafted tokens); `compiled`: the step is a compiled graph
+        (zcode.engine.graph_cache), priced by the coefficients fitted on compiled steps
     cost.predict_prefill_ms(model, plan=None, *, prompt_len=256) -> float
         ms to prefill one prompt of `prompt_len` tokens (divide by prompt_len for ms/token)
 
@@ -123,10 +134,12 @@ def step_features(
     context_len: int,
     num_seqs: int = 1,
     modules: Mapping[str, nn.Module] | None = None,
+    logits_rows: int | None = None,
 ) -> dict[str, float]:
     """The work of one forward step of `num_tokens` new tokens over `num_seqs` sequences of
     `context_len` tokens of context each, as named features (MB, GFLOP, call counts).
-    `modules`: {name: module} run instead of the model's own there (a precision variant's)."""
+    `modules`: {name: module} run instead of the model's own there (a precision variant's);
+    `logits_rows`: the rows lm_head computes (default: the last token of each sequence)."""
     formats, exec_plan = _plan_formats(plan)
     skipped = {f"model.layers.{i}." for i in exec_plan.skip_layers}
     routed = _routed_experts(model, num_tokens)
@@ -150,8 +163,7 @@ def step_features(
         else:
             num_bytes = module.weight.numel() * module.weight.element_size()
         share = exec_plan.ffn_density if ".mlp." in name else 1.0
-        # Only the last token of each sequence reaches lm_head in a step.
-        rows = num_seqs if name == "lm_head" else num_tokens
+        rows = (logits_rows or num_seqs) if name == "lm_head" else num_tokens
         touched = 1.0  # the expected share of steps' weights read: a routed expert's is less
         if (match := _EXPERT_NAME.match(name)) and match.group(1) in routed:
             touched, rows = routed[match.group(1)]
@@ -262,6 +274,8 @@ class CostModel:
     # None: unknown): steps timed on a busy machine are slower than idle, and so is every
     # prediction.
     fit_load_per_core: float | None = None
+    # Decode coefficients of compiled steps (`fit_compiled`); None: not fitted on this machine.
+    compiled_decode: dict[str, float] | None = None
 
     @property
     def fitted_under_load(self) -> bool:
@@ -274,19 +288,24 @@ class CostModel:
         *,
         refresh: bool = False,
         cache_dir: Path | None = None,
+        compiled: bool = False,
     ) -> "CostModel":
         """This machine's fitted model from the cache, else fitted now (minutes) and
-        cached. `info` defaults to the (cached) hardware probe."""
-        info = info or probe(cache_dir=cache_dir)
-        if not refresh and (cached := cls.cached(info, cache_dir)) is not None:
-            return cached
-        from zcode.hardware.cost_fit import fit_smollm2
+        cached. `info` defaults to the (cached) hardware probe. `compiled`: with coefficients
+        of compiled steps too (fitted now, minutes more, if the cached model has none)."""
+        from zcode.hardware.cost_fit import fit_compiled, fit_smollm2
 
+        info = info or probe(cache_dir=cache_dir)
         key = cost_key(info)
-        model, _ = fit_smollm2(key)
-        if model.fitted_under_load:
-            logger.warning(stale_note(model))
-        model.save(cache_path(key, cache_dir))
+        model = None if refresh else cls.cached(info, cache_dir)
+        if model is None:
+            model, _ = fit_smollm2(key)
+            if model.fitted_under_load:
+                logger.warning(stale_note(model))
+            model.save(cache_path(key, cache_dir))
+        if compiled and model.compiled_decode is None:
+            model, _ = fit_compiled(model)
+            model.save(cache_path(key, cache_dir))
         return model
 
     @classmethod
@@ -307,12 +326,13 @@ class CostModel:
         batch_size: int = 1,
         context_len: int = 512,
         modules: Mapping[str, nn.Module] | None = None,
+        compiled: bool = False,
     ) -> float:
         """`modules`: {name: module} predicted in place of the model's own (a precision
-        variant's modules, without swapping them in)."""
+        variant's modules, without swapping them in); `compiled`: a compiled step."""
         return self.predict_step_ms(
             model, plan, num_tokens=batch_size, num_seqs=batch_size, context_len=context_len,
-            modules=modules,
+            modules=modules, compiled=compiled,
         )  # fmt: skip
 
     def predict_step_ms(
@@ -324,11 +344,22 @@ class CostModel:
         num_seqs: int,
         context_len: int = 512,
         modules: Mapping[str, nn.Module] | None = None,
+        compiled: bool = False,
     ) -> float:
         """ms of one decode-like step computing `num_tokens` new tokens over `num_seqs`
-        sequences (more tokens than sequences: a step verifying drafted tokens)."""
-        features = step_features(model, plan, num_tokens, context_len, num_seqs, modules)
-        return predict(self.decode, features)
+        sequences (more tokens than sequences: a step verifying drafted tokens). `compiled`:
+        one compiled graph, which computes logits for all `num_tokens` tokens."""
+        if not compiled:
+            features = step_features(model, plan, num_tokens, context_len, num_seqs, modules)
+            return predict(self.decode, features)
+        if self.compiled_decode is None:
+            raise ValueError(
+                "the cost model has no fit of compiled steps: zcode hw --fit-cost --compiled"
+            )
+        features = step_features(
+            model, plan, num_tokens, context_len, num_seqs, modules, logits_rows=num_tokens
+        )
+        return predict(self.compiled_decode, features)
 
     def predict_prefill_ms(
         self, model: nn.Module, plan: Plan = None, *, prompt_len: int = 256
@@ -364,7 +395,16 @@ def format_cost(cost: CostModel | None) -> str:
     effective GB/s of its weight bytes and the us each call adds."""
     if cost is None:
         return "cost       not fitted (zcode hw --fit-cost, or bench/bench_cost_model.py)"
-    c = cost.decode
+    line = f"cost       decode {_format_coefficients(cost.decode)}"
+    line += f" (fit on {len(cost.fit_plans)} SmolLM2 plans)"
+    if cost.compiled_decode is None:
+        line += "\n           compiled decode not fitted (zcode hw --fit-cost --compiled)"
+    else:
+        line += f"\n           compiled decode {_format_coefficients(cost.compiled_decode)}"
+    return line + (f"\n           {stale_note(cost)}" if cost.fitted_under_load else "")
+
+
+def _format_coefficients(c: Mapping[str, float]) -> str:
     kinds = sorted({name.split(":")[0] for name in c if name.endswith(":MB")} - {"kv"})
 
     def rate(name: str) -> str:
@@ -376,8 +416,7 @@ def format_cost(cost: CostModel | None) -> str:
         parts.append(
             f"{kind} {rate(kind + ':MB')} + {1e3 * c.get(kind + ':calls', 0.0):.0f} us/call"
         )
-    line = f"cost       decode {'; '.join(parts)} (fit on {len(cost.fit_plans)} SmolLM2 plans)"
-    return line + (f"\n           {stale_note(cost)}" if cost.fitted_under_load else "")
+    return "; ".join(parts)
 
 
 def stale_note(cost: CostModel) -> str:

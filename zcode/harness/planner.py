@@ -250,8 +250,10 @@ class Planner:
         kv_paged: bool = False,  # the engine keeps KV per head (per_request_depth)
         router=None,  # zcode.harness.router.Router: skipped-layer depths, routed by input
         speculation: Speculation | None = None,  # the engine drafts (an adaptive policy)
+        compiled: bool = False,  # decode steps are compiled graphs, priced by their own fit
     ) -> None:
         self.model, self.cost, self.kv_paged, self.router = model, cost, kv_paged, router
+        self.compiled = compiled
         self.speculation = speculation if cost is not None else None
         self.kv_bytes_per_head = kv_bytes_per_head(model)
         self.precisions = precision_options(variants)
@@ -318,6 +320,7 @@ class Planner:
                     modules=precision.modules,
                     batch_size=batch_size,
                     context_len=context_len,
+                    compiled=self.compiled,
                 )
             except ValueError as e:  # a kernel kind the fit never measured
                 raise ValidationError(

@@ -11,10 +11,14 @@ picks the k_i that maximise expected tokens per ms,
 
 step_ms from the cost model's decode coefficients (`CostModel.predict_step_ms`), draft_ms the
 drafter's: a draft step over the rows still drafting, costed as the decode step of the
-drafter's `cost_plan()` (n-gram lookup: free). Drafts are added one at a time, the one most
-likely to be accepted first (request i's next draft counts with probability a_i^(k_i + 1));
-the best rate seen along that path wins, so a draft cost that pays only from the second draft
-on is not refused at the first.
+drafter's `cost_plan()` (n-gram lookup: free). In an engine that compiles its steps, a step is
+priced as the graph that runs it: by the coefficients fitted on compiled steps, its rows padded
+to the batch bucket and each row to the step's query width (a power of two at least 1 + the
+most drafts of a row), so a third draft costs what a fourth does.
+
+Drafts are added one at a time, the one most likely to be accepted first (request i's next
+draft counts with probability a_i^(k_i + 1)); the best rate seen along that path wins, so a
+draft cost that pays only from the second draft on is not refused at the first.
 
 A request's acceptance rate: its own accepted / drafted tokens, shrunk toward the engine's rate
 over all requests (a prior worth PRIOR_TOKENS drafted tokens), itself shrunk toward
@@ -44,23 +48,32 @@ def expected_accepted(acceptance: float, num_drafts: int) -> float:
 
 class DraftPolicy:
     def __init__(
-        self, cost_model, model: nn.Module, draft_plan: ExecutionPlan | None, plan=None
+        self,
+        cost_model,
+        model: nn.Module,
+        draft_plan: ExecutionPlan | None,
+        plan=None,
+        graph_buckets: list[int] | None = None,
     ) -> None:
         """`cost_model`: a fitted zcode.hardware.cost_model.CostModel; `draft_plan`: the plan
         whose decode step costs what one draft step does (None: drafting is free); `plan`: the
-        plan the verifying steps run (None: the model as loaded)."""
+        plan the verifying steps run (None: the model as loaded); `graph_buckets`: the batch
+        buckets of an engine whose decode, verifying and draft steps are compiled graphs
+        (GraphCache.buckets; the cost model then needs its compiled fit), None: eager steps."""
         self.cost, self.model = cost_model, model
         self.draft_plan, self.plan = draft_plan, plan
+        self.graph_buckets = graph_buckets
         self.steps_without_drafts: dict[int, int] = {}  # seq_id -> steps since it last drafted
         self._ms: dict[tuple, float] = {}
         self._signatures: dict[int, tuple] = {}  # id(plan) -> (plan, its signature)
 
     def limit(
-        self, scheduled: list[ScheduledSeq], engine_totals: dict[str, int]
+        self, scheduled: list[ScheduledSeq], engine_totals: dict[str, int], compiled: bool = False
     ) -> list[ScheduledSeq]:
         """`scheduled` with each adaptive request's draft slots cut to the number that pays
         (requests that set num_draft_tokens keep theirs). `engine_totals`: the engine's
-        num_draft_tokens / num_accepted_tokens so far."""
+        num_draft_tokens / num_accepted_tokens so far; `compiled`: the step runs as one compiled
+        graph (ModelRunner.runs_compiled)."""
         adaptive = [
             i
             for i, s in enumerate(scheduled)
@@ -84,6 +97,7 @@ class DraftPolicy:
             base_yield=sum(s.completes_prompt for s in scheduled)
             + sum(expected_accepted(prior, k) for k in fixed_drafts),
             fixed_drafts=fixed_drafts,
+            compiled=compiled,
         )
         out = list(scheduled)
         for i, k in zip(adaptive, drafts):
@@ -108,11 +122,14 @@ class DraftPolicy:
         context_len: int,
         base_yield: float,
         fixed_drafts: list[int] = (),
+        compiled: bool = False,
     ) -> list[int]:
         """Drafts per adaptive request (acceptance `rates`, at most `max_drafts` each) that
         maximise expected tokens per ms in a step that, without them, computes `num_tokens`
         tokens over `num_seqs` sequences and yields `base_yield` tokens; `fixed_drafts`: the
-        draft counts of requests that set theirs (their drafting costs too)."""
+        draft counts of requests that set theirs (their drafting costs too); `compiled`: the
+        step and the drafts run as compiled graphs (priced so where graph_buckets is set)."""
+        compiled = compiled and self.graph_buckets is not None
         rates = [min(max(a, 0.0), MAX_ACCEPTANCE) for a in rates]
         context = _bucket(context_len)
         drafts = [0] * len(rates)
@@ -124,8 +141,9 @@ class DraftPolicy:
         tokens, num_drafted = base_yield, 0
 
         def tokens_per_ms() -> float:
-            ms = self._step_ms(num_tokens + num_drafted, num_seqs, context)
-            return tokens / (ms + self._draft_ms(rows, context))
+            width = 1 + max([*drafts, *fixed_drafts, 0]) if compiled else None
+            ms = self._step_ms(num_tokens + num_drafted, num_seqs, context, width=width)
+            return tokens / (ms + self._draft_ms(rows, context, compiled))
 
         best, best_rate = list(drafts), tokens_per_ms()
         # (-gain of request i's next draft, i): its acceptance to the power of its position
@@ -153,15 +171,18 @@ class DraftPolicy:
         modules: dict | None = None,
     ) -> float:
         """Predicted decode speed with `num_drafts` drafts per request at this acceptance rate,
-        over plain decoding's, for a batch of `num_seqs` decoding requests. `plan`, `modules`:
-        the verifying steps' plan and the precision modules it runs (CostModel.predict_step_ms;
-        default: the policy's plan)."""
+        over plain decoding's, for a batch of `num_seqs` decoding requests (compiled steps
+        where the engine compiles). `plan`, `modules`: the verifying steps' plan and the
+        precision modules it runs (CostModel.predict_step_ms; default: the policy's plan)."""
+        compiled = self.graph_buckets is not None
         verify = (plan, modules)
         context = _bucket(context_len)
         accepted = expected_accepted(min(acceptance, MAX_ACCEPTANCE), num_drafts)
-        ms = self._step_ms(num_seqs * (1 + num_drafts), num_seqs, context, *verify)
-        ms += self._draft_ms([num_seqs] * num_drafts, context)
-        return (1 + accepted) * self._step_ms(num_seqs, num_seqs, context, *verify) / ms
+        width, plain_width = (1 + num_drafts, 1) if compiled else (None, None)
+        ms = self._step_ms(num_seqs * (1 + num_drafts), num_seqs, context, *verify, width=width)
+        ms += self._draft_ms([num_seqs] * num_drafts, context, compiled)
+        plain_ms = self._step_ms(num_seqs, num_seqs, context, *verify, width=plain_width)
+        return (1 + accepted) * plain_ms / ms
 
     def best_gain(self, acceptance: float, max_drafts: int, **step) -> tuple[int, float]:
         """(drafts per step, predicted gain) of the draft count up to `max_drafts` the
@@ -170,28 +191,56 @@ class DraftPolicy:
         gains = [(k, self.predicted_gain(acceptance, k, **step)) for k in range(1, max_drafts + 1)]
         return max([(0, 1.0), *gains], key=lambda kg: kg[1])
 
-    def _draft_ms(self, rows: list[int], context_len: int) -> float:
+    def _draft_ms(self, rows: list[int], context_len: int, compiled: bool = False) -> float:
         """Draft step j runs the rows[j] requests drafting a j-th token (none: no step)."""
         if self.draft_plan is None:
             return 0.0
-        return sum(self._draft_step_ms(n, context_len) for n in rows if n)
+        return sum(self._draft_step_ms(n, context_len, compiled) for n in rows if n)
 
     def _step_ms(
-        self, num_tokens: int, num_seqs: int, context_len: int, plan=None, modules=None
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        context_len: int,
+        plan=None,
+        modules=None,
+        width: int | None = None,
     ) -> float:
+        """A verifying (or plain) step's ms; `width`: the step is a compiled graph whose rows
+        each hold 1 + the most drafts of a row (None: eager, `num_tokens` tokens)."""
+        plan = plan or self.plan
+        if width is not None:  # the graph's shape: rows in their bucket, a power-of-two width
+            rows = self._graph_rows(num_seqs)
+            tokens = rows * (1 << (width - 1).bit_length())
+            return self._predict(plan, tokens, rows, context_len, modules, compiled=True)
+
         def exact(tokens: int) -> float:
-            return self._predict(plan or self.plan, tokens, num_seqs, context_len, modules)
+            return self._predict(plan, tokens, num_seqs, context_len, modules)
 
         return _interpolated(exact, num_tokens, num_seqs)
 
-    def _draft_step_ms(self, num_rows: int, context_len: int) -> float:
+    def _draft_step_ms(self, num_rows: int, context_len: int, compiled: bool) -> float:
+        if compiled:
+            rows = self._graph_rows(num_rows)
+            return self._predict(self.draft_plan, rows, rows, context_len, compiled=True)
+
         def exact(rows: int) -> float:
             return self._predict(self.draft_plan, rows, rows, context_len)
 
         return _interpolated(exact, num_rows, 1)
 
+    def _graph_rows(self, num_seqs: int) -> int:
+        """The batch bucket a compiled graph of `num_seqs` rows runs at (GraphCache.bucket)."""
+        return next((b for b in self.graph_buckets if b >= num_seqs), num_seqs)
+
     def _predict(
-        self, plan, num_tokens: int, num_seqs: int, context_len: int, modules=None
+        self,
+        plan,
+        num_tokens: int,
+        num_seqs: int,
+        context_len: int,
+        modules=None,
+        compiled: bool = False,
     ) -> float:
         """The cost model's step ms, remembered (its features walk every linear of the model)."""
         # The plan by its signature (skips in it; the name and drafts not), computed once per
@@ -199,10 +248,11 @@ class DraftPolicy:
         if (known := self._signatures.get(id(plan))) is None or known[0] is not plan:
             known = self._signatures[id(plan)] = (plan, plan and plan.signature())
         key = (known[1], id(modules) if modules else None, num_tokens, num_seqs, context_len)
+        key += (compiled,)
         if key not in self._ms:
             self._ms[key] = self.cost.predict_step_ms(
                 self.model, plan, num_tokens=num_tokens, num_seqs=num_seqs,
-                context_len=context_len, modules=modules,
+                context_len=context_len, modules=modules, compiled=compiled,
             )  # fmt: skip
         return self._ms[key]
 
