@@ -180,6 +180,21 @@ def test_a_compiled_engine_drafts_by_the_cost_of_compiled_steps(tiny):
     assert any(width > 1 for _, _, width in pays.runner.graphs.graphs)
 
 
+def test_acceptance_counts_the_slots_a_lookup_left_empty(tiny):
+    """A random prompt gives n-gram lookup little to match: it fills few of the slots it is
+    asked for, and the policy's acceptance (accepted tokens per slot) is below the accepted
+    share of the drafts it did make."""
+    spec = engine(tiny, None, draft_policy="fixed")
+    outs = run(spec, [(ids, GREEDY) for ids in prompts()[:3]])
+    totals = spec.spec_totals
+    assert totals["num_draft_tokens"] < totals["num_draft_slots"]
+    assert sum(o.plan.speculative["num_draft_tokens"] for o in outs) == totals["num_draft_tokens"]
+    per_slot = totals["num_accepted_tokens"] / totals["num_draft_slots"]
+    assert per_slot < totals["num_accepted_tokens"] / totals["num_draft_tokens"]
+    steps = len(outs) * (GREEDY.max_tokens - 1)  # every decode step asks for 3 slots
+    assert totals["num_draft_slots"] <= 3 * steps
+
+
 def test_without_a_fitted_cost_model_every_request_drafts_its_tokens(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("ZCODE_CACHE_DIR", str(tmp_path))  # nothing fitted there
     out = run(engine(tiny, None), [(prompts()[-1], GREEDY)])[0]

@@ -85,6 +85,9 @@ class LLMEngine:
         # vLLM's spec-decode counters, running totals: steps that verified drafts, drafted
         # tokens, accepted tokens, and accepted tokens by draft position.
         self.spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        # Draft slots the drafter was asked to fill (>= num_draft_tokens: a lookup that finds
+        # nothing fills none): the adaptive policy's acceptance is accepted tokens per slot.
+        self.spec_totals["num_draft_slots"] = 0
         self.spec_accepted_per_pos = [0] * config.num_draft_tokens
         self._frozen_at_compiles = -1
         self._freeze_heap()
@@ -369,6 +372,8 @@ class LLMEngine:
             return
         for s, tokens in zip(wanting, drafts):
             s.seq.spec_token_ids = tokens[: s.num_lookahead_tokens]
+            s.seq.num_draft_slots += s.num_lookahead_tokens
+            self.spec_totals["num_draft_slots"] += s.num_lookahead_tokens
 
     def _update(self, ran: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[RequestOutput]:
         verifying = []

@@ -63,6 +63,7 @@ class Sequence:
         self.num_spec_steps = 0  # steps that verified at least one drafted token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_draft_slots = 0  # drafts the drafter was asked for (it may propose fewer)
 
     @property
     def num_tokens(self) -> int:

@@ -20,10 +20,12 @@ Drafts are added one at a time, the one most likely to be accepted first (reques
 draft counts with probability a_i^(k_i + 1)); the best rate seen along that path wins, so a
 draft cost that pays only from the second draft on is not refused at the first.
 
-A request's acceptance rate: its own accepted / drafted tokens, shrunk toward the engine's rate
-over all requests (a prior worth PRIOR_TOKENS drafted tokens), itself shrunk toward
-PRIOR_ACCEPTANCE before much was measured. A request held at no drafts still drafts one token
-every PROBE_EVERY steps, so its estimate can recover when its text turns predictable.
+A request's acceptance rate: its own accepted tokens per draft slot (the drafts the drafter was
+asked for: an n-gram lookup that finds no match fills none, and the step still verifies the
+other rows' drafts at its width), shrunk toward the engine's rate over all requests (a prior
+worth PRIOR_TOKENS draft slots), itself shrunk toward PRIOR_ACCEPTANCE before much was measured.
+A request held at no drafts still drafts one token every PROBE_EVERY steps, so its estimate can
+recover when its text turns predictable.
 """
 
 import heapq
@@ -83,7 +85,7 @@ class DraftPolicy:
             return scheduled
         prior = engine_acceptance(engine_totals)
         rates = [
-            _shrunk(scheduled[i].seq.num_accepted_tokens, scheduled[i].seq.num_draft_tokens, prior)
+            _shrunk(scheduled[i].seq.num_accepted_tokens, scheduled[i].seq.num_draft_slots, prior)
             for i in adaptive
         ]
         others = [s for i, s in enumerate(scheduled) if i not in adaptive]
@@ -275,9 +277,9 @@ def _bucket(context_len: int) -> int:
 
 
 def engine_acceptance(totals: dict[str, int]) -> float:
-    """The engine's acceptance rate over all requests so far (LLMEngine.spec_totals), shrunk
-    toward PRIOR_ACCEPTANCE: every request's prior."""
-    return _shrunk(totals["num_accepted_tokens"], totals["num_draft_tokens"], PRIOR_ACCEPTANCE)
+    """The engine's acceptance rate, accepted tokens per draft slot over all requests so far
+    (LLMEngine.spec_totals), shrunk toward PRIOR_ACCEPTANCE: every request's prior."""
+    return _shrunk(totals["num_accepted_tokens"], totals["num_draft_slots"], PRIOR_ACCEPTANCE)
 
 
 def _shrunk(accepted: int, drafted: int, prior: float) -> float:
