@@ -235,6 +235,28 @@ def test_skip_layers_draft_of_an_identity_layer_is_always_accepted(tiny_checkpoi
     assert totals["num_accepted_tokens"] >= 0.95 * totals["num_draft_tokens"] > 0, totals
 
 
+def test_a_self_draft_reads_the_kv_its_model_reads(tiny_checkpoint):
+    """Engines over one model take turns on the KV cache of the engine built last. A self-draft
+    is a second module tree sharing the model's cache dicts, so after another engine is built
+    it drafts from the same KV as its model (it kept the older engine's, without the prompt:
+    bench_spec's fixed W4A8 draft fell to 0.4x plain beside an adaptive one)."""
+    checkpoint = tiny_checkpoint("llama")
+    llm = LLM(
+        checkpoint.path,
+        kv_cache_bytes=1 << 20,
+        block_size=BLOCK,
+        speculative="quantized",
+        draft_format="bf16",
+        draft_policy="fixed",
+    )
+    LLMEngine(llm.model, llm.tokenizer, dataclasses.replace(llm.config, speculative=None))
+    outputs = llm.generate(prompts(), GREEDY)
+    for prompt, out in zip(prompts(), outputs, strict=True):
+        assert out.token_ids == oracle_greedy(checkpoint.oracle, prompt, GREEDY.max_tokens)
+    totals = llm.engine.spec_totals
+    assert totals["num_accepted_tokens"] >= 0.9 * totals["num_draft_tokens"] > 0, totals
+
+
 def test_a_bf16_draft_is_nearly_always_accepted(tiny_checkpoint):
     """The model with bf16 weights drafts what the fp32 model would, so nearly every draft is
     accepted unless the draft ran at the wrong positions or read the wrong KV; the model is

@@ -43,20 +43,33 @@ class KVCache:
                 for name, shape in spec.items()
             }
             for layer in attention_layers:
-                layer.cache = dict(pages) if layer.cache_spec() else {}
+                _bind(layer, pages if layer.cache_spec() else {})
             self.pages = pages["kv"]
             return
         for layer in attention_layers:
-            layer.cache = {
+            _bind(layer, {
                 name: torch.zeros(num_blocks, block_size, *shape, dtype=dtype)
                 for name, shape in layer.cache_spec().items()
-            }
+            })  # fmt: skip
 
     @staticmethod
     def num_blocks_for(
         memory_bytes: int, attention_layers: list[nn.Module], block_size: int, dtype: torch.dtype
     ) -> int:
         return max(1, memory_bytes // (kv_bytes_per_token(attention_layers, dtype) * block_size))
+
+
+def _bind(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Puts `tensors` in the layer's cache dict, in place: a second module tree over the model
+    (a self-draft, zcode.quant.variants.copy_with) shares that dict, and so reads and writes the
+    KV of the engine built last, as the model does (engines over one model take turns; a new
+    dict would leave the copy on the KV of an earlier engine, drafting without the prompt)."""
+    cache = vars(layer).get("cache")
+    if isinstance(cache, dict):
+        cache.clear()
+        cache.update(tensors)
+    else:
+        layer.cache = dict(tensors)
 
 
 def page_layout(attention_layers: list[nn.Module]) -> tuple[dict[str, tuple], list[int]]:

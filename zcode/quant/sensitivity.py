@@ -76,14 +76,15 @@ class SingleSequenceRunner:
 
     def __enter__(self) -> "SingleSequenceRunner":
         layers = self.model.attention_layers()
-        self.saved_caches = [layer.cache for layer in layers]
+        self.saved_caches = [dict(layer.cache) for layer in layers]  # KVCache binds in place
         dtype = next(self.model.parameters()).dtype
         KVCache(layers, self.num_blocks, BLOCK_SIZE, dtype)
         return self
 
     def __exit__(self, *exc) -> None:
         for layer, cache in zip(self.model.attention_layers(), self.saved_caches):
-            layer.cache = cache
+            layer.cache.clear()
+            layer.cache.update(cache)
 
     @torch.inference_mode()
     def log_probs(self) -> torch.Tensor:
