@@ -209,6 +209,10 @@ def test_compiled_drafts_and_verification_give_transformers_outputs(name, method
     drafter_graphs = getattr(llm.engine.drafter, "graphs", None)
     if method != "ngram":
         assert drafter_graphs.num_compiles > 0 and drafter_graphs.direct
+        # gc.freeze ran after the draft's graphs were built too (else every full collection
+        # walks them: ~20% of a SmolLM2 step)
+        compiles = llm.engine.runner.graphs.num_compiles + drafter_graphs.num_compiles
+        assert llm.engine._frozen_at_compiles == compiles
     assert {
         name: id(t) for name, t in llm.model.state_dict(keep_vars=True).items()
     } == weights_before
@@ -235,13 +239,9 @@ def test_skip_layers_draft_of_an_identity_layer_is_always_accepted(tiny_checkpoi
     assert totals["num_accepted_tokens"] >= 0.95 * totals["num_draft_tokens"] > 0, totals
 
 
-def test_a_self_draft_reads_the_kv_its_model_reads(tiny_checkpoint):
-    """Engines over one model take turns on the KV cache of the engine built last. A self-draft
-    is a second module tree sharing the model's cache dicts, so after another engine is built
-    it drafts from the same KV as its model (it kept the older engine's, without the prompt:
-    bench_spec's fixed W4A8 draft fell to 0.4x plain beside an adaptive one)."""
-    checkpoint = tiny_checkpoint("llama")
-    llm = LLM(
+def bf16_drafting(checkpoint) -> LLM:
+    """The tiny model drafting with its own weights in bf16: nearly every draft is accepted."""
+    return LLM(
         checkpoint.path,
         kv_cache_bytes=1 << 20,
         block_size=BLOCK,
@@ -249,6 +249,15 @@ def test_a_self_draft_reads_the_kv_its_model_reads(tiny_checkpoint):
         draft_format="bf16",
         draft_policy="fixed",
     )
+
+
+def test_a_self_draft_reads_the_kv_its_model_reads(tiny_checkpoint):
+    """Engines over one model take turns on the KV cache of the engine built last. A self-draft
+    is a second module tree sharing the model's cache dicts, so after another engine is built
+    it drafts from the same KV as its model (it kept the older engine's, without the prompt:
+    bench_spec's fixed W4A8 draft fell to 0.4x plain beside an adaptive one)."""
+    checkpoint = tiny_checkpoint("llama")
+    llm = bf16_drafting(checkpoint)
     LLMEngine(llm.model, llm.tokenizer, dataclasses.replace(llm.config, speculative=None))
     outputs = llm.generate(prompts(), GREEDY)
     for prompt, out in zip(prompts(), outputs, strict=True):
@@ -262,14 +271,7 @@ def test_a_bf16_draft_is_nearly_always_accepted(tiny_checkpoint):
     accepted unless the draft ran at the wrong positions or read the wrong KV; the model is
     back in fp32 after each draft (the outputs are transformers')."""
     checkpoint = tiny_checkpoint("llama")
-    llm = LLM(
-        checkpoint.path,
-        kv_cache_bytes=1 << 20,
-        block_size=BLOCK,
-        speculative="quantized",
-        draft_format="bf16",
-        draft_policy="fixed",
-    )
+    llm = bf16_drafting(checkpoint)
     outputs = llm.generate(prompts(), GREEDY)
     for prompt, out in zip(prompts(), outputs, strict=True):
         assert out.token_ids == oracle_greedy(checkpoint.oracle, prompt, GREEDY.max_tokens)

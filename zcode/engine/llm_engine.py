@@ -97,11 +97,13 @@ class LLMEngine:
         objects) out of the garbage collector's walks (gc.freeze, as vLLM does after start-up).
         Else each full collection walks them all: on SmolLM2's compiled decode that was ~20% of
         the main thread's time (5.3 ms a token frozen, 7.3 not). Again after a step that
-        compiled graphs. Objects that die later are freed as ever (reference counts); only a
-        reference cycle among frozen objects stays, until exit (they are unfrozen then, so the
-        interpreter's last collection frees them: extension types report leaks otherwise)."""
-        graphs = self.runner.graphs
-        compiles = 0 if graphs is None else graphs.num_compiles
+        compiled graphs (its own or its drafter's). Objects that die later are freed as ever
+        (reference counts); only a reference cycle among frozen objects stays, until exit (they
+        are unfrozen then, so the interpreter's last collection frees them: extension types
+        report leaks otherwise)."""
+        # The drafter's graphs too: a self-draft compiles its own (zcode.spec.self_draft).
+        caches = (self.runner.graphs, getattr(self.drafter, "graphs", None))
+        compiles = sum(graphs.num_compiles for graphs in caches if graphs is not None)
         if compiles != self._frozen_at_compiles:
             gc.collect()
             gc.freeze()
