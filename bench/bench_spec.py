@@ -120,12 +120,14 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
             runs = {name: [] for name in engines}
             for engine in engines.values():  # untimed: compiles graphs, tunes kernels
                 decode_run(engine, prompts[:batch], args.num_new)
-                engine.spec_totals = dict.fromkeys(engine.spec_totals, 0)
+            # The cell's counts are differences: the adaptive policy learns the engine's
+            # acceptance from these totals (its prior for new requests), as a server's does.
+            before = {name: dict(engine.spec_totals) for name, engine in engines.items()}
             for _ in range(args.repeats):
                 for name, engine in engines.items():
                     runs[name].append(decode_run(engine, prompts[:batch], args.num_new))
             for name, engine in engines.items():
-                totals = engine.spec_totals
+                totals = {k: v - before[name][k] for k, v in engine.spec_totals.items()}
                 steps = sum(r[2] for r in runs[name])
                 cells.append(
                     {
@@ -141,7 +143,6 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
                         "drafts_per_step": totals["num_draft_tokens"] / (batch * steps),
                     }
                 )
-                engine.spec_totals = dict.fromkeys(totals, 0)
             medians = {name: statistics.median(r[0] for r in runs[name]) for name in engines}
             print(f"{workload} batch {batch}: median tok/s {medians}", flush=True)
     return cells
