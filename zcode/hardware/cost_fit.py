@@ -88,7 +88,8 @@ CHECK_SETTINGS = ((DECODE, 1, 1000), (DECODE, 2, 128), (PREFILL, 1, 160))
 # coefficients, and a graph of 8 layers builds in ~20 s here against ~80 s for all 30 (three graphs
 # an engine: batch buckets 1, 4 and 16). Two depths, because at one depth every plan makes as
 # many linear calls per step as every other, and the fit cannot tell a cost per call from a cost
-# per step (at 6 layers alone it priced a 30-layer W4A8 step at 8.2 ms against 4.9 measured).
+# per step (a fit at 6 layers alone put no cost on the step and priced a 30-layer W4A8 step at
+# 8.2 ms, against 6.7 from two depths and 6.3-7.4 measured).
 COMPILED_FIT_DEPTHS = (2, 8)
 _ONE_PER_KIND = ("fp32", "bf16-model", "int8", "int4-g32", "bf16", "w8a8", "w4a8")
 COMPILED_FIT_PLANS = tuple(p for p in FIT_PLANS if p.name in _ONE_PER_KIND)

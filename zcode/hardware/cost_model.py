@@ -19,7 +19,7 @@ SmolLM2-135M (`fit_smollm2`), and cached as JSON next to the hardware probe.
 Compiled decode steps get coefficients of their own (`compiled_decode`, fitted apart on compiled
 steps of 2 and 8 layers of SmolLM2 by `fit_compiled`, since a whole-model graph takes ~80 s to
 build here): without Python between the ops, a step's fixed and per-call costs are a fraction of
-an eager step's (SmolLM2 bf16 at batch 1: ~12 ms compiled, several times that eager), so eager
+an eager step's (SmolLM2 bf16 at batch 1: ~12 ms compiled against ~20 eager), so eager
 coefficients would price a compiled engine's steps, and the drafts that pay there, wrongly. A
 compiled step computes logits for every token it runs (`logits_rows`), not only each sequence's
 last.
@@ -27,7 +27,7 @@ last.
 Public API:
 
     CostModel.load_or_fit(info: HardwareInfo | None = None, *, refresh: bool = False,
-                          cache_dir: Path | None = None) -> CostModel
+                          cache_dir: Path | None = None, compiled: bool = False) -> CostModel
     cost.predict_decode_ms(model, plan=None, *, batch_size=1, context_len=512,
                            compiled=False) -> float
         ms of one decode step of `batch_size` sequences at `context_len` tokens of context

@@ -74,7 +74,7 @@ class DraftPolicy:
     ) -> list[ScheduledSeq]:
         """`scheduled` with each adaptive request's draft slots cut to the number that pays
         (requests that set num_draft_tokens keep theirs). `engine_totals`: the engine's
-        num_draft_tokens / num_accepted_tokens so far; `compiled`: the step runs as one compiled
+        num_draft_slots / num_accepted_tokens so far; `compiled`: the step runs as one compiled
         graph (ModelRunner.runs_compiled)."""
         adaptive = [
             i
@@ -249,8 +249,8 @@ class DraftPolicy:
         # plan object: this runs for every draft the policy weighs.
         if (known := self._signatures.get(id(plan))) is None or known[0] is not plan:
             known = self._signatures[id(plan)] = (plan, plan and plan.signature())
-        key = (known[1], id(modules) if modules else None, num_tokens, num_seqs, context_len)
-        key += (compiled,)
+        shape = (num_tokens, num_seqs, context_len, compiled)
+        key = (known[1], id(modules) if modules else None, *shape)
         if key not in self._ms:
             self._ms[key] = self.cost.predict_step_ms(
                 self.model, plan, num_tokens=num_tokens, num_seqs=num_seqs,
