@@ -19,7 +19,8 @@ from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
-from zcode.spec.policy import PROBE_EVERY, DraftPolicy, expected_accepted
+from zcode.spec.drafter import Drafter
+from zcode.spec.policy import PROBE_EVERY, DraftPolicy, expected_accepted, exploring_acceptance
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PROBES = GREEDY.max_tokens // PROBE_EVERY + 1  # the most drafts a request held at none makes
@@ -180,19 +181,65 @@ def test_a_compiled_engine_drafts_by_the_cost_of_compiled_steps(tiny):
     assert any(width > 1 for _, _, width in pays.runner.graphs.graphs)
 
 
-def test_acceptance_counts_the_slots_a_lookup_left_empty(tiny):
-    """A random prompt gives n-gram lookup little to match: it fills few of the slots it is
-    asked for, and the policy's acceptance (accepted tokens per slot) is below the accepted
-    share of the drafts it did make."""
+class KnowingDrafter(Drafter):
+    """Drafts the target's own next `num_right` tokens (from a plain run), then `num_wrong`
+    wrong ones; records the slots it was asked for."""
+
+    def __init__(self, prompt: list[int], plain: list[int], num_right: int, num_wrong: int):
+        self.prompt, self.plain = prompt, plain
+        self.num_right, self.num_wrong = num_right, num_wrong
+        self.slots: list[int] = []
+
+    def propose(self, seqs, max_num_tokens):
+        (seq,), (slots,) = seqs, max_num_tokens
+        self.slots.append(slots)
+        at = seq.num_tokens - len(self.prompt)
+        right = self.plain[at : at + self.num_right]
+        wrong = [(t + 1) % 100 for t in self.plain[at + len(right) :][: self.num_wrong]]
+        return [(right + wrong)[:slots]]
+
+
+@pytest.mark.parametrize("num_wrong", [0, 2])
+def test_acceptance_is_accepted_drafts_per_position_tried(tiny, num_wrong):
+    """Each step drafts one right token, then wrong ones or nothing: verification tries two
+    positions (the right draft, then a rejected draft or an empty slot) and accepts one, so the
+    policy's acceptance is one in two either way, where accepted per draft would be 1/3 or 1
+    and accepted per slot 1/3. The last step has one slot (two tokens a step from the first
+    output token on, an odd max_tokens): one right draft fills it, one position tried."""
+    prompt = prompts()[0]
+    params = dataclasses.replace(GREEDY, max_tokens=41)
+    no_drafts = dataclasses.replace(params, num_draft_tokens=0)
+    plain = run(engine(tiny, None, draft_policy="fixed"), [(prompt, no_drafts)])[0].token_ids
     spec = engine(tiny, None, draft_policy="fixed")
-    outs = run(spec, [(ids, GREEDY) for ids in prompts()[:3]])
+    spec.drafter = drafter = KnowingDrafter(prompt, plain, 1, num_wrong)
+    assert run(spec, [(prompt, params)])[0].token_ids == plain
+    assert drafter.slots == [3] * 19 + [1]
     totals = spec.spec_totals
-    assert totals["num_draft_tokens"] < totals["num_draft_slots"]
-    assert sum(o.plan.speculative["num_draft_tokens"] for o in outs) == totals["num_draft_tokens"]
-    per_slot = totals["num_accepted_tokens"] / totals["num_draft_slots"]
-    assert per_slot < totals["num_accepted_tokens"] / totals["num_draft_tokens"]
-    steps = len(outs) * (GREEDY.max_tokens - 1)  # every decode step asks for 3 slots
-    assert totals["num_draft_slots"] <= 3 * steps
+    assert totals["num_accepted_tokens"] == 20
+    assert totals["num_draft_trials"] == 19 * 2 + 1
+    assert totals["num_draft_tokens"] == sum(min(n, 1 + num_wrong) for n in drafter.slots)
+
+
+def test_a_new_engine_tries_a_drafter_and_keeps_what_pays(tiny):
+    """Drafting pays here only from an acceptance of ~0.8 on (a draft step costs 0.7 of a
+    verifying step): a new engine, knowing 0.5, drafts by its upper confidence bound, so a
+    drafter that is always right drafts (nearly) every step, where a policy drafting by the
+    point estimate would only probe; one that is always wrong stops after a few steps."""
+    prompt = prompts()[0]
+    no_drafts = dataclasses.replace(GREEDY, num_draft_tokens=0)
+    plain = run(engine(tiny, None, draft_policy="fixed"), [(prompt, no_drafts)])[0].token_ids
+    assert exploring_acceptance(engine(tiny, None).spec_totals) > 0.8
+    drafted = {}
+    for num_right in (3, 0):
+        spec = engine(tiny, LinearCost(10.0, 0.01, draft_ms=7.0))
+        spec.draft_policy.draft_plan = ExecutionPlan(name="draft")
+        spec.drafter = KnowingDrafter(prompt, plain, num_right, 3 - num_right)
+        out = run(spec, [(prompt, GREEDY)])[0]
+        assert out.token_ids == plain
+        drafted[num_right] = out.plan.speculative["num_draft_tokens"]
+    # at least 1 draft a step (it then yields 2 tokens or more), and more once measured
+    assert drafted[3] > GREEDY.max_tokens // 2
+    assert drafted[0] <= 3 * 3 + PROBES
 
 
 def test_without_a_fitted_cost_model_every_request_drafts_its_tokens(tiny, tmp_path, monkeypatch):

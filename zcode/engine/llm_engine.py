@@ -85,9 +85,9 @@ class LLMEngine:
         # vLLM's spec-decode counters, running totals: steps that verified drafts, drafted
         # tokens, accepted tokens, and accepted tokens by draft position.
         self.spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-        # Draft slots the drafter was asked to fill (>= num_draft_tokens: a lookup that finds
-        # nothing fills none): the adaptive policy's acceptance is accepted tokens per slot.
-        self.spec_totals["num_draft_slots"] = 0
+        # Draft positions verification tried (zcode.engine.sequence.Sequence.num_draft_trials):
+        # the adaptive policy's acceptance is accepted tokens per trial.
+        self.spec_totals["num_draft_trials"] = 0
         self.spec_accepted_per_pos = [0] * config.num_draft_tokens
         self._frozen_at_compiles = -1
         self._freeze_heap()
@@ -374,8 +374,6 @@ class LLMEngine:
             return
         for s, tokens in zip(wanting, drafts):
             s.seq.spec_token_ids = tokens[: s.num_lookahead_tokens]
-            s.seq.num_draft_slots += s.num_lookahead_tokens
-            self.spec_totals["num_draft_slots"] += s.num_lookahead_tokens
 
     def _update(self, ran: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[RequestOutput]:
         verifying = []
@@ -387,12 +385,14 @@ class LLMEngine:
             seq.num_computed_tokens += s.num_new_tokens  # drafts count once accepted
             if completes:
                 verifying.append((seq, seq_logits[-1 - len(seq.spec_token_ids) :]))
+        slots = {s.seq.seq_id: s.num_lookahead_tokens for s, _ in ran}
         new_token_ids, outputs = self._accept(verifying)
         for seq, _ in verifying:
             drafts, seq.spec_token_ids = seq.spec_token_ids, []
             new = new_token_ids[seq.seq_id]
-            if drafts:  # tokens stop at the first one that is not its draft
-                self._record_acceptance(seq, len(drafts), sum(t == d for t, d in zip(new, drafts)))
+            if slots[seq.seq_id]:  # tokens stop at the first one that is not its draft
+                accepted = sum(t == d for t, d in zip(new, drafts))
+                self._record_acceptance(seq, len(drafts), accepted, slots[seq.seq_id])
             if seq.finish_reason == "error":  # its output is among the failures
                 continue
             if not seq.is_finished:
@@ -431,7 +431,18 @@ class LLMEngine:
             position += 1
         return new_token_ids, failures
 
-    def _record_acceptance(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+    def _record_acceptance(
+        self, seq: Sequence, num_drafts: int, num_accepted: int, num_slots: int
+    ) -> None:
+        """A step that gave `seq` room for `num_slots` drafts: the drafter made `num_drafts`,
+        verification kept `num_accepted`."""
+        # Tried: the accepted drafts and the position where the run of them ended, a rejected
+        # draft or a slot the drafter left empty (none if every slot was filled and kept).
+        num_trials = num_accepted + (num_accepted < num_slots)
+        seq.num_draft_trials += num_trials
+        self.spec_totals["num_draft_trials"] += num_trials
+        if not num_drafts:
+            return
         seq.num_spec_steps += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted

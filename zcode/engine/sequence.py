@@ -63,7 +63,12 @@ class Sequence:
         self.num_spec_steps = 0  # steps that verified at least one drafted token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.num_draft_slots = 0  # drafts the drafter was asked for (it may propose fewer)
+        # Draft positions verification tried: each accepted draft, and where the step's run of
+        # drafts ended before its slots did (a rejected draft, or a slot the drafter left
+        # empty). Under the draft policy's model (each draft accepted with probability a once
+        # those before it were), accepted / tried is the maximum-likelihood a; accepted per
+        # draft or per slot would understate it (with 3 slots and a = 0.95, 0.90 per slot).
+        self.num_draft_trials = 0
 
     @property
     def num_tokens(self) -> int:

@@ -20,15 +20,21 @@ Drafts are added one at a time, the one most likely to be accepted first (reques
 draft counts with probability a_i^(k_i + 1)); the best rate seen along that path wins, so a
 draft cost that pays only from the second draft on is not refused at the first.
 
-A request's acceptance rate: its own accepted tokens per draft slot (the drafts the drafter was
-asked for: an n-gram lookup that finds no match fills none, and the step still verifies the
-other rows' drafts at its width), shrunk toward the engine's rate over all requests (a prior
-worth PRIOR_TOKENS draft slots), itself shrunk toward PRIOR_ACCEPTANCE before much was measured.
+A request's acceptance rate: its own accepted tokens per draft position tried
+(`Sequence.num_draft_trials`: the accepted drafts and, in each step, the position where its run
+of drafts ended, a rejected draft or a slot the drafter left empty, as an n-gram lookup that
+finds no match leaves all of them), the maximum-likelihood `a` of the model above; shrunk
+toward the engine's rate over all requests (a prior worth PRIOR_TOKENS trials), itself shrunk
+toward PRIOR_ACCEPTANCE before much was measured. The engine's rate enters the requests'
+estimates EXPLORE_Z standard errors high (an upper confidence bound, as a bandit explores): a
+drafter whose acceptance is not yet known gets tried (a W4A8 self-draft pays only from a ~ 0.85
+on, and a new engine knows 0.5), and the optimism fades as trials accumulate.
 A request held at no drafts still drafts one token every PROBE_EVERY steps, so its estimate can
 recover when its text turns predictable.
 """
 
 import heapq
+import math
 from collections.abc import Callable
 
 from torch import nn
@@ -39,6 +45,7 @@ from zcode.harness.plan import ExecutionPlan
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_TOKENS = 8
 PROBE_EVERY = 16
+EXPLORE_Z = 2.0
 MAX_ACCEPTANCE = 0.98  # E(a, k) grows without bound as a -> 1: no estimate is that sure
 CONTEXT_BUCKET = 256  # contexts are costed rounded up to this many tokens
 
@@ -74,7 +81,7 @@ class DraftPolicy:
     ) -> list[ScheduledSeq]:
         """`scheduled` with each adaptive request's draft slots cut to the number that pays
         (requests that set num_draft_tokens keep theirs). `engine_totals`: the engine's
-        num_draft_slots / num_accepted_tokens so far; `compiled`: the step runs as one compiled
+        num_draft_trials / num_accepted_tokens so far; `compiled`: the step runs as one compiled
         graph (ModelRunner.runs_compiled)."""
         adaptive = [
             i
@@ -83,9 +90,9 @@ class DraftPolicy:
         ]
         if not adaptive:
             return scheduled
-        prior = engine_acceptance(engine_totals)
+        prior = exploring_acceptance(engine_totals)
         rates = [
-            _shrunk(scheduled[i].seq.num_accepted_tokens, scheduled[i].seq.num_draft_slots, prior)
+            _shrunk(scheduled[i].seq.num_accepted_tokens, scheduled[i].seq.num_draft_trials, prior)
             for i in adaptive
         ]
         others = [s for i, s in enumerate(scheduled) if i not in adaptive]
@@ -277,11 +284,19 @@ def _bucket(context_len: int) -> int:
 
 
 def engine_acceptance(totals: dict[str, int]) -> float:
-    """The engine's acceptance rate, accepted tokens per draft slot over all requests so far
+    """The engine's acceptance rate, accepted tokens per draft trial over all requests so far
     (LLMEngine.spec_totals), shrunk toward PRIOR_ACCEPTANCE: every request's prior."""
-    return _shrunk(totals["num_accepted_tokens"], totals["num_draft_slots"], PRIOR_ACCEPTANCE)
+    return _shrunk(totals["num_accepted_tokens"], totals["num_draft_trials"], PRIOR_ACCEPTANCE)
 
 
-def _shrunk(accepted: int, drafted: int, prior: float) -> float:
-    """accepted / drafted, shrunk toward `prior` by PRIOR_TOKENS pseudo-drafts."""
-    return (accepted + PRIOR_TOKENS * prior) / (drafted + PRIOR_TOKENS)
+def exploring_acceptance(totals: dict[str, int]) -> float:
+    """engine_acceptance plus EXPLORE_Z standard errors of it (its trials counted with the
+    prior's PRIOR_TOKENS): the prior the policy drafts new requests by."""
+    rate = engine_acceptance(totals)
+    error = math.sqrt(rate * (1 - rate) / (totals["num_draft_trials"] + PRIOR_TOKENS))
+    return min(rate + EXPLORE_Z * error, MAX_ACCEPTANCE)
+
+
+def _shrunk(accepted: int, tried: int, prior: float) -> float:
+    """accepted / tried, shrunk toward `prior` by PRIOR_TOKENS pseudo-trials."""
+    return (accepted + PRIOR_TOKENS * prior) / (tried + PRIOR_TOKENS)
