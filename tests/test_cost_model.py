@@ -180,3 +180,26 @@ def test_format_cost_reports_rates_per_kind():
     cost = CostModel({"step": 1.5, "int8:MB": 0.1, "int8:calls": 0.015}, {}, "k", ("a", "b"))
     line = format_cost(cost)
     assert "1.50 ms/step" in line and "int8 10.0 GB/s + 15 us/call" in line
+
+
+def test_the_fit_times_verifying_steps_of_the_width_it_names(tiny_checkpoint):
+    """The compiled fit's verifying setting: every timed step computes 1 + 3 drafted tokens of
+    each sequence in one forward."""
+    from zcode import LLM
+    from zcode.hardware import cost_fit
+
+    llm = LLM(tiny_checkpoint("llama").path, kv_cache_bytes=1 << 20, block_size=4)
+    engine = cost_fit.verifying_engine(llm.model, llm.tokenizer, llm.config, max_drafts=3)
+    tokens_per_seq = []
+    execute = engine.runner.execute
+
+    def counting(rows, *args):
+        tokens_per_seq.append([s.num_new_tokens + len(s.seq.spec_token_ids) for s in rows])
+        return execute(rows, *args)
+
+    engine.runner.execute = counting
+    cost_fit._measure_decode(engine, 2, 16, width=4)
+    assert tokens_per_seq[1:] == [[4, 4]] * (1 + cost_fit.NUM_DECODE_STEPS)  # after the prefill
+    tokens_per_seq.clear()
+    cost_fit._measure_decode(engine, 2, 16, width=1)
+    assert tokens_per_seq[1:] == [[1, 1]] * (1 + cost_fit.NUM_DECODE_STEPS)

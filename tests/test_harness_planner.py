@@ -98,6 +98,7 @@ COEFFICIENTS = {
     "dense-float32:GFLOP": 0.0,
     "kv:MB": 0.0,
     "attn:GFLOP": 0.0,
+    "seqs": 0.0,
 }
 
 

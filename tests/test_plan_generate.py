@@ -25,6 +25,7 @@ COEFFICIENTS = {
     "dense-float32:GFLOP": 0.0,
     "kv:MB": 0.0,
     "attn:GFLOP": 0.0,
+    "seqs": 0.0,
 }
 LEVELS = ((0.0, 0.0), (0.0, 0.5), (0.3, 0.5), (0.5, 0.7))
 

@@ -41,7 +41,7 @@ def tiny(tiny_checkpoint):
     # ms per MB alike for every kind: the faster level is the one reading fewer weight bytes
     kinds = ("dense-float32", "int8", "int4")
     coefficients = {f"{k}:{f}": float(f == "MB") for k in kinds for f in ("MB", "calls", "GFLOP")}
-    coefficients |= {"step": 1.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
+    coefficients |= {"step": 1.0, "seqs": 0.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
     llm.cost_model = CostModel(coefficients, {}, "test")
     return checkpoint, llm, profile, report
 

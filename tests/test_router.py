@@ -18,7 +18,7 @@ from zcode.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 ENGINE = dict(dtype="float32", per_request_depth=True, kv_cache_bytes=1 << 20)
 # ms per MB of dense weights only: a plan skipping a layer is predicted faster
-COEFFICIENTS = {"step": 1.0, "dense-float32:MB": 10.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
+COEFFICIENTS = {"step": 1.0, "seqs": 0.0, "dense-float32:MB": 10.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
 COEFFICIENTS |= {"dense-float32:calls": 0.0, "dense-float32:GFLOP": 0.0}
 
 

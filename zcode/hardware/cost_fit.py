@@ -27,6 +27,7 @@ from zcode.hardware.cost_model import (
     step_features,
 )
 from zcode.hardware.load import BUSY_LOAD_PER_CORE, measure_other_load
+from zcode.spec.drafter import Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +77,13 @@ CHECK_PLANS = (
     PlanSpec("attn-int4/mlp-int4/head-int8", "float32", _by_part("int4-g64", "int4-g128", "int8"),
              "int4"),
 )
-# (mode, batch size, context or prompt length). Decode at 16 sequences: a speculative step
-# verifies B x (1 + k) tokens, and with only 1- and 4-token steps the fit priced the rows past
-# the first near zero, so drafting looked free at batch 4 (bench_spec: 0.73x, never turned off).
-FIT_SETTINGS = ((DECODE, 1, 64), (DECODE, 1, 512), (DECODE, 4, 256), (DECODE, 16, 128),
-                (PREFILL, 1, 64), (PREFILL, 1, 256))
-CHECK_SETTINGS = ((DECODE, 1, 1000), (DECODE, 2, 128), (PREFILL, 1, 160))
+# (mode, batch size, context or prompt length, tokens per sequence). Decode at 16 sequences: a
+# speculative step verifies B x (1 + k) tokens, and with only 1- and 4-token steps the fit priced
+# the rows past the first near zero, so drafting looked free at batch 4 (bench_spec: 0.73x, never
+# turned off).
+FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 1, 512, 1), (DECODE, 4, 256, 1),
+                (DECODE, 16, 128, 1), (PREFILL, 1, 64, 1), (PREFILL, 1, 256, 1))
+CHECK_SETTINGS = ((DECODE, 1, 1000, 1), (DECODE, 2, 128, 1), (PREFILL, 1, 160, 1))
 # fmt: on
 # Compiled steps: one plan per kernel kind, on the first 2 and 8 decoder layers of SmolLM2
 # (embeddings and lm_head whole). The features count per linear, so a few layers identify the same
@@ -89,11 +91,19 @@ CHECK_SETTINGS = ((DECODE, 1, 1000), (DECODE, 2, 128), (PREFILL, 1, 160))
 # an engine: batch buckets 1, 4 and 16). Two depths, because at one depth every plan makes as
 # many linear calls per step as every other, and the fit cannot tell a cost per call from a cost
 # per step (a fit at 6 layers alone put no cost on the step and priced a 30-layer W4A8 step at
-# 8.2 ms, against 6.7 from two depths and 6.3-7.4 measured).
+# 8.2 ms, against 6.7 from two depths and 6.3-7.4 measured). And steps verifying 3 drafts per
+# sequence (graphs of width 4) at batch 1 and 4: with one token per sequence in every step, a
+# cost per token and a cost per sequence cannot be told apart either, and the fit priced that
+# step at batch 1 at 1.7 plain steps of the full model against 1.04 measured, so the draft
+# policy refused drafts that paid.
 COMPILED_FIT_DEPTHS = (2, 8)
 _ONE_PER_KIND = ("fp32", "bf16-model", "int8", "int4-g32", "bf16", "w8a8", "w4a8")
 COMPILED_FIT_PLANS = tuple(p for p in FIT_PLANS if p.name in _ONE_PER_KIND)
-COMPILED_FIT_SETTINGS = tuple(s for s in FIT_SETTINGS if s[0] == DECODE)
+COMPILED_FIT_SETTINGS = (
+    *(s for s in FIT_SETTINGS if s[0] == DECODE),
+    (DECODE, 1, 256, 4),
+    (DECODE, 4, 256, 4),
+)
 NUM_ROUNDS = 2
 # Room for the largest setting (16 x 136 or 1 x 1008 tokens of SmolLM2, 46 KB each in fp32), not the
 # engine's default 1 GiB: one engine per dtype and every plan's quantized copy stay resident.
@@ -108,6 +118,7 @@ class Measurement:
     mode: str
     batch_size: int
     context_len: int
+    width: int  # tokens per sequence: 1 + the drafts a verifying step checks
     features: dict[str, float]  # of the plan given as data on the unquantized model
     measured_ms: float
 
@@ -167,7 +178,7 @@ def check_smollm2(
 
 def measure_plans(
     plans: tuple[PlanSpec, ...],
-    settings: tuple[tuple[str, int, int], ...],
+    settings: tuple[tuple[str, int, int, int], ...],
     num_rounds: int = NUM_ROUNDS,
     compiled: bool = False,
 ) -> list[Measurement]:
@@ -198,19 +209,21 @@ def measure_plans(
             model = llms[spec.dtype].model
             formats = spec.formats(quantizable_modules(model))
             rows = {setting: _features(model, formats, *setting) for setting in settings}
+            if any(width > 1 for *_, width in settings):
+                raise NotImplementedError("verifying steps are measured compiled only")
             originals = dict(model.named_modules())
             quantized = apply_precision(model, formats)
             swap(model, {name: originals[name] for name in quantized})
             prepared.append((spec, llms[spec.dtype].engine, quantized, rows))
-    best: dict[tuple[int, tuple[str, int, int]], float] = {}
+    best: dict[tuple[int, tuple[str, int, int, int]], float] = {}
     for _ in range(num_rounds):
         for i, (_, engine, quantized, rows) in enumerate(prepared):
             with swapped(engine.model, quantized):
                 _measure_decode(engine, 1, 16)  # warm-up: first calls pick kernels
                 for setting in rows:
-                    mode, b, n = setting
+                    mode, b, n, width = setting
                     ms = (
-                        _measure_decode(engine, b, n)
+                        _measure_decode(engine, b, n, width)
                         if mode == DECODE
                         else _measure_prefill(engine, n)
                     )
@@ -224,39 +237,84 @@ def measure_plans(
 
 def _compiled_engine(spec: PlanSpec, settings, num_layers: int) -> tuple:
     """(engine compiling decode steps of the plan's first `num_layers` layers, {}: no modules
-    to swap in, {setting: features})."""
+    to swap in, {setting: features}). Its drafter fills every slot (_FillingDrafter), so a
+    setting of width w times steps verifying w - 1 drafts per sequence."""
     from zcode import LLM
-    from zcode.engine.llm_engine import LLMEngine
     from zcode.quant import apply_precision, quantizable_modules
 
     llm = LLM(None, dtype=spec.dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES)
     model = llm.model
     model.model.layers = model.model.layers[:num_layers]
     formats = spec.formats(quantizable_modules(model))
-    rows = {setting: _features(model, formats, *setting) for setting in settings}
+    rows = {
+        setting: _features(model, formats, *setting, logits_per_token=True) for setting in settings
+    }
     apply_precision(model, formats)
-    engine = LLMEngine(model, llm.tokenizer, dataclasses.replace(llm.config, compile=True))
-    return engine, {}, rows
+    max_width = max(width for *_, width in settings)
+    config = dataclasses.replace(llm.config, compile=True)
+    return verifying_engine(model, llm.tokenizer, config, max_width - 1), {}, rows
+
+
+def verifying_engine(model: nn.Module, tokenizer, config, max_drafts: int):
+    """An LLMEngine whose requests may each verify up to `max_drafts` drafts a step, all slots
+    filled at no cost (_FillingDrafter), as `_measure_decode` times steps of a given width."""
+    from zcode.engine.llm_engine import LLMEngine
+
+    if not max_drafts:
+        return LLMEngine(model, tokenizer, config)
+    config = dataclasses.replace(
+        config, speculative="ngram", num_draft_tokens=max_drafts, draft_policy="fixed"
+    )
+    engine = LLMEngine(model, tokenizer, config)
+    engine.drafter = _FillingDrafter()
+    return engine
+
+
+class _FillingDrafter(Drafter):
+    """Drafts the last token again in every slot: free, and a verifying step of every width."""
+
+    def propose(self, seqs, max_num_tokens):
+        return [[seq.token_ids[-1]] * n for seq, n in zip(seqs, max_num_tokens)]
 
 
 def _features(
-    model: nn.Module, formats: dict[str, str], mode: str, batch_size: int, length: int
+    model: nn.Module,
+    formats: dict[str, str],
+    mode: str,
+    batch_size: int,
+    length: int,
+    width: int,
+    logits_per_token: bool = False,
 ) -> dict[str, float]:
+    """`logits_per_token`: lm_head runs over every token of a decode step (a compiled graph's),
+    else over the last of each sequence."""
     if mode == DECODE:
-        return step_features(model, formats, batch_size, length, num_seqs=batch_size)
+        num_tokens = batch_size * width
+        logits_rows = num_tokens if logits_per_token else batch_size
+        return step_features(
+            model, formats, num_tokens, length, num_seqs=batch_size, logits_rows=logits_rows
+        )
     return step_features(model, formats, length, length)
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    return [(seed * 7919 + j * 104729) % 49000 + 100 for j in range(length)]
+def _prompt(engine, length: int, seed: int) -> list[int]:
+    """Token ids spread over the vocabulary of the engine's model, past its first 100."""
+    vocab_size = engine.model.config.vocab_size
+    return [(seed * 7919 + j * 104729) % (vocab_size - 100) + 100 for j in range(length)]
 
 
-def _measure_decode(engine, batch_size: int, context_len: int) -> float:
-    """Best-of ms of one decode step of `batch_size` sequences at ~`context_len` context."""
+def _measure_decode(engine, batch_size: int, context_len: int, width: int = 1) -> float:
+    """Best-of ms of one decode step of `batch_size` sequences at ~`context_len` context, each
+    verifying `width` - 1 drafts (the engine's drafter fills every slot)."""
     from zcode import SamplingParams
 
-    params = SamplingParams(max_tokens=NUM_DECODE_STEPS + 2, temperature=0, ignore_eos=True)
-    seqs = [engine.add_request(_prompt(context_len, i), params) for i in range(batch_size)]
+    params = SamplingParams(
+        max_tokens=(NUM_DECODE_STEPS + 2) * width,
+        temperature=0,
+        ignore_eos=True,
+        num_draft_tokens=width - 1 if engine.drafter is not None else None,
+    )
+    seqs = [engine.add_request(_prompt(engine, context_len, i), params) for i in range(batch_size)]
     try:
         engine.step()  # the prefill
         engine.step()  # the first decode step pays for allocations of the new shapes
@@ -278,7 +336,7 @@ def _measure_prefill(engine, prompt_len: int) -> float:
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times = []
     for i in range(NUM_PREFILL_REPEATS):
-        seq = engine.add_request(_prompt(prompt_len, i), params)
+        seq = engine.add_request(_prompt(engine, prompt_len, i), params)
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)

@@ -71,8 +71,8 @@ from zcode.quant.linear import QuantizedLinear, quantize_weight
 logger = logging.getLogger(__name__)
 
 # Bump when the features or the fit's settings change, so old fits are not read (2: decode
-# steps of 16 sequences).
-_SCHEMA_VERSION = 2
+# steps of 16 sequences; 3: the "seqs" feature, verifying steps in the compiled fit).
+_SCHEMA_VERSION = 3
 DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.\d+\.")
@@ -143,7 +143,10 @@ def step_features(
     formats, exec_plan = _plan_formats(plan)
     skipped = {f"model.layers.{i}." for i in exec_plan.skip_layers}
     routed = _routed_experts(model, num_tokens)
-    features: dict[str, float] = {"step": 1.0}
+    # Per sequence past the first (the first's is in "step"): work outside the linears that
+    # each row brings (its sampling, bookkeeping), told apart from work per token by steps that
+    # verify several tokens of one sequence.
+    features: dict[str, float] = {"step": 1.0, "seqs": num_seqs - 1.0}
 
     def add(name: str, value: float) -> None:
         features[name] = features.get(name, 0.0) + value
