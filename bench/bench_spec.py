@@ -79,10 +79,13 @@ def editing_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def decode_run(
-    engine: LLMEngine, prompts: list[list[int]], num_new: int
+    engine: LLMEngine, prompts: list[list[int]], num_new: int, num_draft_tokens: int | None = None
 ) -> tuple[float, list, int]:
-    """Decode tok/s (first token to last), the outputs, and the decode steps taken."""
-    params = SamplingParams(temperature=0, max_tokens=num_new, ignore_eos=True)
+    """Decode tok/s (first token to last), the outputs, and the decode steps taken;
+    `num_draft_tokens`: every request drafts that many (None: as the engine's policy says)."""
+    params = SamplingParams(
+        temperature=0, max_tokens=num_new, ignore_eos=True, num_draft_tokens=num_draft_tokens
+    )
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(s.num_output_tokens == 0 for s in seqs):
         engine.step()
@@ -92,6 +95,19 @@ def decode_run(
         steps += 1
     tokens_per_s = len(prompts) * (num_new - 1) / (time.perf_counter() - start)
     return tokens_per_s, [s.output_token_ids for s in seqs], steps
+
+
+def warm_up(engine: LLMEngine, prompts: list[list[int]], args) -> None:
+    """Untimed: compiles graphs, tunes kernels. A compiled adaptive engine verifies at any width
+    up to 1 + --num-draft-tokens, as its policy picks: those graphs are compiled first, with
+    every request drafting 1 and then the most (short runs; the acceptance totals its policy
+    learns from are left as they were), else a timed run could be the one that compiles."""
+    if engine.draft_policy is not None and engine.config.compile:
+        totals = dict(engine.spec_totals)
+        for num_drafts in sorted({1, args.num_draft_tokens}):
+            decode_run(engine, prompts, 8, num_draft_tokens=num_drafts)
+        engine.spec_totals.update(totals)
+    decode_run(engine, prompts, args.num_new)
 
 
 def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dict]:
@@ -118,8 +134,8 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
     for workload, prompts in workloads.items():
         for batch in batches:
             runs = {name: [] for name in engines}
-            for engine in engines.values():  # untimed: compiles graphs, tunes kernels
-                decode_run(engine, prompts[:batch], args.num_new)
+            for engine in engines.values():
+                warm_up(engine, prompts[:batch], args)
             # The cell's counts are differences: the adaptive policy learns the engine's
             # acceptance from these totals (its prior for new requests), as a server's does.
             before = {name: dict(engine.spec_totals) for name, engine in engines.items()}
