@@ -285,7 +285,8 @@ def _bucket(context_len: int) -> int:
 
 def engine_acceptance(totals: dict[str, int]) -> float:
     """The engine's acceptance rate, accepted tokens per draft trial over all requests so far
-    (LLMEngine.spec_totals), shrunk toward PRIOR_ACCEPTANCE: every request's prior."""
+    (LLMEngine.spec_totals), shrunk toward PRIOR_ACCEPTANCE: the planner's expected acceptance
+    (the policy drafts new requests by exploring_acceptance, above it)."""
     return _shrunk(totals["num_accepted_tokens"], totals["num_draft_trials"], PRIOR_ACCEPTANCE)
 
 
