@@ -198,6 +198,8 @@ def measure_plans(
             for depth in COMPILED_FIT_DEPTHS
         ]
     else:
+        if any(width > 1 for *_, width in settings):  # the LLMs' engines have no drafter
+            raise NotImplementedError("verifying steps are measured compiled only")
         llms = {
             dtype: LLM(
                 None, dtype=dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES
@@ -209,8 +211,6 @@ def measure_plans(
             model = llms[spec.dtype].model
             formats = spec.formats(quantizable_modules(model))
             rows = {setting: _features(model, formats, *setting) for setting in settings}
-            if any(width > 1 for *_, width in settings):
-                raise NotImplementedError("verifying steps are measured compiled only")
             originals = dict(model.named_modules())
             quantized = apply_precision(model, formats)
             swap(model, {name: originals[name] for name in quantized})
