@@ -125,9 +125,9 @@ struct Bf16 {
   using T = uint16_t;
   using V = __m512bh;
   static constexpr int64_t LANES = 32;
-  static V load(const T* p, int64_t left) {
-    const __mmask32 mask = left >= 32 ? 0xFFFFFFFFu : (1u << left) - 1;
-    return (V)_mm512_maskz_loadu_epi16(mask, p);
+  static V load(const T* p) { return (V)_mm512_loadu_si512(p); }
+  static V load(const T* p, int64_t left) {  // 0 < left < 32
+    return (V)_mm512_maskz_loadu_epi16((1u << left) - 1, p);
   }
   static __m512 madd(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
 };
@@ -136,24 +136,36 @@ struct F32 {
   using T = float;
   using V = __m512;
   static constexpr int64_t LANES = 16;
-  static V load(const T* p, int64_t left) {
-    return _mm512_maskz_loadu_ps(left >= 16 ? 0xFFFF : (1u << left) - 1, p);
+  static V load(const T* p) { return _mm512_loadu_ps(p); }
+  static V load(const T* p, int64_t left) {  // 0 < left < 16
+    return _mm512_maskz_loadu_ps((1u << left) - 1, p);
   }
   static __m512 madd(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
 };
 
-// out[m * N + r] = wn[r] . x[m] for R weight rows from wn (K tail masked); the R rows share
-// each activation load.
+// out[m * N + r] = wn[r] . x[m] for R weight rows from wn; the R rows share each activation
+// load. Whole vectors load unmasked and only the K tail masked: a masked load in the main loop
+// halved the rate at 2-4 activation rows (L2-resident 512 x 576 bf16, one thread, 4 rows: 55.9
+// -> 27.4 ns a weight row).
 template <typename F, int M, int R>
 void dot_rows(const typename F::T* x, const typename F::T* wn, float* out, int64_t K, int64_t N) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += F::LANES) {
+  int64_t k = 0;
+  for (; k + F::LANES <= K; k += F::LANES) {
+    typename F::V xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      prefetch_l2(wn + r * K + k);
+      const typename F::V wv = F::load(wn + r * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
+    }
+  }
+  if (k < K) {
     typename F::V xv[M];
     for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
     for (int r = 0; r < R; ++r) {
-      prefetch_l2(wn + r * K + k);
       const typename F::V wv = F::load(wn + r * K + k, K - k);
       for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
     }

@@ -56,9 +56,9 @@ struct Bf16 {
   using V = __m512bh;
   static constexpr int64_t LANES = 32;
   static constexpr at::ScalarType DTYPE = at::kBFloat16;
-  static V load(const T* p, int64_t left) {
-    const __mmask32 mask = left >= 32 ? 0xFFFFFFFFu : (1u << left) - 1;
-    return (V)_mm512_maskz_loadu_epi16(mask, p);
+  static V load(const T* p) { return (V)_mm512_loadu_si512(p); }
+  static V load(const T* p, int64_t left) {  // 0 < left < 32
+    return (V)_mm512_maskz_loadu_epi16((1u << left) - 1, p);
   }
   static __m512 madd(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
   static void store16(T* p, __m512 v, __mmask16 mask) {
@@ -70,8 +70,9 @@ struct F32 {
   using V = __m512;
   static constexpr int64_t LANES = 16;
   static constexpr at::ScalarType DTYPE = at::kFloat;
-  static V load(const T* p, int64_t left) {
-    return _mm512_maskz_loadu_ps(left >= 16 ? 0xFFFF : (1u << left) - 1, p);
+  static V load(const T* p) { return _mm512_loadu_ps(p); }
+  static V load(const T* p, int64_t left) {  // 0 < left < 16
+    return _mm512_maskz_loadu_ps((1u << left) - 1, p);
   }
   static __m512 madd(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
   static void store16(T* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
@@ -90,19 +91,29 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// sums[r][m] = w[r] . x[m] for R adjacent weight rows w[r] = w + r * K (the tail of K masked):
-// the rows share each activation load.
+// sums[r][m] = w[r] . x[m] for R adjacent weight rows w[r] = w + r * K: the rows share each
+// activation load. Only the tail of K loads masked (as gemv.cpp's dot_rows: a masked load in
+// the main loop halves the rate at several activation rows).
 template <typename F, int M, int R>
 inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
                      int64_t K) {
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += F::LANES) {
+  int64_t k = 0;
+  for (; k + F::LANES <= K; k += F::LANES) {
+    typename F::V xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      prefetch_l2(w + r * K + k);
+      const typename F::V wv = F::load(w + r * K + k);
+      for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
+    }
+  }
+  if (k < K) {
     typename F::V xv[M];
     for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
     for (int r = 0; r < R; ++r) {
-      prefetch_l2(w + r * K + k);
       const typename F::V wv = F::load(w + r * K + k, K - k);
       for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
     }
