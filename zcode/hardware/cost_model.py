@@ -78,8 +78,9 @@ Plan = ExecutionPlan | Mapping[str, str] | None
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.\d+\.")
 
 # Part of the cache key: bump when a kernel change makes fitted costs stale (2: C++ decode GEMV;
-# 3: its software prefetch; 4: sibling linears in one GEMV call, no size asserts in graphs).
-KERNELS_VERSION = 4
+# 3: its software prefetch; 4: sibling linears in one GEMV call, no size asserts in graphs;
+# 5: unmasked GEMV main loops, fused attention loops in compiled verifying steps).
+KERNELS_VERSION = 5
 
 
 # --- features --------------------------------------------------------------------------------
