@@ -179,3 +179,19 @@ def test_other_load_is_the_cpu_time_of_other_processes_over_the_wall_time(monkey
     assert load.measure_other_load(lambda: None) == (None, 0.0)
     monkeypatch.setattr(load, "_sample", lambda: None)  # no /proc/stat
     assert load.measure_other_load(lambda: 7) == (7, None)
+
+
+def test_a_measurements_own_child_processes_are_not_other_load(monkeypatch):
+    """CPU time of children the process waited for (inductor's compilers in a compiled fit) is
+    the measurement's own: a quiet fit was reported as timed beside 0.5 busy cores."""
+    import os
+
+    from zcode.hardware import load
+
+    times = os.times_result((1.0, 0.5, 2.0, 0.25, 0.0))  # user, system, children's, elapsed
+    monkeypatch.setattr(load.os, "times", lambda: times)
+    sample = load._sample()
+    if sample is None:  # no /proc/stat: nothing to sample on this system
+        assert not os.path.exists("/proc/stat")
+        return
+    assert sample.own_s == 3.75
