@@ -1,4 +1,5 @@
-"""decode_attention (the compiled decode step's attention) against SDPA via padded_attention."""
+"""decode_attention (the attention of compiled decode and verifying steps) against SDPA via
+padded_attention."""
 
 import pytest
 import torch
@@ -9,22 +10,29 @@ from zcode.layers.attention import decode_attention, padded_attention
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_matches_sdpa(dtype, num_heads, num_kv_heads):
+@pytest.mark.parametrize("query_lens,query_width", [(None, 1), ([4, 2, 1], 4)])
+def test_matches_sdpa(dtype, num_heads, num_kv_heads, query_lens, query_width):
+    """Decode steps (one query a sequence) and verifying steps (a token and its drafts, rows
+    padded to the step's width)."""
     torch.manual_seed(num_heads)
     head_dim, block_size = 64, 16
     cache = torch.randn(8, block_size, 2, num_kv_heads, head_dim).to(dtype)
     # Three sequences (one spans two blocks) padded to a bucket of 4 rows.
-    batch = ForwardBatch.build_decode([5, 17, 1], [[1], [2, 3], [4]], block_size, 4, 0)
-    q = torch.randn(4, num_heads, head_dim).to(dtype)
+    batch = ForwardBatch.build_decode(
+        [5, 17, 1], [[1], [2, 3], [4]], block_size, 4, 0, query_lens, query_width
+    )
+    q = torch.randn(4 * query_width, num_heads, head_dim).to(dtype)  # [T, H, D]
     kv = cache.view(-1, 2, num_kv_heads, head_dim)[batch.context_slots]  # [B, L, 2, KVH, D]
     want = padded_attention(q, kv[:, :, 0], kv[:, :, 1], batch, head_dim**-0.5)
-    got = decode_attention(q, kv, batch.attn_mask, head_dim**-0.5)[batch.token_index]
+    got = decode_attention(q[batch.query_index], kv, batch.attn_mask, head_dim**-0.5)
+    got = got.flatten(0, 1)[batch.token_index]  # [B, S, H, D] -> [T, H, D]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.dtype == dtype
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
-    # Masking is real: the one-token sequence attends to its own slot only.
+    # Masking is real: the one-token sequence's last query attends to its own slot only.
+    last = batch.token_index.tolist().index(2 * query_width)
     assert torch.allclose(
-        got[2].float(),
+        got[last].float(),
         kv[2, 0, 1].float().repeat_interleave(num_heads // num_kv_heads, dim=0),
         atol=tol,
     )
