@@ -17,7 +17,11 @@ def test_kernels_build_here():
     assert gemv.available()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+# Up to 4 rows in one tile of sums; 5 to 16 (a verifying step's) in tiles of 4, the last partial.
+FLOAT_ROWS = [1, 2, 3, 4, 5, 8, 13, 16]
+
+
+@pytest.mark.parametrize("rows", FLOAT_ROWS)
 @pytest.mark.parametrize("in_features,out_features", [(576, 1536), (101, 33), (64, 1)])
 def test_bf16_linear_matches_float64(rows, in_features, out_features):
     torch.manual_seed(rows)
@@ -35,7 +39,7 @@ def test_bf16_linear_matches_float64(rows, in_features, out_features):
     assert torch.allclose(raw.double(), exact, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", FLOAT_ROWS)
 @pytest.mark.parametrize("in_features,out_features", [(576, 1536), (101, 33), (17, 1)])
 def test_fp32_linear_matches_float64(rows, in_features, out_features):
     torch.manual_seed(rows)
@@ -83,8 +87,11 @@ def test_linear_of_no_rows_is_empty(dtype):
 
 
 def test_gemv_rejects_too_many_rows():
-    with pytest.raises(RuntimeError, match="rows"):
-        torch.ops.zcode.gemv_bf16(torch.randn(5, 32), [torch.randn(8, 32).to(torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="1 to 16 rows, got 17"):
+        torch.ops.zcode.gemv_bf16(torch.randn(17, 32), [torch.randn(8, 32).to(torch.bfloat16)])
+    w = W8A8Weight.quantize(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
+        torch.ops.zcode.gemv_w8a8(torch.randn(5, 32), [w.qweight], [w.scales], [w.row_sums], 1e-8)
 
 
 def test_compiled_graph_calls_the_kernel_once_per_layer():

@@ -79,8 +79,9 @@ _EXPERT_NAME = re.compile(r"^(.*\.experts)\.\d+\.")
 
 # Part of the cache key: bump when a kernel change makes fitted costs stale (2: C++ decode GEMV;
 # 3: its software prefetch; 4: sibling linears in one GEMV call, no size asserts in graphs;
-# 5: unmasked GEMV main loops, fused attention loops in compiled verifying steps).
-KERNELS_VERSION = 5
+# 5: unmasked GEMV main loops, fused attention loops in compiled verifying steps; 6: the float
+# GEMV 4 weight rows a step and up to 16 activation rows, verifying steps at batch 4 on it).
+KERNELS_VERSION = 6
 
 
 # --- features --------------------------------------------------------------------------------

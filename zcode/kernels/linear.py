@@ -11,7 +11,6 @@ C++ dequantize + fp32 GEMM at any count (zcode.kernels.ggml).
 
 import torch
 
-from zcode.kernels import gemv
 from zcode.kernels.registry import define_op, register
 from zcode.quant.formats import Bf16Weight, PackedWeight, gemv_available
 from zcode.quant.gguf import (
@@ -146,7 +145,9 @@ def dequantized_kernel(packed: PackedWeight, x: torch.Tensor) -> torch.Tensor:
 
 
 def _gemv_fits(packed: PackedWeight, x: torch.Tensor) -> bool:
-    return type(packed) in (Bf16Weight, W4A8Weight, W8A8Weight) and x.shape[0] <= gemv.MAX_ROWS
+    return (
+        type(packed) in (Bf16Weight, W4A8Weight, W8A8Weight) and x.shape[0] <= packed.gemv_max_rows
+    )
 
 
 @register("linear", "gemv-cpp", supports=_gemv_fits)

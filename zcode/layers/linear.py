@@ -1,8 +1,9 @@
 """Linear: nn.Linear whose bf16 and fp32 decode calls run the C++ GEMV (zcode.kernels.gemv), and
 linear_group: sibling linears that share their input (q/k/v, gate/up) as one GEMV call.
 
-At one to gemv.MAX_ROWS rows a linear only reads its weight. The GEMV reads bf16 ~2x faster than
-torch's bf16 F.linear on AVX-512 BF16 CPUs, and fp32 2-3% faster than MKL's sgemv (its prefetch);
+At one row a linear only reads its weight. The GEMV reads bf16 ~2x faster than torch's bf16
+F.linear on AVX-512 BF16 CPUs, and fp32 2-3% faster than MKL's sgemv (its prefetch); up to
+FLOAT_GEMV_MAX_ROWS rows (a verifying step's), 4 at a time, it stays ~1.8x faster than F.linear;
 every other call (prefill, other dtypes, no kernel on this machine, autograd) is F.linear. Same
 parameters and names as nn.Linear.
 """
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zcode.quant.formats import GEMV_MAX_ROWS, gemv_available
+from zcode.quant.formats import FLOAT_GEMV_MAX_ROWS, gemv_available
 from zcode.quant.linear import QuantizedLinear
 
 
@@ -29,9 +30,10 @@ class Linear(nn.Linear):
 def linear_group(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
     """x through sibling linear modules that all read it: [..., K] -> [[..., N_i] per module].
 
-    At decode (1 to GEMV_MAX_ROWS rows; GGUF: 1 to 64) siblings of one GEMV format, all zcode
-    Linear with bf16 or fp32 weights, or all QuantizedLinear in one of W4A8, W8A8, bf16 or GGUF
-    on their fast kernel, run as one GEMV call: one dispatch, one activation quantization and
+    At decode (up to FLOAT_GEMV_MAX_ROWS rows for zcode Linear, the format's `gemv_max_rows`
+    for QuantizedLinear) siblings of one GEMV format, all zcode Linear with bf16 or fp32 weights,
+    or all QuantizedLinear in one of W4A8, W8A8, bf16 or GGUF on their fast kernel, run as one
+    GEMV call: one dispatch, one activation quantization and
     one parallel region instead of one per module (SmolLM2's W4A8 GEMVs in model order: 4.1 ->
     3.4 ms a step, 211 -> 121 calls). A group takes the GEMV even where a QuantizedLinear alone
     would take another autotuned kernel: those choices were timed one small matrix at a time,
@@ -68,7 +70,7 @@ def _takes_gemv(linear: nn.Linear, x: torch.Tensor) -> bool:
     return (
         w.dtype in _GEMV
         and x.dtype == w.dtype
-        and 0 < x.numel() <= GEMV_MAX_ROWS * linear.in_features
+        and 0 < x.numel() <= FLOAT_GEMV_MAX_ROWS * linear.in_features
         and w.device.type == "cpu"
         and w.is_contiguous()
         and not (w.requires_grad and torch.is_grad_enabled())  # the kernel has no backward

@@ -25,6 +25,10 @@ from torch import nn
 # Smallest scale: a group or channel that is all zeros still divides by something finite.
 MIN_SCALE = 1e-8
 GEMV_MAX_ROWS = 4  # rows the C++ decode GEMV takes (zcode/kernels/gemv.cpp's MAX_ROWS)
+# Rows its bf16 and fp32 kernels take (MAX_FLOAT_ROWS): a step verifying 3 drafts for each of 4
+# sequences multiplies 16 rows, where these kernels ran SmolLM2's bf16 linears 1.8x faster than
+# torch's F.linear.
+FLOAT_GEMV_MAX_ROWS = 16
 ACT_QMAX = 127  # int8 activations are symmetric in [-127, 127]
 # Weight rows dequantized per GEMM on the many-rows path: the bf16 tile (~0.6 MB at K = 576) stays
 # in cache and no weight-sized buffer is allocated per call, which made SmolLM2's lm_head 2.4x
@@ -76,12 +80,14 @@ class PackedWeight(nn.Module, ABC):
 
 class Bf16Weight(PackedWeight):
     """The weight rounded to bf16; the fast path is bf16 F.linear (oneDNN, AMX here), and up to
-    gemv.MAX_ROWS rows the C++ GEMV (zcode/kernels/gemv.cpp).
+    FLOAT_GEMV_MAX_ROWS rows the C++ GEMV (zcode/kernels/gemv.cpp).
 
     At one row bf16 F.linear is ~10% slower than fp32 F.linear on this CPU despite half the
     bytes; from 8 rows up it is 2.5x faster, 3.2x at 64 and 5-6.6x at 512 (bench/bench_linear.py).
     The GEMV reads ~2x faster than bf16 F.linear at one row.
     """
+
+    gemv_max_rows = FLOAT_GEMV_MAX_ROWS
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__(*weight.shape)
@@ -95,7 +101,7 @@ class Bf16Weight(PackedWeight):
         return self.weight.to(dtype)
 
     def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS and gemv_available():
+        if x.shape[0] <= self.gemv_max_rows and gemv_available():
             return self.mm_gemv(x)
         return F.linear(x.to(torch.bfloat16), self.weight)
 
