@@ -201,11 +201,12 @@ class KnowingDrafter(Drafter):
 
 @pytest.mark.parametrize("num_wrong", [0, 2])
 def test_acceptance_is_accepted_drafts_per_position_tried(tiny, num_wrong):
-    """Each step drafts one right token, then wrong ones or nothing: verification tries two
-    positions (the right draft, then a rejected draft or an empty slot) and accepts one, so the
-    policy's acceptance is one in two either way, where accepted per draft would be 1/3 or 1
-    and accepted per slot 1/3. The last step has one slot (two tokens a step from the first
-    output token on, an odd max_tokens): one right draft fills it, one position tried."""
+    """Each step drafts one right token, then two wrong ones or nothing: with wrong ones
+    verification tries two positions (the right draft, the rejected one) and accepts one, so the
+    policy's acceptance is one in two, where accepted per draft would be 1/3; without, it tries
+    the one draft there is (a slot the drafter leaves empty is no trial: the step verifies the
+    drafts it has). The last step has one slot (two tokens a step from the first output token
+    on, an odd max_tokens): one right draft fills it, one position tried."""
     prompt = prompts()[0]
     params = dataclasses.replace(GREEDY, max_tokens=41)
     no_drafts = dataclasses.replace(params, num_draft_tokens=0)
@@ -216,8 +217,35 @@ def test_acceptance_is_accepted_drafts_per_position_tried(tiny, num_wrong):
     assert drafter.slots == [3] * 19 + [1]
     totals = spec.spec_totals
     assert totals["num_accepted_tokens"] == 20
-    assert totals["num_draft_trials"] == 19 * 2 + 1
+    assert totals["num_draft_trials"] == 19 * (2 if num_wrong else 1) + 1
     assert totals["num_draft_tokens"] == sum(min(n, 1 + num_wrong) for n in drafter.slots)
+
+
+def test_a_free_drafter_drafts_before_the_policy_chooses(tiny):
+    """n-gram lookup costs nothing, so its drafts are made first and the policy weighs those:
+    a lookup finds a match or none. Asked for three slots, a drafter that makes one draft gets
+    the policy asked about one; one that makes none, about none, and a step without drafts
+    is no trial."""
+    prompt = prompts()[0]
+    no_drafts = dataclasses.replace(GREEDY, num_draft_tokens=0)
+    plain = run(engine(tiny, None, draft_policy="fixed"), [(prompt, no_drafts)])[0].token_ids
+    for num_right in (1, 0):
+        spec = engine(tiny, LinearCost(10.0, 0.01))
+        spec.drafter = drafter = KnowingDrafter(prompt, plain, num_right, 0)
+        asked, limit = [], spec.draft_policy.limit
+
+        def spy(scheduled, totals, compiled, limit=limit, asked=asked):
+            asked.extend(s.num_lookahead_tokens for s in scheduled)
+            return limit(scheduled, totals, compiled)
+
+        spec.draft_policy.limit = spy
+        out = run(spec, [(prompt, GREEDY)])[0]
+        assert out.token_ids == plain
+        assert max(drafter.slots) == 3
+        assert max(asked) == num_right
+        accepted = out.plan.speculative["num_accepted_tokens"]  # every draft here is right
+        assert spec.spec_totals["num_draft_trials"] == accepted
+        assert (accepted > len(plain) // 3) if num_right else accepted == 0
 
 
 def test_a_new_engine_tries_a_drafter_and_keeps_what_pays(tiny):

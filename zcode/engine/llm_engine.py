@@ -323,10 +323,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        if self.draft_policy is not None:
-            compiled = self.runner.runs_compiled(scheduled)
-            scheduled = self.draft_policy.limit(scheduled, self.spec_totals, compiled)
-        self._propose_drafts(scheduled)
+        scheduled = self._draft(scheduled)
         ran, failed = [], []
         for plan, rows in self._by_plan(scheduled):
             model_state = plan.without_skips().signature()
@@ -360,20 +357,43 @@ class LLMEngine:
             levels = self.executor.token_levels([s.seq.plan or self.default_plan for s in rows])
         return self.runner.execute(rows, levels)
 
-    def _propose_drafts(self, scheduled: list[ScheduledSeq]) -> None:
-        """Fills `spec_token_ids` of the sequences scheduled with room for drafts. Drafting is
-        an optimisation: if the drafter fails, this step runs without drafts."""
+    def _draft(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Drafts for the rows scheduled with room for them, as many as the draft policy finds
+        pay; each row's lookahead slots cut to the drafts it verifies. Free drafts (n-gram
+        lookup) are made first, so the policy prices the drafts a step would verify: a lookup
+        finds a match or none, and a row without one costs the step nothing."""
+        policy = self.draft_policy
+        if policy is None:
+            return self._propose_drafts(scheduled)
+        compiled = self.runner.runs_compiled(scheduled)
+        if policy.draft_plan is not None:
+            return self._propose_drafts(policy.limit(scheduled, self.spec_totals, compiled))
+        scheduled = policy.limit(self._propose_drafts(scheduled), self.spec_totals, compiled)
+        for s in scheduled:
+            del s.seq.spec_token_ids[s.num_lookahead_tokens :]
+        return scheduled
+
+    def _propose_drafts(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Fills `spec_token_ids` of the sequences scheduled with room for drafts; returns
+        `scheduled` with each row's slots cut to the drafts it got. Drafting is an
+        optimisation: if the drafter fails, this step runs without drafts."""
         wanting = [s for s in scheduled if s.num_lookahead_tokens]
         if not wanting:
-            return
+            return scheduled
         seqs = [s.seq for s in wanting]
         try:
             drafts = self.drafter.propose(seqs, [s.num_lookahead_tokens for s in wanting])
         except Exception:
             logger.exception("the drafter failed; this step runs without drafts")
-            return
+            drafts = [[] for _ in wanting]
         for s, tokens in zip(wanting, drafts):
-            s.seq.spec_token_ids = tokens[: s.num_lookahead_tokens]
+            s.seq.spec_token_ids = list(tokens[: s.num_lookahead_tokens])
+        return [
+            ScheduledSeq(s.seq, s.num_new_tokens, len(s.seq.spec_token_ids))
+            if s.num_lookahead_tokens
+            else s
+            for s in scheduled
+        ]
 
     def _update(self, ran: list[tuple[ScheduledSeq, torch.Tensor]]) -> list[RequestOutput]:
         verifying = []
@@ -385,14 +405,13 @@ class LLMEngine:
             seq.num_computed_tokens += s.num_new_tokens  # drafts count once accepted
             if completes:
                 verifying.append((seq, seq_logits[-1 - len(seq.spec_token_ids) :]))
-        slots = {s.seq.seq_id: s.num_lookahead_tokens for s, _ in ran}
         new_token_ids, outputs = self._accept(verifying)
         for seq, _ in verifying:
             drafts, seq.spec_token_ids = seq.spec_token_ids, []
             new = new_token_ids[seq.seq_id]
-            if slots[seq.seq_id]:  # tokens stop at the first one that is not its draft
+            if drafts:  # tokens stop at the first one that is not its draft
                 accepted = sum(t == d for t, d in zip(new, drafts))
-                self._record_acceptance(seq, len(drafts), accepted, slots[seq.seq_id])
+                self._record_acceptance(seq, len(drafts), accepted)
             if seq.finish_reason == "error":  # its output is among the failures
                 continue
             if not seq.is_finished:
@@ -431,18 +450,13 @@ class LLMEngine:
             position += 1
         return new_token_ids, failures
 
-    def _record_acceptance(
-        self, seq: Sequence, num_drafts: int, num_accepted: int, num_slots: int
-    ) -> None:
-        """A step that gave `seq` room for `num_slots` drafts: the drafter made `num_drafts`,
-        verification kept `num_accepted`."""
-        # Tried: the accepted drafts and the position where the run of them ended, a rejected
-        # draft or a slot the drafter left empty (none if every slot was filled and kept).
-        num_trials = num_accepted + (num_accepted < num_slots)
+    def _record_acceptance(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` drafts of `seq` and kept `num_accepted`."""
+        # Tried: the accepted drafts and the rejected one where their run ended (none if all
+        # were kept).
+        num_trials = num_accepted + (num_accepted < num_drafts)
         seq.num_draft_trials += num_trials
         self.spec_totals["num_draft_trials"] += num_trials
-        if not num_drafts:
-            return
         seq.num_spec_steps += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted

@@ -20,10 +20,12 @@ Drafts are added one at a time, the one most likely to be accepted first (reques
 draft counts with probability a_i^(k_i + 1)); the best rate seen along that path wins, so a
 draft cost that pays only from the second draft on is not refused at the first.
 
+A free drafter (n-gram lookup: `draft_plan` None) drafts before the policy chooses
+(LLMEngine._draft), so each request's most drafts are those it got: a lookup finds a match or
+none, and a request without one costs the step nothing.
 A request's acceptance rate: its own accepted tokens per draft position tried
-(`Sequence.num_draft_trials`: the accepted drafts and, in each step, the position where its run
-of drafts ended, a rejected draft or a slot the drafter left empty, as an n-gram lookup that
-finds no match leaves all of them), the maximum-likelihood `a` of the model above; shrunk
+(`Sequence.num_draft_trials`: the accepted drafts and, in each step, the rejected draft where
+their run ended), the maximum-likelihood `a` of the model above; shrunk
 toward the engine's rate over all requests (a prior worth PRIOR_TOKENS trials), itself shrunk
 toward PRIOR_ACCEPTANCE before much was measured. The engine's rate enters the requests'
 estimates EXPLORE_Z standard errors high (an upper confidence bound, as a bandit explores): a
