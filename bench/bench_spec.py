@@ -17,9 +17,10 @@ tokens per request and decode step, where it turns speculation down or off). Eng
 round-robin within each repeat, after one untimed run each (graphs compiled, kernels tuned).
 With --compile, decode steps, verifying steps and self-drafts run compiled graphs. Each cell is
 min / median of --repeats runs of decode tok/s (first token to last, greedy, batch B); ZCode's
-outputs are checked equal to plain decoding's (column "same"). llama.cpp (its GGUF file, Q4_1)
-with and without prompt lookup decoding (llama-cpp-python's LlamaPromptLookupDecoding) runs at
-batch 1 when llama_cpp is installed. Writes bench/results/spec.json.
+outputs are checked equal to plain decoding's (column "same"); "compiles timed" counts graphs
+built inside the timed runs (0: the warm-up built every shape the runs took). llama.cpp (its GGUF
+file, Q4_1) with and without prompt lookup decoding (llama-cpp-python's LlamaPromptLookupDecoding)
+runs at batch 1 when llama_cpp is installed. Writes bench/results/spec.json.
 """
 
 import argparse
@@ -110,6 +111,12 @@ def warm_up(engine: LLMEngine, prompts: list[list[int]], args) -> None:
     decode_run(engine, prompts, args.num_new)
 
 
+def num_compiles(engine: LLMEngine) -> int:
+    """Graphs inductor built so far for the engine's steps and its drafter's."""
+    caches = (engine.runner.graphs, getattr(engine.drafter, "graphs", None))
+    return sum(cache.num_compiles for cache in caches if cache is not None)
+
+
 def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dict]:
     """Every method's engine on the same prompts, round-robin within each repeat."""
     adaptive = any(policy == "adaptive" and name in args.methods for name, _, policy in METHODS)
@@ -139,6 +146,7 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
             # The cell's counts are differences: the adaptive policy learns the engine's
             # acceptance from these totals (its prior for new requests), as a server's does.
             before = {name: dict(engine.spec_totals) for name, engine in engines.items()}
+            compiles = {name: num_compiles(engine) for name, engine in engines.items()}
             for _ in range(args.repeats):
                 for name, engine in engines.items():
                     runs[name].append(decode_run(engine, prompts[:batch], args.num_new))
@@ -157,6 +165,9 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
                         else None,
                         # drafted tokens per request and step: where the policy drafts less
                         "drafts_per_step": totals["num_draft_tokens"] / (batch * steps),
+                        # graphs built inside the timed runs, which then timed a compile: 0
+                        # where the warm-up built every shape the policy went on to pick
+                        "timed_compiles": num_compiles(engine) - compiles[name],
                     }
                 )
             medians = {name: statistics.median(r[0] for r in runs[name]) for name in engines}
@@ -243,10 +254,11 @@ def main() -> None:
                 "-" if acceptance is None else f"{acceptance:.2f}",
                 f"{c['drafts_per_step']:.2f}" if "drafts_per_step" in c else "-",
                 same,
+                str(c.get("timed_compiles", "-")),
             )
         )
     headers = ["method", "workload", "batch", "tok/s min / median", "vs plain", "accept"]
-    headers += ["drafts/step", "same"]
+    headers += ["drafts/step", "same", "compiles timed"]
     mode = "compiled" if args.compile else "eager"
     print(f"SmolLM2-135M {args.dtype} {mode}, {args.num_new} new tokens, {args.repeats} repeats")
     print_rows(headers, rows)
