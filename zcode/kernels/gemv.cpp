@@ -243,8 +243,8 @@ inline void float_dot_rows(const typename F::T* x, const typename F::T* wn, floa
   }
 }
 
-// R weight rows against activation rows m0.. of x, TILE_ROWS at a time (the last tile
-// `left` rows): each tile's sums fit in registers, and the R weight rows stay in L1 across tiles.
+// R weight rows against the M activation rows of x, TILE_ROWS at a time (the last tile takes the
+// rest): each tile's sums fit in registers, and the R weight rows stay in L1 across tiles.
 template <typename F, int R>
 inline void float_dot_tiles(const typename F::T* x, int64_t M, const typename F::T* wn, float* o,
                             int64_t K, int64_t N) {
