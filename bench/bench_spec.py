@@ -111,12 +111,6 @@ def warm_up(engine: LLMEngine, prompts: list[list[int]], args) -> None:
     decode_run(engine, prompts, args.num_new)
 
 
-def num_compiles(engine: LLMEngine) -> int:
-    """Graphs inductor built so far for the engine's steps and its drafter's."""
-    caches = (engine.runner.graphs, getattr(engine.drafter, "graphs", None))
-    return sum(cache.num_compiles for cache in caches if cache is not None)
-
-
 def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dict]:
     """Every method's engine on the same prompts, round-robin within each repeat."""
     adaptive = any(policy == "adaptive" and name in args.methods for name, _, policy in METHODS)
@@ -146,7 +140,7 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
             # The cell's counts are differences: the adaptive policy learns the engine's
             # acceptance from these totals (its prior for new requests), as a server's does.
             before = {name: dict(engine.spec_totals) for name, engine in engines.items()}
-            compiles = {name: num_compiles(engine) for name, engine in engines.items()}
+            compiles = {name: engine.num_compiles for name, engine in engines.items()}
             for _ in range(args.repeats):
                 for name, engine in engines.items():
                     runs[name].append(decode_run(engine, prompts[:batch], args.num_new))
@@ -167,7 +161,7 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
                         "drafts_per_step": totals["num_draft_tokens"] / (batch * steps),
                         # graphs built inside the timed runs, which then timed a compile: 0
                         # where the warm-up built every shape the policy went on to pick
-                        "timed_compiles": num_compiles(engine) - compiles[name],
+                        "timed_compiles": engine.num_compiles - compiles[name],
                     }
                 )
             medians = {name: statistics.median(r[0] for r in runs[name]) for name in engines}

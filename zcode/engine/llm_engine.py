@@ -92,6 +92,13 @@ class LLMEngine:
         self._frozen_at_compiles = -1
         self._freeze_heap()
 
+    @property
+    def num_compiles(self) -> int:
+        """Graphs inductor built so far for this engine's steps and its drafter's (a self-draft
+        compiles its own, zcode.spec.self_draft)."""
+        caches = (self.runner.graphs, getattr(self.drafter, "graphs", None))
+        return sum(graphs.num_compiles for graphs in caches if graphs is not None)
+
     def _freeze_heap(self) -> None:
         """Takes every object alive now (the model, its compiled graphs, the tokenizer: ~0.5M
         objects) out of the garbage collector's walks (gc.freeze, as vLLM does after start-up).
@@ -101,9 +108,7 @@ class LLMEngine:
         (reference counts); only a reference cycle among frozen objects stays, until exit (they
         are unfrozen then, so the interpreter's last collection frees them: extension types
         report leaks otherwise)."""
-        # The drafter's graphs too: a self-draft compiles its own (zcode.spec.self_draft).
-        caches = (self.runner.graphs, getattr(self.drafter, "graphs", None))
-        compiles = sum(graphs.num_compiles for graphs in caches if graphs is not None)
+        compiles = self.num_compiles
         if compiles != self._frozen_at_compiles:
             gc.collect()
             gc.freeze()

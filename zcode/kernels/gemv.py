@@ -12,9 +12,9 @@ its int4 kernel is compute-bound; these kernels stream each weight row once per 
   format, likewise.
 Each takes a list of weights that share the input and returns their outputs side by side,
 [M, N_0 + N_1 + ...] fp32 (zcode.layers.linear.linear_group: q/k/v or gate/up in one call), for 1
-to MAX_ROWS rows (bf16 and fp32: FLOAT_MAX_ROWS, 4 rows at a time). They are registered with the
-dispatcher from C++ (no Python per call) and have fake kernels here, so torch.compile keeps each
-as one call in a compiled decode graph.
+to MAX_ROWS rows (bf16 and fp32: zcode.quant.formats.FLOAT_GEMV_MAX_ROWS, 4 rows at a time).
+They are registered with the dispatcher from C++ (no Python per call) and have fake kernels here,
+so torch.compile keeps each as one call in a compiled decode graph.
 
 Built once with torch.utils.cpp_extension.load and -march=native (cached by torch under
 $TORCH_EXTENSIONS_DIR); each op has a portable path for CPUs without its AVX-512 features, so
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from zcode.kernels.cpp_build import build_ops
-from zcode.quant.formats import FLOAT_GEMV_MAX_ROWS, GEMV_MAX_ROWS
+from zcode.quant.formats import GEMV_MAX_ROWS
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
-MAX_ROWS, FLOAT_MAX_ROWS = GEMV_MAX_ROWS, FLOAT_GEMV_MAX_ROWS
+MAX_ROWS = GEMV_MAX_ROWS
 
 
 @functools.cache
