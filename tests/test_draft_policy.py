@@ -10,17 +10,26 @@ model it is given.
 
 import dataclasses
 import itertools
+import statistics
 
 import pytest
 from test_spec_decode import prompts, run
 
 from zcode.engine.llm_engine import LLMEngine
+from zcode.engine.step_times import MEASURED_RUNS
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
+from zcode.spec.acceptance import PRIOR_RUNS, RunYields, geometric
 from zcode.spec.drafter import Drafter
-from zcode.spec.policy import PROBE_EVERY, DraftPolicy, expected_accepted, exploring_acceptance
+from zcode.spec.policy import (
+    PROBE_BUDGET,
+    PROBE_EVERY,
+    DraftPolicy,
+    expected_accepted,
+    exploring_acceptance,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PROBES = GREEDY.max_tokens // PROBE_EVERY + 1  # the most drafts a request held at none makes
@@ -63,9 +72,10 @@ def tokens_per_ms(cost: LinearCost, rates, drafts, num_seqs: int) -> float:
 def choose(cost: LinearCost, rates: list[float], max_drafts: int, draft_plan=None) -> list[int]:
     policy = DraftPolicy(cost, model=None, draft_plan=draft_plan)
     num_seqs = len(rates)
+    curves = [geometric(a, max_drafts) for a in rates]
     return policy.choose(
-        rates, [max_drafts] * num_seqs, num_tokens=num_seqs, num_seqs=num_seqs,
-        context_len=100, base_yield=num_seqs,
+        curves, [max_drafts] * num_seqs, num_tokens=num_seqs, num_seqs=num_seqs, context_len=100,
+        base_yield=num_seqs,
     )  # fmt: skip
 
 
@@ -113,12 +123,12 @@ def test_compiled_steps_are_priced_as_the_graphs_that_run_them():
     cost = LinearCost(10.0, 0.5, draft_ms=9.5, compiled=LinearCost(10.0, 0.5, draft_ms=4.0))
     policy = DraftPolicy(cost, model=None, draft_plan=draft, graph_buckets=[1, 2, 4, 8])
     one = dict(num_tokens=1, num_seqs=1, context_len=100, base_yield=1)
-    assert policy.choose([0.9], [3], **one) == [0]
+    assert policy.choose([geometric(0.9, 3)], [3], **one) == [0]
     # k = 1, 2, 3: (1 + E) / (10 + 0.5 * width + 4 k), widths 2, 4, 4: 0.127, 0.136, 0.143
-    assert policy.choose([0.9], [3], compiled=True, **one) == [3]
+    assert policy.choose([geometric(0.9, 3)], [3], compiled=True, **one) == [3]
     cost.shapes.clear()
     three = dict(num_tokens=3, num_seqs=3, context_len=100, base_yield=3)
-    policy.choose([0.9, 0.5, 0.2], [3, 3, 3], compiled=True, **three)
+    policy.choose([geometric(a, 3) for a in (0.9, 0.5, 0.2)], [3, 3, 3], compiled=True, **three)
     verify = {(tokens, seqs) for plan, tokens, seqs, compiled in cost.shapes if plan is None}
     drafts = {(tokens, seqs) for plan, tokens, seqs, compiled in cost.shapes if plan is draft}
     assert verify == {(4, 4), (8, 4), (16, 4)}
@@ -126,7 +136,56 @@ def test_compiled_steps_are_priced_as_the_graphs_that_run_them():
     assert all(compiled for *_, compiled in cost.shapes)
     # An engine that does not compile prices eager steps whatever the step says.
     eager = DraftPolicy(cost, model=None, draft_plan=draft)
-    assert eager.choose([0.9], [3], compiled=True, **one) == [0]
+    assert eager.choose([geometric(0.9, 3)], [3], compiled=True, **one) == [0]
+
+
+def test_a_run_of_k_drafts_is_expected_to_keep_what_runs_of_k_kept():
+    """Runs of one draft always kept, runs of three keeping 1.2 on average: a single rate per
+    position tried (22 kept of 32 tried: 0.69) would expect 1.47 of three drafts; the runs of
+    three say 1.2, shrunk toward the prior by PRIOR_RUNS pseudo-runs. A run of two, never
+    measured, expects at least what a run of one does."""
+    yields = RunYields()
+    for kept in [1] * 10:
+        yields.record(1, kept)
+    for kept in [1] * 8 + [2] * 2:
+        yields.record(3, kept)
+    prior = geometric(0.5, 3)  # 0, 0.5, 0.75, 0.875
+    expected = yields.expected(prior)
+    one = (10 + PRIOR_RUNS * 0.5) / (10 + PRIOR_RUNS)
+    three = (12 + PRIOR_RUNS * 0.875) / (10 + PRIOR_RUNS)
+    assert expected == pytest.approx([0.0, one, one, three])
+    assert RunYields().expected(prior) == prior
+
+
+def test_graphs_the_engine_ran_are_priced_by_their_measured_time():
+    """Compiled prices that make drafting pay (a step 10 ms plus 0.01 a token), with plain steps
+    measured at a tenth of their price: a verifying graph not run yet costs its price scaled
+    alike, and three drafts at 0.9 pay; measured at 4 plain steps, the 4-wide graph stops paying
+    and one draft (a 2-wide graph, scaled) does; measured too, no draft pays."""
+    cost = LinearCost(0.0, 1.0, compiled=LinearCost(10.0, 0.01))
+    measured = {(1, 1): 1.0}
+    policy = DraftPolicy(
+        cost, model=None, draft_plan=None, graph_buckets=[1, 2, 4],
+        measured_step_ms=lambda rows, width: measured.get((rows, width)),
+    )  # fmt: skip
+    one = dict(num_tokens=1, num_seqs=1, context_len=100, base_yield=1, compiled=True)
+    assert policy.choose([geometric(0.9, 3)], [3], **one) == [3]
+    measured[(1, 4)] = 4.0
+    assert policy.choose([geometric(0.9, 3)], [3], **one) == [1]
+    measured[(1, 2)] = 2.5
+    assert policy.choose([geometric(0.9, 3)], [3], **one) == [0]
+    # predictions and gains reported to users stay the fit's
+    assert policy.predicted_gain(0.9, 3) > 1.0
+
+
+def test_probes_are_rarer_where_a_probe_costs_more():
+    """Bandwidth-bound (10 ms a step, 0.01 a token), a probe costs next to nothing and a held
+    request probes every PROBE_EVERY steps; compute-bound (1 ms a token), a step verifying one
+    draft a row takes two plain steps' time, so probes come 1 / PROBE_BUDGET plain steps apart."""
+    cheap = DraftPolicy(LinearCost(10.0, 0.01), model=None, draft_plan=None)
+    assert cheap.probe_every(num_seqs=4, context_len=100) == PROBE_EVERY
+    costly = DraftPolicy(LinearCost(0.0, 1.0), model=None, draft_plan=None)
+    assert costly.probe_every(num_seqs=4, context_len=100) == round(1 / PROBE_BUDGET)
 
 
 # ---- in the engine ---------------------------------------------------------------------------
@@ -175,10 +234,32 @@ def test_a_compiled_engine_drafts_by_the_cost_of_compiled_steps(tiny):
     assert unfitted.draft_policy_name.startswith("fixed: no cost fit of compiled steps")
     pays = engine(tiny, LinearCost(0.0, 1.0, compiled=LinearCost(10.0, 0.01)), compile=True)
     assert pays.draft_policy.graph_buckets == pays.runner.graphs.buckets
+    pays.draft_policy.measured_step_ms = lambda rows, width: None  # the fit's prices alone
     out = run(pays, [(loop, GREEDY)])[0]
     assert out.token_ids == plain
     assert out.plan.speculative["num_draft_tokens"] > PROBES
     assert any(width > 1 for _, _, width in pays.runner.graphs.graphs)
+
+
+def test_a_compiled_engine_times_its_steps_for_the_policy(tiny):
+    """Each step of one compiled graph is timed by the graph's shape (a step that compiled it
+    is not); the policy reads a shape's median over its latest MEASURED_RUNS steps, and nothing
+    for a shape not run. An eager engine times nothing."""
+    fitted = LinearCost(0.0, 1.0, compiled=LinearCost(10.0, 0.01))
+    plain = dataclasses.replace(GREEDY, num_draft_tokens=0)
+    spec = engine(tiny, fitted, compile=True)
+    recorded, record = [], spec.step_times.record
+    spec.step_times.record = lambda shape, ms: (recorded.append(shape), record(shape, ms))
+    run(spec, [(prompts()[0], plain)])
+    signature = spec.runner.plan_signature
+    assert recorded == [(signature, 1, 1)] * (GREEDY.max_tokens - 2)  # decode steps, 1 compiling
+    runs = spec.step_times.runs_ms[(signature, 1, 1)]
+    assert len(runs) == MEASURED_RUNS
+    assert spec.draft_policy.measured_step_ms(1, 1) == statistics.median(runs) > 0
+    assert spec.draft_policy.measured_step_ms(1, 4) is None
+    eager = engine(tiny, fitted)
+    run(eager, [(prompts()[0], plain)])
+    assert eager.step_times.runs_ms == {}
 
 
 class KnowingDrafter(Drafter):
@@ -219,6 +300,13 @@ def test_acceptance_is_accepted_drafts_per_position_tried(tiny, num_wrong):
     assert totals["num_accepted_tokens"] == 20
     assert totals["num_draft_trials"] == 19 * (2 if num_wrong else 1) + 1
     assert totals["num_draft_tokens"] == sum(min(n, 1 + num_wrong) for n in drafter.slots)
+    # What runs of k drafts kept, by k: 19 runs of 3 keeping 1 each and a last run of 1, or
+    # 20 runs of 1 kept whole
+    yields = spec.spec_yields
+    if num_wrong:
+        assert (yields.runs, yields.accepted) == ([0, 1, 0, 19], [0, 1, 0, 19])
+    else:
+        assert (yields.runs, yields.accepted) == ([0, 20], [0, 20])
 
 
 def test_a_free_drafter_drafts_before_the_policy_chooses(tiny):
@@ -234,9 +322,9 @@ def test_a_free_drafter_drafts_before_the_policy_chooses(tiny):
         spec.drafter = drafter = KnowingDrafter(prompt, plain, num_right, 0)
         asked, limit = [], spec.draft_policy.limit
 
-        def spy(scheduled, totals, compiled, limit=limit, asked=asked):
+        def spy(scheduled, *args, limit=limit, asked=asked):
             asked.extend(s.num_lookahead_tokens for s in scheduled)
-            return limit(scheduled, totals, compiled)
+            return limit(scheduled, *args)
 
         spec.draft_policy.limit = spy
         out = run(spec, [(prompt, GREEDY)])[0]

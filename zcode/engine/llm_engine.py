@@ -14,17 +14,20 @@ from zcode.config import EngineConfig
 from zcode.engine.block_manager import BlockManager, join_salts
 from zcode.engine.detokenizer import IncrementalDetokenizer
 from zcode.engine.expert_cache import build_expert_cache
+from zcode.engine.graph_cache import DRAFT_SIGNATURE
 from zcode.engine.kv_cache import KVCache
 from zcode.engine.model_runner import ModelRunner
 from zcode.engine.request_output import RequestOutput
 from zcode.engine.sampler import Sampler, top_logprobs
 from zcode.engine.scheduler import ScheduledSeq, Scheduler
 from zcode.engine.sequence import Sequence
+from zcode.engine.step_times import StepTimes
 from zcode.engine.structured_output import GrammarCompiler
 from zcode.errors import RankFailure, ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.harness.report import PlanReport
 from zcode.sampling_params import SamplingParams
+from zcode.spec.acceptance import RunYields
 from zcode.spec.drafter import make_drafter
 from zcode.spec.policy import DraftPolicy
 
@@ -81,6 +84,7 @@ class LLMEngine:
             self.drafter.attach(self.runner)
         elif config.speculative is not None:
             self.drafter = make_drafter(self.runner, config)
+        self.step_times = StepTimes()  # ms of steps of one compiled graph, by its shape
         self.draft_policy, self.draft_policy_name = self._draft_policy(cost_model)
         # vLLM's spec-decode counters, running totals: steps that verified drafts, drafted
         # tokens, accepted tokens, and accepted tokens by draft position.
@@ -89,6 +93,7 @@ class LLMEngine:
         # the adaptive policy's acceptance is accepted tokens per trial.
         self.spec_totals["num_draft_trials"] = 0
         self.spec_accepted_per_pos = [0] * config.num_draft_tokens
+        self.spec_yields = RunYields()  # what runs of k drafts kept, by k: the policy's prior
         self._frozen_at_compiles = -1
         self._freeze_heap()
 
@@ -137,7 +142,26 @@ class LLMEngine:
             logger.info("speculative decoding drafts %s", note)
             return None, note
         draft_plan = self.drafter.cost_plan(len(self.model.model.layers))
-        return DraftPolicy(cost_model, self.model, draft_plan, graph_buckets=buckets), "adaptive"
+        measured_step_ms = measured_draft_ms = None
+        if buckets is not None:  # the policy prices a graph shape it has seen run by its time
+
+            def measured_step_ms(rows: int, width: int) -> float | None:
+                return self.step_times.median_ms((self.runner.plan_signature, rows, width))
+
+            if (draft_graphs := getattr(self.drafter, "graphs", None)) is not None:
+
+                def measured_draft_ms(rows: int) -> float | None:
+                    return draft_graphs.times.median_ms((DRAFT_SIGNATURE, rows, 1))
+
+        policy = DraftPolicy(
+            cost_model,
+            self.model,
+            draft_plan,
+            graph_buckets=buckets,
+            measured_step_ms=measured_step_ms,
+            measured_draft_ms=measured_draft_ms,
+        )
+        return policy, "adaptive"
 
     def add_request(
         self,
@@ -329,8 +353,10 @@ class LLMEngine:
         if not scheduled:
             return []
         scheduled = self._draft(scheduled)
+        start, compiles = time.perf_counter(), self.num_compiles
         ran, failed = [], []
-        for plan, rows in self._by_plan(scheduled):
+        groups = self._by_plan(scheduled)
+        for plan, rows in groups:
             model_state = plan.without_skips().signature()
             if self.executor is not None and model_state != self.runner.plan_signature:
                 self.executor.apply(plan)  # without an executor the model runs as it is
@@ -339,8 +365,19 @@ class LLMEngine:
             failed += rows_failed
         if self.expert_cache is not None:
             self.expert_cache.after_step([(s.seq, s.num_new_tokens) for s in scheduled])
+        outputs = [self._fail(s.seq) for s in failed] + self._update(ran)
+        self._time_step(len(groups), start, compiles)
         self._freeze_heap()  # only after a step that compiled graphs
-        return [self._fail(s.seq) for s in failed] + self._update(ran)
+        return outputs
+
+    def _time_step(self, num_forwards: int, start: float, compiles_before: int) -> None:
+        """A step of one compiled graph (not one that compiled it) is timed by its shape, from
+        its forward to its outputs: the draft policy prices steps it has seen run so, their
+        verification and bookkeeping with them."""
+        shape = self.runner.graph_shape
+        if num_forwards == 1 and shape is not None and self.num_compiles == compiles_before:
+            ms = 1e3 * (time.perf_counter() - start)
+            self.step_times.record((self.runner.plan_signature, *shape), ms)
 
     def _by_plan(self, scheduled: list[ScheduledSeq]) -> list[tuple[ExecutionPlan, list]]:
         """The step's rows grouped by what of their plans is model state (precision; without an
@@ -372,8 +409,10 @@ class LLMEngine:
             return self._propose_drafts(scheduled)
         compiled = self.runner.runs_compiled(scheduled)
         if policy.draft_plan is not None:
-            return self._propose_drafts(policy.limit(scheduled, self.spec_totals, compiled))
-        scheduled = policy.limit(self._propose_drafts(scheduled), self.spec_totals, compiled)
+            limited = policy.limit(scheduled, self.spec_totals, compiled, self.spec_yields)
+            return self._propose_drafts(limited)
+        scheduled = self._propose_drafts(scheduled)
+        scheduled = policy.limit(scheduled, self.spec_totals, compiled, self.spec_yields)
         for s in scheduled:
             del s.seq.spec_token_ids[s.num_lookahead_tokens :]
         return scheduled
@@ -465,6 +504,8 @@ class LLMEngine:
         seq.num_spec_steps += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted
+        seq.draft_yields.record(num_drafts, num_accepted)
+        self.spec_yields.record(num_drafts, num_accepted)
         self.spec_totals["num_drafts"] += 1
         self.spec_totals["num_draft_tokens"] += num_drafts
         self.spec_totals["num_accepted_tokens"] += num_accepted

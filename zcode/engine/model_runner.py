@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zcode.engine.graph_cache import GraphCache
+from zcode.engine.graph_cache import DRAFT_SIGNATURE, GraphCache
 from zcode.engine.kv_cache import KVCache, page_layout
 from zcode.engine.page_pool import LayerPaging, PagePool
 from zcode.engine.scheduler import ScheduledSeq
@@ -62,6 +62,7 @@ class ModelRunner:
                 "a torch op yet"
             )
         self.graphs = GraphCache(model, max_num_seqs) if compile else None
+        self.graph_shape: tuple[int, int] | None = None  # (rows, width) the last execute ran
         # Sees the final hidden states of each eager forward: the MTP drafter's input
         # (zcode/spec/mtp.py).
         self.hidden_observer: HiddenObserver | None = None
@@ -101,6 +102,7 @@ class ModelRunner:
         None, [B, L, 2] FFN thresholds of each sequence) when the sequences run different FFN
         levels (PlanExecutor.token_levels); the step then runs eagerly.
         """
+        self.graph_shape = None
         if token_levels is None and self.runs_compiled(scheduled):
             logits = self._execute_compiled(scheduled)  # [B, S, V]
             return [logits[b, : 1 + len(s.seq.spec_token_ids)] for b, s in enumerate(scheduled)]
@@ -151,7 +153,7 @@ class ModelRunner:
             context_lens, tables, self.block_size, num_padded, self.pad_block
         )
         padded_ids = torch.tensor(input_ids + [0] * (num_padded - len(seqs)), dtype=torch.int64)
-        return graphs.run("draft", padded_ids, batch)[: len(seqs)]
+        return graphs.run(DRAFT_SIGNATURE, padded_ids, batch)[: len(seqs)]
 
     def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.hidden_observer is None:
@@ -190,6 +192,7 @@ class ModelRunner:
         drafts = [s.seq.spec_token_ids for s in scheduled]
         query_lens = [1 + len(d) for d in drafts]
         width = 1 << (max(query_lens) - 1).bit_length()  # a power of two: few graphs
+        self.graph_shape = (num_padded, width)
         batch = ForwardBatch.build_decode(
             [s.seq.num_tokens + len(d) for s, d in zip(scheduled, drafts)],
             [s.seq.block_table for s in scheduled],

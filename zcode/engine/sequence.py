@@ -7,6 +7,7 @@ import time
 from zcode.engine.detokenizer import IncrementalDetokenizer
 from zcode.harness.plan import ExecutionPlan
 from zcode.sampling_params import SamplingParams
+from zcode.spec.acceptance import RunYields
 
 _ids = itertools.count()
 
@@ -68,6 +69,7 @@ class Sequence:
         # probability a once those before it were), accepted / tried is the maximum-likelihood
         # a; accepted per draft would understate it (3 drafts at a = 0.95: 0.90 per draft).
         self.num_draft_trials = 0
+        self.draft_yields = RunYields()  # what its runs of k drafts kept, by k
 
     @property
     def num_tokens(self) -> int:

@@ -2,37 +2,45 @@
 far and the hardware cost model; none where speculation does not pay (e.g. large batches).
 
 A step of B sampling sequences that verifies k_i drafts for request i computes N0 + sum k_i
-tokens (N0: the step's tokens without drafts) and is expected to yield
-B + sum_i E(a_i, k_i) tokens, E(a, k) = a + a^2 + ... + a^k: draft j counts only if drafts
-1..j all were accepted, each taken as accepted with the request's acceptance rate a. The policy
-picks the k_i that maximise expected tokens per ms,
+tokens (N0: the step's tokens without drafts) and is expected to yield B + sum_i E_i(k_i)
+tokens, E_i(k) the drafts request i is expected to keep of a run of k (below). The policy picks
+the k_i that maximise expected tokens per ms,
 
-    (B + sum_i E(a_i, k_i)) / (step_ms(N0 + sum_i k_i) + draft_ms(k))
+    (B + sum_i E_i(k_i)) / (step_ms(N0 + sum_i k_i) + draft_ms(k))
 
 step_ms from the cost model's decode coefficients (`CostModel.predict_step_ms`), draft_ms the
 drafter's: a draft step over the rows still drafting, costed as the decode step of the
 drafter's `cost_plan()` (n-gram lookup: free). In an engine that compiles its steps, a step is
 priced as the graph that runs it: by the coefficients fitted on compiled steps, its rows padded
 to the batch bucket and each row to the step's query width (a power of two at least 1 + the
-most drafts of a row), so a third draft costs what a fourth does.
+most drafts of a row), so a third draft costs what a fourth does. A graph shape the engine has
+run is priced by its measured time instead (GraphCache.measured_ms, the median of its latest
+runs): the fit extrapolates from a few layers and shapes, and a few percent off on the plain and
+the verifying step made drafting look like a gain where it lost (n-gram at batch 4: +25%
+predicted, -4% measured; at batch 16 the fit priced a 4-wide graph at 69 ms, which took 124,
+its 64 rows past the GEMV's 16 on oneDNN). A shape not run yet is priced by the fit, scaled by
+what the plain step of its rows measured over its price; if that flatters it, a few steps'
+drafting measure it.
 
-Drafts are added one at a time, the one most likely to be accepted first (request i's next
-draft counts with probability a_i^(k_i + 1)); the best rate seen along that path wins, so a
-draft cost that pays only from the second draft on is not refused at the first.
+Drafts are added one at a time, the one that adds most expected tokens first (request i's
+next draft adds E_i(k_i + 1) - E_i(k_i)); the best rate seen along that path wins, so a draft
+cost that pays only from the second draft on is not refused at the first.
 
 A free drafter (n-gram lookup: `draft_plan` None) drafts before the policy chooses
 (LLMEngine._draft), so each request's most drafts are those it got: a lookup finds a match or
 none, and a request without one costs the step nothing.
-A request's acceptance rate: its own accepted tokens per draft position tried
+E_i(k): what request i's own runs of k drafts kept on average, shrunk toward what the engine's
+runs of k kept (zcode.spec.acceptance.RunYields), itself shrunk toward E(a, k) = a + a^2 + ...
++ a^k of the engine's acceptance rate a: its accepted tokens per draft position tried
 (`Sequence.num_draft_trials`: the accepted drafts and, in each step, the rejected draft where
-their run ended), the maximum-likelihood `a` of the model above; shrunk
-toward the engine's rate over all requests (a prior worth PRIOR_TOKENS trials), itself shrunk
-toward PRIOR_ACCEPTANCE before much was measured. The engine's rate enters the requests'
-estimates EXPLORE_Z standard errors high (an upper confidence bound, as a bandit explores): a
-drafter whose acceptance is not yet known gets tried (a W4A8 self-draft pays only from a ~ 0.85
-on, and a new engine knows 0.5), and the optimism fades as trials accumulate.
+their run ended), shrunk toward PRIOR_ACCEPTANCE before much was measured, and taken
+EXPLORE_Z standard errors high (an upper confidence bound, as a bandit explores): a drafter
+whose acceptance is not yet known gets tried (a W4A8 self-draft pays only from a ~ 0.85 on, and
+a new engine knows 0.5), and the optimism fades as trials accumulate.
 A request held at no drafts still drafts one token every PROBE_EVERY steps, so its estimate can
-recover when its text turns predictable.
+recover when its text turns predictable; less often where a probe costs more than PROBE_BUDGET
+of the plain steps between probes (at batch 16 a step verifying one draft a row costs ~2 plain
+steps, and probing every 16th step cost 6% of the decode time).
 """
 
 import heapq
@@ -43,10 +51,12 @@ from torch import nn
 
 from zcode.engine.scheduler import ScheduledSeq
 from zcode.harness.plan import ExecutionPlan
+from zcode.spec.acceptance import RunYields, geometric
 
 PRIOR_ACCEPTANCE = 0.5
 PRIOR_TOKENS = 8
 PROBE_EVERY = 16
+PROBE_BUDGET = 0.02  # the most a held request's probes cost, over the plain steps between them
 EXPLORE_Z = 2.0
 MAX_ACCEPTANCE = 0.98  # E(a, k) grows without bound as a -> 1: no estimate is that sure
 CONTEXT_BUCKET = 256  # contexts are costed rounded up to this many tokens
@@ -54,7 +64,7 @@ CONTEXT_BUCKET = 256  # contexts are costed rounded up to this many tokens
 
 def expected_accepted(acceptance: float, num_drafts: int) -> float:
     """E(a, k) = a + a^2 + ... + a^k: the expected accepted drafts of k."""
-    return sum(acceptance**j for j in range(1, num_drafts + 1))
+    return geometric(acceptance, num_drafts)[-1]
 
 
 class DraftPolicy:
@@ -65,26 +75,38 @@ class DraftPolicy:
         draft_plan: ExecutionPlan | None,
         plan=None,
         graph_buckets: list[int] | None = None,
+        measured_step_ms: Callable[[int, int], float | None] | None = None,
+        measured_draft_ms: Callable[[int], float | None] | None = None,
     ) -> None:
         """`cost_model`: a fitted zcode.hardware.cost_model.CostModel; `draft_plan`: the plan
         whose decode step costs what one draft step does (None: drafting is free); `plan`: the
         plan the verifying steps run (None: the model as loaded); `graph_buckets`: the batch
         buckets of an engine whose decode, verifying and draft steps are compiled graphs
-        (GraphCache.buckets; the cost model then needs its compiled fit), None: eager steps."""
+        (GraphCache.buckets; the cost model then needs its compiled fit), None: eager steps.
+        `measured_step_ms(rows, width)`, `measured_draft_ms(rows)`: the measured ms of the
+        verifying (or plain) graph and of the draft graph at that shape, None where not run yet
+        (GraphCache.measured_ms; None: nothing measured)."""
         self.cost, self.model = cost_model, model
         self.draft_plan, self.plan = draft_plan, plan
         self.graph_buckets = graph_buckets
+        self.measured_step_ms = measured_step_ms or _not_measured
+        self.measured_draft_ms = measured_draft_ms or _not_measured
         self.steps_without_drafts: dict[int, int] = {}  # seq_id -> steps since it last drafted
         self._ms: dict[tuple, float] = {}
         self._signatures: dict[int, tuple] = {}  # id(plan) -> (plan, its signature)
 
     def limit(
-        self, scheduled: list[ScheduledSeq], engine_totals: dict[str, int], compiled: bool = False
+        self,
+        scheduled: list[ScheduledSeq],
+        engine_totals: dict[str, int],
+        compiled: bool = False,
+        engine_yields: RunYields | None = None,
     ) -> list[ScheduledSeq]:
         """`scheduled` with each adaptive request's draft slots cut to the number that pays
         (requests that set num_draft_tokens keep theirs). `engine_totals`: the engine's
         num_draft_trials / num_accepted_tokens so far; `compiled`: the step runs as one compiled
-        graph (ModelRunner.runs_compiled)."""
+        graph (ModelRunner.runs_compiled); `engine_yields`: what the engine's runs of drafts
+        kept (None: nothing measured)."""
         adaptive = [
             i
             for i, s in enumerate(scheduled)
@@ -92,40 +114,57 @@ class DraftPolicy:
         ]
         if not adaptive:
             return scheduled
-        prior = exploring_acceptance(engine_totals)
-        rates = [
-            _shrunk(scheduled[i].seq.num_accepted_tokens, scheduled[i].seq.num_draft_trials, prior)
-            for i in adaptive
-        ]
+        prior = geometric(
+            exploring_acceptance(engine_totals), max(s.num_lookahead_tokens for s in scheduled)
+        )
+        if engine_yields is not None:
+            prior = engine_yields.expected(prior)
+        curves = [scheduled[i].seq.draft_yields.expected(prior) for i in adaptive]
         others = [s for i, s in enumerate(scheduled) if i not in adaptive]
         fixed_drafts = [s.num_lookahead_tokens for s in others if s.num_lookahead_tokens]
+        context_len = max(s.seq.num_tokens for s in scheduled)
         drafts = self.choose(
-            rates,
+            curves,
             [scheduled[i].num_lookahead_tokens for i in adaptive],
             num_tokens=sum(s.num_new_tokens for s in scheduled) + sum(fixed_drafts),
             num_seqs=len(scheduled),
-            context_len=max(s.seq.num_tokens for s in scheduled),
+            context_len=context_len,
             base_yield=sum(s.completes_prompt for s in scheduled)
-            + sum(expected_accepted(prior, k) for k in fixed_drafts),
+            + sum(prior[k] for k in fixed_drafts),
             fixed_drafts=fixed_drafts,
             compiled=compiled,
         )
-        out = list(scheduled)
+        out, probe_every = list(scheduled), None
         for i, k in zip(adaptive, drafts):
             seq_id = scheduled[i].seq.seq_id
             idle = self.steps_without_drafts.get(seq_id, 0)
             if k == 0 and idle + 1 >= PROBE_EVERY:
-                k = 1  # a probe: without drafts, nothing would ever be measured again
+                probe_every = probe_every or self.probe_every(len(scheduled), context_len, compiled)
+                if idle + 1 >= probe_every:
+                    k = 1  # a probe: without drafts, nothing would ever be measured again
             self.steps_without_drafts[seq_id] = 0 if k else idle + 1
             out[i] = ScheduledSeq(scheduled[i].seq, scheduled[i].num_new_tokens, k)
         return out
+
+    def probe_every(self, num_seqs: int, context_len: int, compiled: bool = False) -> int:
+        """Steps between the probes of a request held at no drafts, in a step of `num_seqs`
+        sequences: PROBE_EVERY, or as many more as keep a probe's extra time (a step verifying
+        one draft a row, and its draft step, over a plain step) within PROBE_BUDGET of the
+        plain steps between probes."""
+        compiled = compiled and self.graph_buckets is not None
+        context = _bucket(context_len)
+        width, plain_width = (2, 1) if compiled else (None, None)
+        plain_ms = self._step_ms(num_seqs, num_seqs, context, width=plain_width, measured=True)
+        probe_ms = self._step_ms(2 * num_seqs, num_seqs, context, width=width, measured=True)
+        probe_ms += self._draft_ms([num_seqs], context, compiled, measured=True)
+        return max(PROBE_EVERY, math.ceil((probe_ms - plain_ms) / (PROBE_BUDGET * plain_ms)))
 
     def forget(self, seq_id: int) -> None:
         self.steps_without_drafts.pop(seq_id, None)
 
     def choose(
         self,
-        rates: list[float],
+        curves: list[list[float]],
         max_drafts: list[int],
         *,
         num_tokens: int,
@@ -135,15 +174,15 @@ class DraftPolicy:
         fixed_drafts: list[int] = (),
         compiled: bool = False,
     ) -> list[int]:
-        """Drafts per adaptive request (acceptance `rates`, at most `max_drafts` each) that
-        maximise expected tokens per ms in a step that, without them, computes `num_tokens`
-        tokens over `num_seqs` sequences and yields `base_yield` tokens; `fixed_drafts`: the
-        draft counts of requests that set theirs (their drafting costs too); `compiled`: the
-        step and the drafts run as compiled graphs (priced so where graph_buckets is set)."""
+        """Drafts per adaptive request (at most `max_drafts` each; curves[i][k]: the drafts
+        request i is expected to keep of a run of k, k = 0 .. max_drafts[i]) that maximise
+        expected tokens per ms in a step that, without them, computes `num_tokens` tokens over
+        `num_seqs` sequences and yields `base_yield` tokens; `fixed_drafts`: the draft counts
+        of requests that set theirs (their drafting costs too); `compiled`: the step and the
+        drafts run as compiled graphs (priced so where graph_buckets is set)."""
         compiled = compiled and self.graph_buckets is not None
-        rates = [min(max(a, 0.0), MAX_ACCEPTANCE) for a in rates]
         context = _bucket(context_len)
-        drafts = [0] * len(rates)
+        drafts = [0] * len(curves)
         # rows[j]: the requests drafting a j-th token, which draft step j runs
         rows = [0] * max([*max_drafts, *fixed_drafts, 0])
         for k in fixed_drafts:
@@ -153,12 +192,17 @@ class DraftPolicy:
 
         def tokens_per_ms() -> float:
             width = 1 + max([*drafts, *fixed_drafts, 0]) if compiled else None
-            ms = self._step_ms(num_tokens + num_drafted, num_seqs, context, width=width)
-            return tokens / (ms + self._draft_ms(rows, context, compiled))
+            ms = self._step_ms(
+                num_tokens + num_drafted, num_seqs, context, width=width, measured=True
+            )
+            return tokens / (ms + self._draft_ms(rows, context, compiled, measured=True))
 
         best, best_rate = list(drafts), tokens_per_ms()
-        # (-gain of request i's next draft, i): its acceptance to the power of its position
-        heap = [(-a, i) for i, a in enumerate(rates) if max_drafts[i] > 0]
+
+        def next_gain(i: int) -> float:  # what request i's next draft adds to its expected yield
+            return curves[i][drafts[i] + 1] - curves[i][drafts[i]]
+
+        heap = [(-next_gain(i), i) for i in range(len(curves)) if max_drafts[i] > 0]
         heapq.heapify(heap)
         while heap:
             neg_gain, i = heapq.heappop(heap)
@@ -166,7 +210,7 @@ class DraftPolicy:
             drafts[i] += 1
             tokens, num_drafted = tokens - neg_gain, num_drafted + 1
             if drafts[i] < max_drafts[i]:
-                heapq.heappush(heap, (-(rates[i] ** (drafts[i] + 1)), i))
+                heapq.heappush(heap, (-next_gain(i), i))
             if (rate := tokens_per_ms()) > best_rate:
                 best, best_rate = list(drafts), rate
         return best
@@ -202,11 +246,14 @@ class DraftPolicy:
         gains = [(k, self.predicted_gain(acceptance, k, **step)) for k in range(1, max_drafts + 1)]
         return max([(0, 1.0), *gains], key=lambda kg: kg[1])
 
-    def _draft_ms(self, rows: list[int], context_len: int, compiled: bool = False) -> float:
-        """Draft step j runs the rows[j] requests drafting a j-th token (none: no step)."""
+    def _draft_ms(
+        self, rows: list[int], context_len: int, compiled: bool = False, measured: bool = False
+    ) -> float:
+        """Draft step j runs the rows[j] requests drafting a j-th token (none: no step);
+        `measured`: a compiled draft step's measured time where there is one."""
         if self.draft_plan is None:
             return 0.0
-        return sum(self._draft_step_ms(n, context_len, compiled) for n in rows if n)
+        return sum(self._draft_step_ms(n, context_len, compiled, measured) for n in rows if n)
 
     def _step_ms(
         self,
@@ -216,29 +263,54 @@ class DraftPolicy:
         plan=None,
         modules=None,
         width: int | None = None,
+        measured: bool = False,
     ) -> float:
         """A verifying (or plain) step's ms; `width`: the step is a compiled graph whose rows
-        each hold 1 + the most drafts of a row (None: eager, `num_tokens` tokens)."""
+        each hold 1 + the most drafts of a row (None: eager, `num_tokens` tokens); `measured`:
+        a graph of the policy's plan at a shape the engine has run costs its measured time."""
         plan = plan or self.plan
         if width is not None:  # the graph's shape: rows in their bucket, a power-of-two width
-            rows = self._graph_rows(num_seqs)
-            tokens = rows * (1 << (width - 1).bit_length())
-            return self._predict(plan, tokens, rows, context_len, modules, compiled=True)
+            rows, width = self._graph_rows(num_seqs), 1 << (width - 1).bit_length()
+            ms = self._predict(plan, rows * width, rows, context_len, modules, compiled=True)
+            if not measured:
+                return ms
+            return self._measured(self.measured_step_ms(rows, width), ms, rows, context_len)
 
         def exact(tokens: int) -> float:
             return self._predict(plan, tokens, num_seqs, context_len, modules)
 
         return _interpolated(exact, num_tokens, num_seqs)
 
-    def _draft_step_ms(self, num_rows: int, context_len: int, compiled: bool) -> float:
+    def _draft_step_ms(
+        self, num_rows: int, context_len: int, compiled: bool, measured: bool
+    ) -> float:
         if compiled:
             rows = self._graph_rows(num_rows)
-            return self._predict(self.draft_plan, rows, rows, context_len, compiled=True)
+            ms = self._predict(self.draft_plan, rows, rows, context_len, compiled=True)
+            if not measured:
+                return ms
+            return self._measured(self.measured_draft_ms(rows), ms, rows, context_len)
 
         def exact(rows: int) -> float:
             return self._predict(self.draft_plan, rows, rows, context_len)
 
         return _interpolated(exact, num_rows, 1)
+
+    def _measured(
+        self, measured_ms: float | None, predicted_ms: float, rows: int, context_len: int
+    ) -> float:
+        """A graph's measured ms where it has run; else its predicted ms scaled by what the
+        plain step of `rows` rows measured over its prediction (the fit was made another time,
+        perhaps under another load: a prediction is not compared with a measurement as it is)."""
+        if measured_ms is not None:
+            return measured_ms
+        if (plain_ms := self.measured_step_ms(rows, 1)) is None:
+            return predicted_ms
+        return (
+            predicted_ms
+            * plain_ms
+            / self._predict(self.plan, rows, rows, context_len, compiled=True)
+        )
 
     def _graph_rows(self, num_seqs: int) -> int:
         """The batch bucket a compiled graph of `num_seqs` rows runs at (GraphCache.bucket)."""
@@ -266,6 +338,10 @@ class DraftPolicy:
                 context_len=context_len, modules=modules, compiled=compiled,
             )  # fmt: skip
         return self._ms[key]
+
+
+def _not_measured(*shape: int) -> None:
+    return None
 
 
 def _interpolated(exact: Callable[[int], float], x: int, base: int) -> float:
