@@ -206,9 +206,13 @@ def test_compiled_drafts_and_verification_give_transformers_outputs(name, method
     assert_no_blocks_held(llm.engine)
     widths = {width for _, _, width in llm.engine.runner.graphs.graphs}
     assert 4 in widths, widths  # verifying steps ran compiled
+    # ... and were timed by their shape, as the draft steps by their bucket (the policy's prices)
+    assert 4 in {width for _, _, width in llm.engine.step_times.runs_ms}
     drafter_graphs = getattr(llm.engine.drafter, "graphs", None)
     if method != "ngram":
         assert drafter_graphs.num_compiles > 0 and drafter_graphs.direct
+        assert set(llm.engine.drafter.step_times.runs_ms) <= set(drafter_graphs.buckets)
+        assert llm.engine.drafter.step_times.runs_ms
         # gc.freeze ran after the draft's graphs were built too (else every full collection
         # walks them: ~20% of a SmolLM2 step)
         compiles = llm.engine.runner.graphs.num_compiles + drafter_graphs.num_compiles

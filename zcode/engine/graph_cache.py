@@ -9,10 +9,6 @@ always supplies a mask, so a step only recompiles when the plan or the bucket ch
 `num_compiles` counts the graphs inductor actually built (a recompile of an existing key counts
 too), so "a second request with the same plan does not recompile" is a counted fact.
 
-A direct call on the CPU is timed (`times`, zcode.engine.step_times): a drafter's graphs are
-priced so by the draft policy (an accelerator's call returns before its kernels end, so there
-nothing is timed).
-
 After its first call a key's graph is called directly (`DirectStep`), without dynamo: no frame
 evaluation, guards or argument-gathering bytecode (~1 ms a step: W4A8 decode 135 -> 157 tok/s).
 Its model tensors are taken once and again at each `model_changed()`, which ModelRunner.set_plan
@@ -30,13 +26,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zcode.engine.step_times import StepTimes
 from zcode.forward_batch import ForwardBatch
 from zcode.layers.moe import MoE
 
 logger = logging.getLogger(__name__)
-
-DRAFT_SIGNATURE = "draft"  # the key of a drafter's steps, in the drafter's own cache
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -60,7 +53,6 @@ class GraphCache:
         self._compiled: tuple[Callable, list] | None = None  # set by _backend during a compile
         self.num_compiles = 0
         self.compile_s = 0.0  # wall time of first calls per key (trace + codegen + one run)
-        self.times = StepTimes()  # direct calls' ms by key
 
     def bucket(self, num_seqs: int) -> int:
         return next(b for b in self.buckets if b >= num_seqs)
@@ -71,7 +63,7 @@ class GraphCache:
         key = (signature, batch.num_seqs, batch.query_index.shape[1])
         if (direct := self.direct.get(key)) is not None:
             if direct.is_current() or direct.refresh(self.model):
-                return self._timed(key, direct, input_ids, batch)
+                return direct(input_ids, batch)
             del self.direct[key]
         # Without automatic dynamic shapes, a dimension is symbolic only if marked below: dynamo
         # would otherwise make dims dynamic from shapes other graphs (other buckets, models, even
@@ -93,13 +85,6 @@ class GraphCache:
             direct = DirectStep.capture(*self._compiled, self.model, input_ids, batch)
             if direct is not None:
                 self.direct[key] = direct
-        return logits
-
-    def _timed(self, key: tuple, direct: "DirectStep", input_ids, batch) -> torch.Tensor:
-        start = time.perf_counter()
-        logits = direct(input_ids, batch)
-        if logits.device.type == "cpu":  # an accelerator's call returns before its kernels end
-            self.times.record(key, 1e3 * (time.perf_counter() - start))
         return logits
 
     def model_changed(self) -> None:

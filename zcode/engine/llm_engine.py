@@ -14,7 +14,6 @@ from zcode.config import EngineConfig
 from zcode.engine.block_manager import BlockManager, join_salts
 from zcode.engine.detokenizer import IncrementalDetokenizer
 from zcode.engine.expert_cache import build_expert_cache
-from zcode.engine.graph_cache import DRAFT_SIGNATURE
 from zcode.engine.kv_cache import KVCache
 from zcode.engine.model_runner import ModelRunner
 from zcode.engine.request_output import RequestOutput
@@ -148,10 +147,8 @@ class LLMEngine:
             def measured_step_ms(rows: int, width: int) -> float | None:
                 return self.step_times.median_ms((self.runner.plan_signature, rows, width))
 
-            if (draft_graphs := getattr(self.drafter, "graphs", None)) is not None:
-
-                def measured_draft_ms(rows: int) -> float | None:
-                    return draft_graphs.times.median_ms((DRAFT_SIGNATURE, rows, 1))
+            if (draft_times := getattr(self.drafter, "step_times", None)) is not None:
+                measured_draft_ms = draft_times.median_ms
 
         policy = DraftPolicy(
             cost_model,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zcode.engine.graph_cache import DRAFT_SIGNATURE, GraphCache
+from zcode.engine.graph_cache import GraphCache
 from zcode.engine.kv_cache import KVCache, page_layout
 from zcode.engine.page_pool import LayerPaging, PagePool
 from zcode.engine.scheduler import ScheduledSeq
@@ -153,7 +153,7 @@ class ModelRunner:
             context_lens, tables, self.block_size, num_padded, self.pad_block
         )
         padded_ids = torch.tensor(input_ids + [0] * (num_padded - len(seqs)), dtype=torch.int64)
-        return graphs.run(DRAFT_SIGNATURE, padded_ids, batch)[: len(seqs)]
+        return graphs.run("draft", padded_ids, batch)[: len(seqs)]
 
     def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.hidden_observer is None:

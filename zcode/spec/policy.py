@@ -14,13 +14,14 @@ drafter's `cost_plan()` (n-gram lookup: free). In an engine that compiles its st
 priced as the graph that runs it: by the coefficients fitted on compiled steps, its rows padded
 to the batch bucket and each row to the step's query width (a power of two at least 1 + the
 most drafts of a row), so a third draft costs what a fourth does. A graph shape the engine has
-run is priced by its measured time instead (GraphCache.measured_ms, the median of its latest
-runs): the fit extrapolates from a few layers and shapes, and a few percent off on the plain and
-the verifying step made drafting look like a gain where it lost (n-gram at batch 4: +25%
-predicted, -4% measured; at batch 16 the fit priced a 4-wide graph at 69 ms, which took 124,
-its 64 rows past the GEMV's 16 on oneDNN). A shape not run yet is priced by the fit, scaled by
-what the plain step of its rows measured over its price; if that flatters it, a few steps'
-drafting measure it.
+run is priced by its measured time instead (the median of its latest steps, forward to
+outputs: LLMEngine.step_times; a self-draft's steps: SelfDrafter.step_times): the fit
+extrapolates from a few layers and shapes, and a few percent off on the plain and the
+verifying step made drafting look like a gain where it lost (n-gram at batch 4: +25%
+predicted, -4% measured; at batch 16 the fit priced a 4-wide graph at 69 ms, which took
+111-124, its 64 rows past the GEMV's 16 on oneDNN). A shape not run yet is priced by the fit,
+scaled by what the plain step of its rows measured over its price; if that flatters it, a few
+steps' drafting measure it.
 
 Drafts are added one at a time, the one that adds most expected tokens first (request i's
 next draft adds E_i(k_i + 1) - E_i(k_i)); the best rate seen along that path wins, so a draft
@@ -85,7 +86,7 @@ class DraftPolicy:
         (GraphCache.buckets; the cost model then needs its compiled fit), None: eager steps.
         `measured_step_ms(rows, width)`, `measured_draft_ms(rows)`: the measured ms of the
         verifying (or plain) graph and of the draft graph at that shape, None where not run yet
-        (GraphCache.measured_ms; None: nothing measured)."""
+        (zcode.engine.step_times; None: nothing measured)."""
         self.cost, self.model = cost_model, model
         self.draft_plan, self.plan = draft_plan, plan
         self.graph_buckets = graph_buckets

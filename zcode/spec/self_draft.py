@@ -10,11 +10,14 @@ draft positions into the slots the verifying forward then overwrites, so it need
 its own.
 """
 
+import time
+
 import torch
 from torch import nn
 
 from zcode.engine.graph_cache import GraphCache
 from zcode.engine.sequence import Sequence
+from zcode.engine.step_times import StepTimes
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.models.base import Backbone
@@ -35,6 +38,9 @@ class SelfDrafter(Drafter):
         if runner.graphs is not None:
             self.graphs = GraphCache(self.model, runner.graphs.buckets[-1])
             self.graphs.model_changed()  # MoE layers gather the draft's expert weights
+        # ms of a compiled draft step by its batch bucket, its batch building and argmax with
+        # it: what the draft policy prices draft steps it has seen by
+        self.step_times = StepTimes()
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], max_num_tokens: list[int]) -> list[list[int]]:
@@ -44,12 +50,17 @@ class SelfDrafter(Drafter):
             # Row i feeds its newest token (the last known one, then its latest draft).
             input_ids = [drafts[i][-1] if drafts[i] else seqs[i].token_ids[-1] for i in rows]
             context_lens = [seqs[i].num_tokens + len(drafts[i]) for i in rows]
+            start, compiles = time.perf_counter(), self.graphs and self.graphs.num_compiles
             logits = self.runner.decode(
                 self.model, self.graphs, [seqs[i] for i in rows], input_ids, context_lens
             )
             # numpy's argmax: ~3 us over a 49152-token vocabulary, torch's ~75 (Sampler)
             for i, token in zip(rows, logits.float().numpy().argmax(-1).tolist()):  # [R, V]
                 drafts[i].append(token)
+            compiled = self.graphs is not None and self.runner.pages is None
+            if compiled and self.graphs.num_compiles == compiles:  # not a step that compiled
+                ms = 1e3 * (time.perf_counter() - start)
+                self.step_times.record(self.graphs.bucket(len(rows)), ms)
         return drafts
 
 
