@@ -230,7 +230,11 @@ def main() -> None:
         for name, make in makers.items()
         if name in args.workloads.split(",")
     }
-    cells = zcode_cells(llm, workloads, batches, args) + llama_cpp_cells(workloads, args)
+    cells = zcode_cells(llm, workloads, batches, args)
+    if 1 in batches:  # llama.cpp's peers decode one sequence, beside ZCode's batch-1 cells
+        cells += llama_cpp_cells(workloads, args)
+    else:
+        print("llama.cpp: its peers decode one sequence; without --batches 1, skipped")
     plain = {(c["workload"], c["batch"]): c for c in cells if c["method"] == "plain"}
     rows = []
     for c in cells:
