@@ -88,8 +88,11 @@ class LLMEngine:
         # vLLM's spec-decode counters, running totals: steps that verified drafts, drafted
         # tokens, accepted tokens, and accepted tokens by draft position.
         self.spec_totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
-        # Draft positions verification tried (zcode.engine.sequence.Sequence.num_draft_trials):
-        # the adaptive policy's acceptance is accepted tokens per trial.
+        # Draft positions verification tried: each accepted draft, and the rejected draft where
+        # a step's run of them ended. Under the geometric model (each draft accepted with
+        # probability a once those before it were), accepted / tried is the maximum-likelihood
+        # a (the draft policy's prior for runs of drafts not yet measured); accepted per draft
+        # would understate it (3 drafts at a = 0.95: 0.90 per draft).
         self.spec_totals["num_draft_trials"] = 0
         self.spec_accepted_per_pos = [0] * config.num_draft_tokens
         self.spec_yields = RunYields()  # what runs of k drafts kept, by k: the policy's prior
@@ -495,9 +498,7 @@ class LLMEngine:
         """A step verified `num_drafts` drafts of `seq` and kept `num_accepted`."""
         # Tried: the accepted drafts and the rejected one where their run ended (none if all
         # were kept).
-        num_trials = num_accepted + (num_accepted < num_drafts)
-        seq.num_draft_trials += num_trials
-        self.spec_totals["num_draft_trials"] += num_trials
+        self.spec_totals["num_draft_trials"] += num_accepted + (num_accepted < num_drafts)
         seq.num_spec_steps += 1
         seq.num_draft_tokens += num_drafts
         seq.num_accepted_tokens += num_accepted

@@ -64,11 +64,6 @@ class Sequence:
         self.num_spec_steps = 0  # steps that verified at least one drafted token
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        # Draft positions verification tried: each accepted draft, and the rejected draft where
-        # a step's run of them ended. Under the draft policy's model (each draft accepted with
-        # probability a once those before it were), accepted / tried is the maximum-likelihood
-        # a; accepted per draft would understate it (3 drafts at a = 0.95: 0.90 per draft).
-        self.num_draft_trials = 0
         self.draft_yields = RunYields()  # what its runs of k drafts kept, by k
 
     @property

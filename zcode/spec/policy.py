@@ -33,11 +33,11 @@ none, and a request without one costs the step nothing.
 E_i(k): what request i's own runs of k drafts kept on average, shrunk toward what the engine's
 runs of k kept (zcode.spec.acceptance.RunYields), itself shrunk toward E(a, k) = a + a^2 + ...
 + a^k of the engine's acceptance rate a: its accepted tokens per draft position tried
-(`Sequence.num_draft_trials`: the accepted drafts and, in each step, the rejected draft where
-their run ended), shrunk toward PRIOR_ACCEPTANCE before much was measured, and taken
-EXPLORE_Z standard errors high (an upper confidence bound, as a bandit explores): a drafter
-whose acceptance is not yet known gets tried (a W4A8 self-draft pays only from a ~ 0.85 on, and
-a new engine knows 0.5), and the optimism fades as trials accumulate.
+(`LLMEngine.spec_totals["num_draft_trials"]`: the accepted drafts and, in each step, the
+rejected draft where their run ended), shrunk toward PRIOR_ACCEPTANCE before much was
+measured, and taken EXPLORE_Z standard errors high (an upper confidence bound, as a bandit
+explores): a drafter whose acceptance is not yet known gets tried (a W4A8 self-draft pays only
+from a ~ 0.85 on, and a new engine knows 0.5), and the optimism fades as trials accumulate.
 A request held at no drafts still drafts one token every PROBE_EVERY steps, so its estimate can
 recover when its text turns predictable; less often where a probe costs more than PROBE_BUDGET
 of the plain steps between probes (at batch 16 a step verifying one draft a row costs ~2 plain
