@@ -41,7 +41,7 @@ from a ~ 0.85 on, and a new engine knows 0.5), and the optimism fades as trials 
 A request held at no drafts still drafts one token every PROBE_EVERY steps, so its estimate can
 recover when its text turns predictable; less often where a probe costs more than PROBE_BUDGET
 of the plain steps between probes (at batch 16 a step verifying one draft a row costs ~2 plain
-steps, and probing every 16th step cost 6% of the decode time).
+steps, so probing every 16th step costs ~6% of the decode time).
 """
 
 import heapq
