@@ -4,8 +4,8 @@ weight rows they would have multiplied.
 Semantics, whatever the kernel: with a = x * [|x| * s_in > t_in] and
 h = silu(a @ Wg^T) * (a @ Wu^T), out = (h * [|h| * s_mid > t_mid]) @ Wd^T, each token with its own
 masks (s: per-channel score scales, see thresholds.py). A batch reads the union of its
-tokens' kept rows; when the union passes `dense_fraction` of the rows the kernel multiplies the
-masked inputs densely instead (same numbers, no skipping, MKL speed).
+tokens' kept rows; when the union passes `dense_fraction` of the rows of a batch of 16 tokens or
+more, the kernel multiplies the masked inputs densely instead (same numbers, MKL speed).
 
 The thresholds are the module's level (`set_thresholds`), or, inside `tokens_at_levels`, each
 token's own: requests at different FFN levels (a dense one included: negative thresholds keep
@@ -79,7 +79,8 @@ class SparseMLP(nn.Module):
         # x: [T, D] -> [T, D]
         if self.token_thresholds is not None:
             thresh_in, thresh_mid = self.token_thresholds.unbind(1)  # [T] each
-        elif self.is_dense:
+        elif self.is_dense and (not self.use_kernel or torch.compiler.is_compiling()):
+            # (the kernel's row loop is the faster GEMV, but not a torch op a graph can call)
             gate, up = (x @ self.w_gate_up_t).split(self.intermediate_size, dim=-1)
             return (F.silu(gate) * up) @ self.w_down_t
         else:
