@@ -96,6 +96,35 @@ def test_dense_features_count_parameter_bytes_and_flops(llama):
     assert skipped["kv:MB"] < features["kv:MB"]
 
 
+def test_sparse_ffns_are_their_own_kind_at_the_plans_density(llama):
+    """A plan naming an FFN level runs every dense FFN through the row-skipping kernel
+    (SparseMLP): its bytes, scaled by the level's density, are priced as `sparse-float32`, the
+    other linears as before; a compiled step (dense levels only) multiplies densely."""
+    dense = step_features(llama, None, 1, 10)
+    extras = (("ffn_sparsity_in", "0.5"), ("ffn_sparsity_mid", "0.7"))
+    plan = ExecutionPlan(ffn_density=0.4, extras=extras)
+    sparse = step_features(llama, plan, 1, 10)
+    ffn = [m for n, m in llama.named_modules() if ".mlp." in n and isinstance(m, torch.nn.Linear)]
+    ffn_mb = sum(m.weight.nbytes for m in ffn) / 1e6
+    assert sparse["sparse-float32:MB"] == pytest.approx(0.4 * ffn_mb)
+    assert sparse["sparse-float32:calls"] == len(ffn) > 0
+    assert sparse["dense-float32:MB"] == pytest.approx(dense["dense-float32:MB"] - ffn_mb)
+    compiled = step_features(llama, ExecutionPlan(extras=extras), 1, 10, compiled=True)
+    assert "sparse-float32:MB" not in compiled
+    assert compiled["dense-float32:MB"] == pytest.approx(dense["dense-float32:MB"])
+
+
+def test_head_paged_kv_adds_its_gathers(llama):
+    """An engine keeping KV per head gathers each attention layer's pages per sequence."""
+    flat = step_features(llama, ExecutionPlan(skip_layers=(0,)), 3, 40, num_seqs=3)
+    paged = step_features(llama, ExecutionPlan(skip_layers=(0,)), 3, 40, num_seqs=3, kv_paged=True)
+    layers_run = len(llama.attention_layers()) - 1
+    assert paged["kv-paged:calls"] == layers_run > 0
+    assert paged["kv-paged:rows"] == 3 * layers_run
+    assert paged["kv-paged:MB"] == flat["kv:MB"] == paged["kv:MB"] > 0
+    assert {k: v for k, v in paged.items() if not k.startswith("kv-paged:")} == flat
+
+
 def test_format_bytes_match_the_formats():
     weight = torch.randn(100, 70)
     from zcode.quant import quantize_weight

@@ -5,8 +5,10 @@ out by hand), and the candidates it builds from a model, a sparsity artifact and
 import math
 from dataclasses import replace
 
+import cost_models
 import pytest
 import torch
+from cost_models import synthetic_coefficients
 
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
@@ -79,11 +81,11 @@ def test_bad_hints_are_validation_errors(kwargs, match):
         Hints(**kwargs)
 
 
-def test_ffn_read_fraction_counts_the_dense_fallback():
-    # gate/up keep 90% > 85%: read whole; down keeps 70%
-    assert ffn_read_fraction(0.1, 0.3, 0.85) == pytest.approx((2 * 1.0 + 0.7) / 3)
-    assert ffn_read_fraction(0.5, 0.5, 0.85) == pytest.approx(0.5)
-    assert ffn_read_fraction(0.0, 0.0, 0.85) == 1.0
+def test_ffn_read_fraction_counts_the_kept_rows():
+    # gate and up keep 90% of their input rows, down 70% of its rows: a decode step's row
+    # kernel reads only those, however many (no dense fallback below 16 tokens)
+    assert ffn_read_fraction(0.1, 0.3) == pytest.approx((2 * 0.9 + 0.7) / 3)
+    assert ffn_read_fraction(0.0, 0.0) == 1.0
 
 
 # --- candidates from a model ---------------------------------------------------------------
@@ -91,21 +93,11 @@ def test_ffn_read_fraction_counts_the_dense_fallback():
 LEVELS = ((0.0, 0.0, 1.0), (0.0, 0.5, 1.05), (0.5, 0.7, 1.30))  # (in, mid, ppl ratio)
 # [L=2, KVH=2] ablation ratios: (0, 1) and (1, 0) are each layer's least important group
 HEAD_SCORES = torch.tensor([[1.20, 1.02], [1.01, 1.50]])
-COEFFICIENTS = {
-    "step": 1.0,
-    "dense-float32:MB": 2.0,
-    "dense-float32:calls": 0.0,
-    "dense-float32:GFLOP": 0.0,
-    "kv:MB": 0.0,
-    "attn:GFLOP": 0.0,
-    "seqs": 0.0,
-}
+COEFFICIENTS = synthetic_coefficients(mb_ms=2.0)
 
 
 def synthetic_cost_model():
-    from zcode.hardware.cost_model import CostModel
-
-    return CostModel(COEFFICIENTS, COEFFICIENTS, "test")
+    return cost_models.synthetic_cost_model(mb_ms=2.0)
 
 
 def synthetic_artifact(model):
@@ -239,7 +231,8 @@ def test_speculation_meets_a_latency_target_without_a_loss(tiny_net):
     two = planner(cost).choose(Hints(plan=replace(dense, num_draft_tokens=2)))
     assert two.predicted_ms_per_token == pytest.approx(dense_ms / (1 + 0.8 + 0.64))
 
-    compute_bound = CostModel(COEFFICIENTS | {"dense-float32:GFLOP": 1e6}, COEFFICIENTS, "test")
+    gflop_ms = {"dense-float32:GFLOP": 1e6, "sparse-float32:GFLOP": 1e6}
+    compute_bound = CostModel(COEFFICIENTS | gflop_ms, COEFFICIENTS, "test")
     choice = planner(compute_bound).choose(Hints(max_latency_ms=1e9), batch_size=16)
     assert choice.speculation.num_draft_tokens == 0 and choice.speculation.gain == 1.0
     acceptance[0] = 0.0

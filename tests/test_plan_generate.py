@@ -7,6 +7,7 @@ import itertools
 import random
 
 import pytest
+from cost_models import synthetic_coefficients
 
 from zcode.engine.request_output import RequestOutput
 from zcode.harness.plan import ExecutionPlan
@@ -18,15 +19,7 @@ from zcode.sparsity.calibrate import calibrate
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 7, 130, 250, 11]
-COEFFICIENTS = {
-    "step": 1.0,
-    "dense-float32:MB": 20.0,
-    "dense-float32:calls": 0.0,
-    "dense-float32:GFLOP": 0.0,
-    "kv:MB": 0.0,
-    "attn:GFLOP": 0.0,
-    "seqs": 0.0,
-}
+COEFFICIENTS = synthetic_coefficients(mb_ms=20.0)
 LEVELS = ((0.0, 0.0), (0.0, 0.5), (0.3, 0.5), (0.5, 0.7))
 
 

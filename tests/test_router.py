@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from cost_models import synthetic_coefficients
 
 from zcode.errors import ValidationError
 from zcode.hardware.cost_model import CostModel
@@ -18,8 +19,7 @@ from zcode.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 ENGINE = dict(dtype="float32", per_request_depth=True, kv_cache_bytes=1 << 20)
 # ms per MB of dense weights only: a plan skipping a layer is predicted faster
-COEFFICIENTS = {"step": 1.0, "seqs": 0.0, "dense-float32:MB": 10.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
-COEFFICIENTS |= {"dense-float32:calls": 0.0, "dense-float32:GFLOP": 0.0}
+COEFFICIENTS = synthetic_coefficients(mb_ms=10.0)
 
 
 def test_fit_recovers_a_linear_relation_and_round_trips(tmp_path):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 import torch
+from cost_models import synthetic_coefficients
 from remote_server import InThreadServer
 
 from zcode.hardware.cost_model import CostModel
@@ -24,8 +25,7 @@ from zcode.sparsity.thresholds import ThresholdTable
 PROMPT = list(range(3, 11))
 LEVELS = [FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.05)]
 DENSE, SPARSE = "ffn in 0 / mid 0", "ffn in 0 / mid 0.5"
-COEFFICIENTS = {"step": 1.0, "seqs": 0.0, "dense-float32:MB": 10.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
-COEFFICIENTS |= {"dense-float32:calls": 0.0, "dense-float32:GFLOP": 0.0}
+COEFFICIENTS = synthetic_coefficients(mb_ms=10.0)
 COST = CostModel(COEFFICIENTS, COEFFICIENTS, "test")
 
 

@@ -10,6 +10,7 @@ minimum is the estimate of the idle machine's time that the model predicts).
 """
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -27,6 +28,8 @@ from zcode.hardware.cost_model import (
     step_features,
 )
 from zcode.hardware.load import BUSY_LOAD_PER_CORE, measure_other_load
+from zcode.harness.plan import ExecutionPlan
+from zcode.harness.planner import ffn_read_fraction
 from zcode.spec.drafter import Drafter
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,10 @@ class PlanSpec:
     dtype: str  # the model's load dtype
     formats: Formats  # quantizable module names -> {module: format}
     category: str  # dense, int8, int4, other: how the check reports errors
+    # Every FFN a SparseMLP at this (input, intermediate) sparsity, its thresholds the
+    # quantiles of the fit's own prompts' activations; None: the FFNs as loaded.
+    ffn_level: tuple[float, float] | None = None
+    kv_paged: bool = False  # an engine keeping KV per head (per_request_depth)
 
 
 # fmt: off
@@ -66,6 +73,13 @@ FIT_PLANS = (
     PlanSpec("w4a8", "float32", _uniform("w4a8"), "other"),
     PlanSpec("attn-int8/mlp-int4/head-bf16", "float32", _by_part("int8", "int4-g32", "bf16"),
              "other"),
+    PlanSpec("fp32-kv-paged", "float32", _uniform("fp32"), "dense", kv_paged=True),
+)
+# The sparse FFN kernel at two densities (every row; 0.43 of them), timed at batch 1 only: a
+# batch reads the union of its tokens' kept rows, which the plan's density does not say.
+SPARSE_FIT_PLANS = (
+    PlanSpec("sparse-ffn-every-row", "float32", _uniform("fp32"), "sparse", ffn_level=(0.0, 0.0)),
+    PlanSpec("sparse-ffn-0.5/0.7", "float32", _uniform("fp32"), "sparse", ffn_level=(0.5, 0.7)),
 )
 CHECK_PLANS = (
     PlanSpec("fp32", "float32", _uniform("fp32"), "dense"),
@@ -83,6 +97,7 @@ CHECK_PLANS = (
 # turned off).
 FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 1, 512, 1), (DECODE, 4, 256, 1),
                 (DECODE, 16, 128, 1), (PREFILL, 1, 64, 1), (PREFILL, 1, 256, 1))
+SPARSE_FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 1, 512, 1))
 CHECK_SETTINGS = ((DECODE, 1, 1000, 1), (DECODE, 2, 128, 1), (PREFILL, 1, 160, 1))
 # fmt: on
 # Compiled steps: one plan per kernel kind, on the first 2 and 8 decoder layers of SmolLM2
@@ -124,9 +139,14 @@ class Measurement:
 
 
 def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
-    """Measures FIT_PLANS at FIT_SETTINGS on this machine and fits a CostModel to them; returns
-    it with the measurements it was fitted to."""
-    measurements, other_load = measure_other_load(lambda: measure_plans(FIT_PLANS, FIT_SETTINGS))
+    """Measures FIT_PLANS at FIT_SETTINGS (and SPARSE_FIT_PLANS at SPARSE_FIT_SETTINGS) on this
+    machine and fits a CostModel to them; returns it with the measurements it was fitted to."""
+    measurements, other_load = measure_other_load(
+        lambda: (
+            measure_plans(FIT_PLANS, FIT_SETTINGS)
+            + measure_plans(SPARSE_FIT_PLANS, SPARSE_FIT_SETTINGS)
+        )
+    )
     coefficients = {
         mode: fit_coefficients(
             [m.features for m in measurements if m.mode == mode],
@@ -138,7 +158,7 @@ def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
         coefficients[DECODE],
         coefficients[PREFILL],
         fingerprint,
-        tuple(p.name for p in FIT_PLANS),
+        tuple(p.name for p in FIT_PLANS + SPARSE_FIT_PLANS),
         None if other_load is None else other_load / (os.cpu_count() or 1),
     )
     return cost, measurements
@@ -201,20 +221,32 @@ def measure_plans(
         if any(width > 1 for *_, width in settings):  # the LLMs' engines have no drafter
             raise NotImplementedError("verifying steps are measured compiled only")
         llms = {
-            dtype: LLM(
-                None, dtype=dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES
+            (dtype, paged): LLM(
+                None,
+                dtype=dtype,
+                enable_prefix_caching=False,
+                kv_cache_bytes=KV_CACHE_BYTES,
+                per_request_depth=paged,
             )
-            for dtype in dict.fromkeys(p.dtype for p in plans)
+            for dtype, paged in dict.fromkeys((p.dtype, p.kv_paged) for p in plans)
         }
-        prepared = []  # (spec, engine, {name: quantized module}, {setting: features})
+        prepared = []  # (spec, engine, {name: module swapped in}, {setting: features})
         for spec in plans:
-            model = llms[spec.dtype].model
+            llm = llms[spec.dtype, spec.kv_paged]
+            model = llm.model
             formats = spec.formats(quantizable_modules(model))
-            rows = {setting: _features(model, formats, *setting) for setting in settings}
-            originals = dict(model.named_modules())
-            quantized = apply_precision(model, formats)
-            swap(model, {name: originals[name] for name in quantized})
-            prepared.append((spec, llms[spec.dtype].engine, quantized, rows))
+            if spec.ffn_level is not None:
+                swapped_in = _sparse_ffns(llm, spec.ffn_level)
+                plan = ExecutionPlan(ffn_density=ffn_read_fraction(*spec.ffn_level))
+                features = functools.partial(step_features, model, plan, modules=swapped_in)
+                rows = {s: _features(features, *s) for s in settings}
+            else:
+                features = functools.partial(step_features, model, formats)
+                rows = {s: _features(features, *s, kv_paged=spec.kv_paged) for s in settings}
+                originals = dict(model.named_modules())
+                swapped_in = apply_precision(model, formats)
+                swap(model, {name: originals[name] for name in swapped_in})
+            prepared.append((spec, llm.engine, swapped_in, rows))
     best: dict[tuple[int, tuple[str, int, int, int]], float] = {}
     for _ in range(num_rounds):
         for i, (_, engine, quantized, rows) in enumerate(prepared):
@@ -246,9 +278,8 @@ def _compiled_engine(spec: PlanSpec, settings, num_layers: int) -> tuple:
     model = llm.model
     model.model.layers = model.model.layers[:num_layers]
     formats = spec.formats(quantizable_modules(model))
-    rows = {
-        setting: _features(model, formats, *setting, logits_per_token=True) for setting in settings
-    }
+    features = functools.partial(step_features, model, formats, compiled=True)
+    rows = {setting: _features(features, *setting, logits_per_token=True) for setting in settings}
     apply_precision(model, formats)
     max_width = max(width for *_, width in settings)
     config = dataclasses.replace(llm.config, compile=True)
@@ -278,23 +309,43 @@ class _FillingDrafter(Drafter):
 
 
 def _features(
-    model: nn.Module,
-    formats: dict[str, str],
+    features: Callable[..., dict[str, float]],
     mode: str,
     batch_size: int,
     length: int,
     width: int,
     logits_per_token: bool = False,
+    kv_paged: bool = False,
 ) -> dict[str, float]:
-    """`logits_per_token`: lm_head runs over every token of a decode step (a compiled graph's),
+    """A setting's features by `features` (step_features with the model and plan bound).
+    `logits_per_token`: lm_head runs over every token of a decode step (a compiled graph's),
     else over the last of each sequence."""
     if mode == DECODE:
         num_tokens = batch_size * width
         logits_rows = num_tokens if logits_per_token else batch_size
-        return step_features(
-            model, formats, num_tokens, length, num_seqs=batch_size, logits_rows=logits_rows
+        return features(
+            num_tokens, length, num_seqs=batch_size, logits_rows=logits_rows, kv_paged=kv_paged
         )
-    return step_features(model, formats, length, length)
+    return features(length, length, kv_paged=kv_paged)
+
+
+def _sparse_ffns(llm, level: tuple[float, float]) -> dict[str, nn.Module]:
+    """{name: SparseMLP} for every FFN of `llm`'s model at `level` (sparsity of the FFN's
+    inputs, of its intermediate activations), thresholds from the activations of the prompts
+    the fit decodes (so that decode keeps about the level's share of rows)."""
+    from zcode import SamplingParams
+    from zcode.sparsity.sparse_mlp import SparseMLP
+    from zcode.sparsity.thresholds import ActivationRecorder
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    with ActivationRecorder(llm.model) as acts:
+        for seed in range(4):
+            llm.generate(_prompt(llm.engine, 128, seed), params)
+    table = acts.table(levels=level)
+    return {
+        f"model.layers.{i}.mlp": SparseMLP(mlp, *table.at(row, *level), table.score)
+        for row, (i, mlp) in enumerate(sorted(acts.mlps.items()))
+    }
 
 
 def _prompt(engine, length: int, seed: int) -> list[int]:

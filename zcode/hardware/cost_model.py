@@ -10,7 +10,14 @@ format family `bf16`, `int8`, `w8a8`, `int4`, `w4a8` through its fast kernel; a 
 format as the family doing its work, `gguf_proxy_kind`), weight_MB_k the bytes of weights of
 that kind read per step (QuantizedLinear.weight_bytes, or the parameter's bytes; a MoE layer's
 routed experts by the expected share of them the step's tokens touch, routed uniformly),
-calls_k the number of linear calls and GFLOP_k their arithmetic past the first row.
+calls_k the number of linear calls and GFLOP_k their arithmetic past the first row. A sparse
+FFN (zcode.sparsity.SparseMLP, eager) is its own kind, `sparse-<dtype>`: its row-skipping kernel
+reads the plan's `ffn_density` of the FFN's rows, at a rate of its own (fitted at batch 1, where
+a step reads one token's kept rows; a batch reads the union of its tokens', more than that). An
+engine that keeps KV per head (`per_request_depth`: requests skip layers and KV heads through
+their page tables) gathers each layer's pages per sequence: `kv-paged:calls` (attention layers
+run), `kv-paged:rows` (those times the sequences) and `kv-paged:MB` (the KV read through them)
+price that on top.
 Decode steps (a few tokens) and prefill steps (a long prompt) use separate coefficients, since
 the int kernels change algorithm with the row count. The coefficients are fitted once per machine by
 non-negative least squares on relative error against measured engine steps of several plans of
@@ -29,11 +36,11 @@ Public API:
     CostModel.load_or_fit(info: HardwareInfo | None = None, *, refresh: bool = False,
                           cache_dir: Path | None = None, compiled: bool = False) -> CostModel
     cost.predict_decode_ms(model, plan=None, *, batch_size=1, context_len=512,
-                           compiled=False) -> float
+                           compiled=False, kv_paged=False) -> float
         ms of one decode step of `batch_size` sequences at `context_len` tokens of context
-        (= the per-token latency each sequence sees)
+        (= the per-token latency each sequence sees); `kv_paged`: KV kept per head
     cost.predict_step_ms(model, plan=None, *, num_tokens, num_seqs, context_len=512,
-                         compiled=False) -> float
+                         compiled=False, kv_paged=False) -> float
         ms of one decode step computing `num_tokens` tokens over `num_seqs` sequences (a step
         that verifies drafted tokens); `compiled`: the step is a compiled graph
         (zcode.engine.graph_cache), priced by the coefficients fitted on compiled steps
@@ -71,17 +78,20 @@ from zcode.quant.linear import QuantizedLinear, quantize_weight
 logger = logging.getLogger(__name__)
 
 # Bump when the features or the fit's settings change, so old fits are not read (2: decode
-# steps of 16 sequences; 3: the "seqs" feature, verifying steps in the compiled fit).
-_SCHEMA_VERSION = 3
+# steps of 16 sequences; 3: the "seqs" feature, verifying steps in the compiled fit; 4: sparse
+# FFNs and head-paged KV).
+_SCHEMA_VERSION = 4
 DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.\d+\.")
+_DENSE_FFN_LINEAR = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|up|down)_proj$")
 
 # Part of the cache key: bump when a kernel change makes fitted costs stale (2: C++ decode GEMV;
 # 3: its software prefetch; 4: sibling linears in one GEMV call, no size asserts in graphs;
 # 5: unmasked GEMV main loops, fused attention loops in compiled verifying steps; 6: the float
-# GEMV 4 weight rows a step and up to 16 activation rows, verifying steps at batch 4 on it).
-KERNELS_VERSION = 6
+# GEMV 4 weight rows a step and up to 16 activation rows, verifying steps at batch 4 on it; 7:
+# the sparse FFN's row kernel, 8 rows a pass).
+KERNELS_VERSION = 7
 
 
 # --- features --------------------------------------------------------------------------------
@@ -137,11 +147,15 @@ def step_features(
     num_seqs: int = 1,
     modules: Mapping[str, nn.Module] | None = None,
     logits_rows: int | None = None,
+    compiled: bool = False,
+    kv_paged: bool = False,
 ) -> dict[str, float]:
     """The work of one forward step of `num_tokens` new tokens over `num_seqs` sequences of
     `context_len` tokens of context each, as named features (MB, GFLOP, call counts).
     `modules`: {name: module} run instead of the model's own there (a precision variant's);
-    `logits_rows`: the rows lm_head computes (default: the last token of each sequence)."""
+    `logits_rows`: the rows lm_head computes (default: the last token of each sequence);
+    `compiled`: a compiled graph's step, whose SparseMLPs (at the dense level: sparse levels
+    decode eagerly) multiply densely; `kv_paged`: the engine keeps KV per head."""
     formats, exec_plan = _plan_formats(plan)
     skipped = {f"model.layers.{i}." for i in exec_plan.skip_layers}
     routed = _routed_experts(model, num_tokens)
@@ -153,13 +167,18 @@ def step_features(
     def add(name: str, value: float) -> None:
         features[name] = features.get(name, 0.0) + value
 
-    for name, module in _linears(model, modules or {}):
+    # A plan naming an FFN level runs every dense FFN as a SparseMLP (zcode.sparsity.apply).
+    ffn_level = any(key == "ffn_sparsity_in" for key, _ in exec_plan.extras)
+    for name, module, sparse in _linears(model, modules or {}):
+        sparse = sparse or (ffn_level and _DENSE_FFN_LINEAR.match(name) is not None)
         if name.endswith("mlp.gate"):
             continue  # the MoE router is a Parameter product, not counted among linears
         if any(name.startswith(prefix) for prefix in skipped):
             continue
         fmt = None if modules and name in modules else formats.get(name)
         kind = kernel_kind(module, fmt)
+        if sparse and not compiled:
+            kind = kind.replace("dense-", "sparse-")
         n, k = module.out_features, module.in_features
         if fmt is not None and fmt != "fp32":
             num_bytes = format_weight_bytes(n, k, fmt)
@@ -180,23 +199,29 @@ def step_features(
         add(f"{kind}:GFLOP", share * 2 * rows_past_first * n * k / 1e9)
 
     kv_bytes_per_token, attn_flops_per_pair = _attention_sizes(model, exec_plan.skip_layers)
-    add("kv:MB", num_seqs * context_len * kv_bytes_per_token / 1e6)
+    kv_mb = num_seqs * context_len * kv_bytes_per_token / 1e6
+    add("kv:MB", kv_mb)
     add("attn:GFLOP", num_tokens * context_len * attn_flops_per_pair / 1e9)
+    if kv_paged:
+        layers_run = len(model.attention_layers()) - len(exec_plan.skip_layers)
+        add("kv-paged:calls", layers_run)
+        add("kv-paged:rows", layers_run * num_seqs)
+        add("kv-paged:MB", kv_mb)
     return features
 
 
 def _linears(model: nn.Module, modules: Mapping[str, nn.Module]):
-    """(name, linear) of every linear the model runs, `modules` in place of its own; a sparse
-    FFN (zcode.sparsity.SparseMLP, whose weights are transposed rows, not linears) as its three
-    dense linears, whose bytes the plan's ffn_density scales."""
+    """(name, linear, whether a SparseMLP runs it) of every linear the model runs, `modules`
+    in place of its own; a sparse FFN (zcode.sparsity.SparseMLP, whose weights are transposed
+    rows, not linears) as its three dense linears, whose bytes the plan's ffn_density scales."""
     from zcode.sparsity.sparse_mlp import SparseMLP
 
     for name, module in model.named_modules():
         module = modules.get(name, module)
         if isinstance(module, SparseMLP):
-            yield from ((f"{name}.{n}", linear) for n, linear in _ffn_linears(module))
+            yield from ((f"{name}.{n}", linear, True) for n, linear in _ffn_linears(module))
         elif isinstance(module, nn.Linear | QuantizedLinear):
-            yield name, module
+            yield name, module, False
 
 
 def _ffn_linears(mlp) -> list[tuple[str, nn.Linear]]:
@@ -332,12 +357,14 @@ class CostModel:
         context_len: int = 512,
         modules: Mapping[str, nn.Module] | None = None,
         compiled: bool = False,
+        kv_paged: bool = False,
     ) -> float:
         """`modules`: {name: module} predicted in place of the model's own (a precision
-        variant's modules, without swapping them in); `compiled`: a compiled step."""
+        variant's modules, without swapping them in); `compiled`: a compiled step;
+        `kv_paged`: an engine keeping KV per head (per_request_depth)."""
         return self.predict_step_ms(
             model, plan, num_tokens=batch_size, num_seqs=batch_size, context_len=context_len,
-            modules=modules, compiled=compiled,
+            modules=modules, compiled=compiled, kv_paged=kv_paged,
         )  # fmt: skip
 
     def predict_step_ms(
@@ -350,21 +377,22 @@ class CostModel:
         context_len: int = 512,
         modules: Mapping[str, nn.Module] | None = None,
         compiled: bool = False,
+        kv_paged: bool = False,
     ) -> float:
         """ms of one decode-like step computing `num_tokens` new tokens over `num_seqs`
         sequences (more tokens than sequences: a step verifying drafted tokens). `compiled`:
         one compiled graph, which computes logits for all `num_tokens` tokens."""
+        step = functools.partial(
+            step_features, model, plan, num_tokens, context_len, num_seqs, modules,
+            kv_paged=kv_paged,
+        )  # fmt: skip
         if not compiled:
-            features = step_features(model, plan, num_tokens, context_len, num_seqs, modules)
-            return predict(self.decode, features)
+            return predict(self.decode, step())
         if self.compiled_decode is None:
             raise ValueError(
                 "the cost model has no fit of compiled steps: zcode hw --fit-cost --compiled"
             )
-        features = step_features(
-            model, plan, num_tokens, context_len, num_seqs, modules, logits_rows=num_tokens
-        )
-        return predict(self.compiled_decode, features)
+        return predict(self.compiled_decode, step(logits_rows=num_tokens, compiled=True))
 
     def predict_prefill_ms(
         self, model: nn.Module, plan: Plan = None, *, prompt_len: int = 256
@@ -410,7 +438,7 @@ def format_cost(cost: CostModel | None) -> str:
 
 
 def _format_coefficients(c: Mapping[str, float]) -> str:
-    kinds = sorted({name.split(":")[0] for name in c if name.endswith(":MB")} - {"kv"})
+    kinds = sorted({name.split(":")[0] for name in c if name.endswith(":MB")} - {"kv", "kv-paged"})
 
     def rate(name: str) -> str:
         ms_per_mb = c.get(name, 0.0)

@@ -43,9 +43,10 @@ draft count up to the plan's that it favours (none where no drafting pays, e.g. 
 batches). Drafting costs no quality, so a latency target is met by speculation where it can be
 before any lossy dimension is cut.
 
-An FFN level is the fraction of FFN weight rows a step reads, counting the row-skipping
-kernel's dense fallback (`ffn_read_fraction`); skipped KV heads are not in the cost model's
-features yet (their saved KV reads are not predicted: a conservative prediction).
+An FFN level is the fraction of FFN weight rows a step of one token reads
+(`ffn_read_fraction`), at the sparse FFN kernel's own fitted rate; skipped KV heads are not in
+the cost model's features yet (their saved KV reads are not predicted: a conservative
+prediction).
 
 Search: with a latency target the least predicted loss among the plans meeting every target
 (latency, memory, quality), else the fastest; when no plan meets them all, the plan nearest to
@@ -321,6 +322,7 @@ class Planner:
                     batch_size=batch_size,
                     context_len=context_len,
                     compiled=self.compiled,
+                    kv_paged=self.kv_paged,
                 )
             except ValueError as e:  # a kernel kind the fit never measured
                 raise ValidationError(
@@ -474,15 +476,12 @@ def quantizes_ffn(precision: tuple[tuple[str, str], ...]) -> bool:
     return any(".mlp." in name for name, _ in precision)
 
 
-def ffn_read_fraction(sparsity_in: float, sparsity_mid: float, dense_fraction: float) -> float:
-    """Fraction of a SwiGLU FFN's weight bytes a decode step reads at a TEAL level: gate and up
-    read their kept input rows, down its kept rows (three matrices of one size); a matrix keeping
-    more than `dense_fraction` of its rows runs the dense GEMM and reads all of them."""
-
-    def read(kept: float) -> float:
-        return kept if kept <= dense_fraction else 1.0
-
-    return (2 * read(1 - sparsity_in) + read(1 - sparsity_mid)) / 3
+def ffn_read_fraction(sparsity_in: float, sparsity_mid: float) -> float:
+    """Fraction of a SwiGLU FFN's weight bytes a decode step of one token reads at a TEAL level:
+    gate and up read their kept input rows, down its kept rows (three matrices of one size).
+    The row kernel reads only the kept rows at any share below 16 tokens a step
+    (zcode.sparsity.kernel); a batch reads the union of its tokens' rows, more than this."""
+    return (2 * (1 - sparsity_in) + (1 - sparsity_mid)) / 3
 
 
 def ffn_options(sparsity, precision_touches_ffn: bool) -> list[Option]:
@@ -490,8 +489,6 @@ def ffn_options(sparsity, precision_touches_ffn: bool) -> list[Option]:
     precision level quantizes FFNs (SparseMLP reads float rows)."""
     if sparsity is None:
         return [Option("", 0.0)]
-    from zcode.sparsity.sparse_mlp import DEFAULT_DENSE_FRACTION
-
     levels = sorted(sparsity.levels, key=lambda lv: lv.flops_skipped)
     options = []
     for lv in levels:
@@ -503,9 +500,7 @@ def ffn_options(sparsity, precision_touches_ffn: bool) -> list[Option]:
                 f"ffn in {lv.sparsity_in:g} / mid {lv.sparsity_mid:g}",
                 max(0.0, math.log(lv.ppl_ratio)),
                 ffn_level=(lv.sparsity_in, lv.sparsity_mid),
-                ffn_density=ffn_read_fraction(
-                    lv.sparsity_in, lv.sparsity_mid, DEFAULT_DENSE_FRACTION
-                ),
+                ffn_density=ffn_read_fraction(lv.sparsity_in, lv.sparsity_mid),
             )
         )
     if not options or options[0].ffn_level != (0.0, 0.0):

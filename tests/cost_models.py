@@ -1,0 +1,17 @@
+"""A synthetic cost model for tests of what reads it: every step costs `step_ms`, every MB of
+float weights `mb_ms` (dense linears and sparse FFN rows alike), nothing else."""
+
+from zcode.hardware.cost_model import CostModel
+
+
+def synthetic_coefficients(mb_ms: float, step_ms: float = 1.0) -> dict[str, float]:
+    free = ("seqs", "kv:MB", "attn:GFLOP", "kv-paged:MB", "kv-paged:calls", "kv-paged:rows")
+    coefficients = {"step": step_ms, **dict.fromkeys(free, 0.0)}
+    for kind in ("dense-float32", "sparse-float32"):
+        coefficients |= {f"{kind}:MB": mb_ms, f"{kind}:calls": 0.0, f"{kind}:GFLOP": 0.0}
+    return coefficients
+
+
+def synthetic_cost_model(mb_ms: float, step_ms: float = 1.0) -> CostModel:
+    coefficients = synthetic_coefficients(mb_ms, step_ms)
+    return CostModel(coefficients, coefficients, "test")
