@@ -112,6 +112,15 @@ def test_sparse_ffns_are_their_own_kind_at_the_plans_density(llama):
     compiled = step_features(llama, ExecutionPlan(extras=extras), 1, 10, compiled=True)
     assert "sparse-float32:MB" not in compiled
     assert compiled["dense-float32:MB"] == pytest.approx(dense["dense-float32:MB"])
+    # SparseMLPs given in place of the FFNs (the cost fit's): their linears counted once
+    from zcode.sparsity.sparse_mlp import SparseMLP
+
+    swapped = {
+        f"model.layers.{i}.mlp": SparseMLP(layer.mlp, 0.1, 0.1)
+        for i, layer in enumerate(llama.model.layers)
+    }
+    given = step_features(llama, ExecutionPlan(ffn_density=0.4), 1, 10, modules=swapped)
+    assert given == pytest.approx(sparse)
 
 
 def test_head_paged_kv_adds_its_gathers(llama):

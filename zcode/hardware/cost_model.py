@@ -216,8 +216,14 @@ def _linears(model: nn.Module, modules: Mapping[str, nn.Module]):
     rows, not linears) as its three dense linears, whose bytes the plan's ffn_density scales."""
     from zcode.sparsity.sparse_mlp import SparseMLP
 
+    replaced = set()  # modules[name] replaces the model's module and everything inside it
     for name, module in model.named_modules():
-        module = modules.get(name, module)
+        parts = name.split(".")
+        if replaced and any(".".join(parts[:i]) in replaced for i in range(1, len(parts))):
+            continue
+        if name in modules:
+            module = modules[name]
+            replaced.add(name)
         if isinstance(module, SparseMLP):
             yield from ((f"{name}.{n}", linear, True) for n, linear in _ffn_linears(module))
         elif isinstance(module, nn.Linear | QuantizedLinear):
