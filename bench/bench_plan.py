@@ -2,14 +2,21 @@
 
     .venv/bin/python bench/bench_plan.py [--quick] [--model PATH] [--artifact PATH] [--fit-cost]
 
-1. Quality model (zcode.harness.planner: log-perplexity increases add across dimensions): the
-   held-out perplexity increase of combined plans, FFN level x skipped KV groups (the dimensions
-   that combine on a float model: precision variants quantize FFNs, which sparse FFNs cannot read
-   yet), against the planner's prediction; Spearman rank correlation over the plans.
-2. Latency (the hardware cost model): over a grid of (max_latency_ms, max_quality_loss) targets,
+1. Every candidate plan (or --num-plans of them, evenly spaced in predicted loss) measured:
+   held-out perplexity increase, and batch-1 decode ms/token (the min / median of --repeats runs,
+   plans round-robin). The quality model (zcode.harness.planner: log-perplexity increases add
+   across dimensions) against the measured increases: Spearman rank correlation. The dimensions
+   that combine on a float model are the FFN level and skipped KV groups (precision variants
+   quantize FFNs, which sparse FFNs cannot read yet; skipped layers need a router).
+2. Pareto frontiers of those measurements (ms/token, perplexity increase): each dimension alone
+   (FFN levels at full depth; KV groups skipped at the dense FFN) and the joint product, with
+   the area each dominates up to the dense plan's ms and a 20% loss (larger is better); plotted
+   with the planner's choices below to bench/results/plan_pareto.png.
+3. Latency (the hardware cost model): over a grid of (max_latency_ms, max_quality_loss) targets,
    the plan chosen, its predicted and measured batch-1 decode ms/token (min / median of
    --repeats runs, targets round-robin), and whether the fastest run is within 10% of the
-   latency target. Needs this machine's fitted cost model (`zcode hw --fit-cost`, or
+   latency target. Targets are spread over the candidates' predicted ms at the context the
+   requests are planned at. Needs this machine's fitted cost model (`zcode hw --fit-cost`, or
    --fit-cost here).
 
 The sparsity artifact is read from --artifact or the cache (zcode calibrate), else calibrated
@@ -23,6 +30,7 @@ import sys
 from pathlib import Path
 
 from scipy.stats import spearmanr
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from table_format import print_rows  # noqa: E402
@@ -32,6 +40,7 @@ from zcode.calibration import corpus_tokens  # noqa: E402
 from zcode.hardware.cost_model import CostModel  # noqa: E402
 from zcode.hardware.probe import probe  # noqa: E402
 from zcode.harness.planner import Candidate  # noqa: E402
+from zcode.llm import planning_context_len  # noqa: E402
 from zcode.ppl import perplexity  # noqa: E402
 from zcode.sampling_params import SamplingParams  # noqa: E402
 from zcode.sparsity.artifact import SparsityArtifact, default_path  # noqa: E402
@@ -41,6 +50,8 @@ RESULTS = Path(__file__).parent / "results"
 WINDOW = 512
 QUALITY_BUDGETS_PCT = (1.0, 5.0, 20.0)
 LATENCY_QUANTILES = (0.1, 0.4, 0.7, 1.0)  # of the candidates' predicted ms, low to high
+PROMPT_TOKENS, DECODE_TOKENS = 64, 32
+FRONTIER_MAX_LOSS_PCT = 20.0  # the frontiers' areas are measured up to this loss
 
 
 def load_artifact(
@@ -56,28 +67,124 @@ def load_artifact(
 
 def spread(candidates: list[Candidate], num_plans: int) -> list[Candidate]:
     """`num_plans` candidates evenly spaced in predicted loss (the first the least loss)."""
-    ranked = sorted(candidates, key=lambda c: c.quality_loss_pct)
+    ranked = sorted(candidates, key=lambda c: (c.quality_loss_pct, len(dimensions(c.plan))))
     step = max(1, (len(ranked) - 1) / max(1, num_plans - 1))
     picked = {round(i * step) for i in range(num_plans)}
     return [ranked[i] for i in sorted(picked) if i < len(ranked)]
 
 
-def quality_rows(llm: LLM, candidates: list[Candidate], heldout: list[int]) -> list[dict]:
-    dense = min(candidates, key=lambda c: (c.quality_loss_pct, -c.plan.ffn_density))
+def dimensions(plan) -> frozenset[str]:
+    """The dimensions a plan cuts: "sparsity" (an FFN level past dense), "depth" (skips)."""
+    level = {float(v) for k, v in plan.extras if k.startswith("ffn_sparsity_")}
+    cut = {"sparsity"} if level - {0.0} else set()
+    return frozenset(cut | ({"depth"} if plan.skip_layers or plan.skip_kv_heads else set()))
+
+
+def measure(
+    llm: LLM, candidates: list[Candidate], heldout: list[int], prompt: list[int], repeats: int
+) -> list[dict]:
+    """Each candidate's held-out perplexity increase (over the dense plan's) and decode
+    ms/token (its report's: the median decode step's), `repeats` runs, plans round-robin."""
+    dense = min(candidates, key=lambda c: (c.quality_loss_pct, len(dimensions(c.plan))))
     base = perplexity(llm, heldout, WINDOW, WINDOW, plan=dense.plan).perplexity
-    rows = []
-    for c in candidates:
+    loss_pct = {}
+    for c in tqdm(candidates, desc="held-out perplexity"):
         ppl = perplexity(llm, heldout, WINDOW, WINDOW, plan=c.plan).perplexity
-        rows.append(
-            {
-                "plan": c.plan.name,
-                "predicted_loss_pct": c.quality_loss_pct,
-                "measured_loss_pct": 100 * (ppl / base - 1),
-                "ppl": ppl,
-            }
+        loss_pct[c.plan.name] = 100 * (ppl / base - 1)
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
+    llm.generate(prompt, params, plan=dense.plan)  # warm-up: kernels, allocator
+    ms = {c.plan.name: [] for c in candidates}
+    for _ in tqdm(range(repeats), desc="decode ms, rounds"):
+        for c in candidates:
+            ms[c.plan.name].append(llm.generate(prompt, params, plan=c.plan)[0].plan)
+    return [
+        {
+            "plan": c.plan.name,
+            "dimensions": sorted(dimensions(c.plan)),
+            "predicted_loss_pct": c.quality_loss_pct,
+            "measured_loss_pct": loss_pct[c.plan.name],
+            "predicted_ms": ms[c.plan.name][0].predicted_ms_per_token,
+            "measured_ms_min": min(r.measured_ms_per_token for r in ms[c.plan.name]),
+            "measured_ms_median": statistics.median(
+                r.measured_ms_per_token for r in ms[c.plan.name]
+            ),
+        }
+        for c in candidates
+    ]
+
+
+def frontier(rows: list[dict]) -> list[dict]:
+    """The rows no other row beats on both measured ms (min) and measured loss, by ms."""
+    out = []
+    for r in sorted(rows, key=lambda r: (r["measured_ms_min"], r["measured_loss_pct"])):
+        if not out or r["measured_loss_pct"] < out[-1]["measured_loss_pct"]:
+            out.append(r)
+    return out
+
+
+def dominated_area(points: list[dict], max_ms: float, max_loss: float) -> float:
+    """The area of (ms, loss %) up to (max_ms, max_loss) that the frontier's points dominate."""
+    area, prev_loss = 0.0, max_loss
+    for r in points:  # by ms, loss falling
+        loss = min(r["measured_loss_pct"], max_loss)
+        if r["measured_ms_min"] < max_ms and loss < prev_loss:
+            area += (max_ms - r["measured_ms_min"]) * (prev_loss - loss)
+            prev_loss = loss
+    return area
+
+
+FRONTIERS = {  # name: which plans (by the dimensions they cut) it is drawn from
+    "sparsity alone": lambda dims: dims <= {"sparsity"},
+    "depth alone": lambda dims: dims <= {"depth"},
+    "joint": lambda dims: True,
+}
+
+
+def frontiers(rows: list[dict]) -> dict[str, list[dict]]:
+    return {
+        name: frontier([r for r in rows if keep(frozenset(r["dimensions"]))])
+        for name, keep in FRONTIERS.items()
+    }
+
+
+def plot(rows: list[dict], fronts: dict, latency: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    ax.scatter(
+        [r["measured_ms_min"] for r in rows],
+        [r["measured_loss_pct"] for r in rows],
+        color="lightgray",
+        s=12,
+        label="every candidate",
+    )
+    for (name, points), style in zip(fronts.items(), ("o-", "s-", "D-"), strict=True):
+        xs = [r["measured_ms_min"] for r in points]
+        ys = [r["measured_loss_pct"] for r in points]
+        ax.step(xs, ys, style, where="post", label=f"{name} frontier", markersize=4)
+    loss = {r["plan"]: r["measured_loss_pct"] for r in rows}
+    picked = [r for r in latency if r["plan"] in loss]
+    if picked:
+        ax.scatter(
+            [r["measured_ms_min"] for r in picked],
+            [loss[r["plan"]] for r in picked],
+            marker="x",
+            color="black",
+            s=50,
+            zorder=5,
+            label="planner's choices (latency grid)",
         )
-        print(f"{c.plan.name}: ppl {ppl:.4f}", flush=True)
-    return rows
+    ax.set_xlabel("batch-1 decode ms/token (min over runs)")
+    ax.set_ylabel("held-out perplexity increase, %")
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.set_ylim(bottom=-0.5)
+    ax.set_title("SmolLM2-135M fp32: measured plans, quality vs latency")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def latency_rows(
@@ -86,11 +193,12 @@ def latency_rows(
     """Each target's plan generated `repeats` times, targets round-robin within a repeat; a
     run's measured ms/token is its report's (the median decode step's). A target is met when
     the fastest run is within 10% of it: the cost model predicts the idle machine (its fit
-    takes best-of step times), and other processes only ever make a run slower."""
+    takes best-of step times), and other processes only ever make a run slower. `candidates`:
+    predicted at the context the requests are planned at."""
     ms = sorted(c.ms_per_token for c in candidates)
     targets = [ms[round(q * (len(ms) - 1))] for q in LATENCY_QUANTILES]
     grid = [(target, budget) for target in targets for budget in QUALITY_BUDGETS_PCT]
-    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
     llm.generate(prompt, params, max_latency_ms=targets[-1])  # warm-up: kernels, allocator
     reports = {cell: [] for cell in grid}
     for _ in range(repeats):
@@ -125,39 +233,75 @@ def main() -> None:
     parser.add_argument("--calibration-tokens", type=int, default=4096)
     parser.add_argument("--calibration-eval-tokens", type=int, default=1024)
     parser.add_argument("--heldout-tokens", type=int, default=4096)
-    parser.add_argument("--num-plans", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each latency target")
+    parser.add_argument("--num-plans", type=int, help="measure this many (default: every plan)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each plan and target")
     parser.add_argument("--fit-cost", action="store_true", help="fit the cost model if missing")
     args = parser.parse_args()
     if args.quick:
-        args.heldout_tokens, args.num_plans = 1024, 6
+        args.heldout_tokens, args.num_plans = 1024, 12
     llm = LLM(args.model, dtype="float32", per_request_depth=True, kv_cache_bytes=256 << 20)
     llm.sparsity = load_artifact(
         llm, args.artifact, args.calibration_tokens, args.calibration_eval_tokens
     )
     llm.cost_model = CostModel.load_or_fit() if args.fit_cost else CostModel.cached(probe())
     llm.declare_default_plan()
-    candidates = llm.planner().candidates()
     heldout = corpus_tokens(llm.tokenizer, "heldout", args.heldout_tokens)
+    prompt = heldout[:PROMPT_TOKENS]
+    context_len = planning_context_len([len(prompt)], DECODE_TOKENS)
+    candidates = llm.planner().candidates(context_len=context_len)
+    measured = candidates if args.num_plans is None else spread(candidates, args.num_plans)
 
-    quality = quality_rows(llm, spread(candidates, args.num_plans), heldout)
-    rho = spearmanr(
-        [r["predicted_loss_pct"] for r in quality], [r["measured_loss_pct"] for r in quality]
-    ).statistic
+    rows = measure(llm, measured, heldout, prompt, args.repeats)
     print_rows(
-        ["plan", "predicted +ppl %", "measured +ppl %"],
+        ["plan", "predicted +ppl %", "measured +ppl %", "predicted ms", "measured ms min / median"],
         [
-            (r["plan"], f"{r['predicted_loss_pct']:.2f}", f"{r['measured_loss_pct']:.2f}")
-            for r in quality
+            (
+                r["plan"],
+                f"{r['predicted_loss_pct']:.2f}",
+                f"{r['measured_loss_pct']:.2f}",
+                "-" if r["predicted_ms"] is None else f"{r['predicted_ms']:.2f}",
+                f"{r['measured_ms_min']:.2f} / {r['measured_ms_median']:.2f}",
+            )
+            for r in rows
         ],
     )
-    print(f"Spearman(predicted, measured held-out perplexity increase) = {rho:.3f}")
+    rho = spearmanr(
+        [r["predicted_loss_pct"] for r in rows], [r["measured_loss_pct"] for r in rows]
+    ).statistic
+    print(
+        f"Spearman(predicted, measured held-out perplexity increase) = {rho:.3f} over {len(rows)}"
+    )
+    if rows[0]["predicted_ms"] is not None:
+        errors = [r["measured_ms_min"] / r["predicted_ms"] - 1 for r in rows]
+        within = statistics.mean(abs(e) <= 0.1 for e in errors)
+        print(
+            f"measured (fastest run) over predicted ms: median {statistics.median(errors):+.1%}, "
+            f"range {min(errors):+.1%} .. {max(errors):+.1%}; within 10%: {within:.0%}"
+        )
+
+    fronts = frontiers(rows)
+    dense_ms = min((r for r in rows if not r["dimensions"]), key=lambda r: r["measured_loss_pct"])[
+        "measured_ms_min"
+    ]
+    areas = {
+        name: dominated_area(points, dense_ms, FRONTIER_MAX_LOSS_PCT)
+        for name, points in fronts.items()
+    }
+    for name, points in fronts.items():
+        path = ", ".join(
+            f"{r['measured_ms_min']:.1f} ms {r['measured_loss_pct']:.1f}%" for r in points
+        )
+        print(f"{name} frontier ({areas[name]:.1f} ms x % dominated): {path}")
+    print(
+        "precision alone: not among these candidates (no precision variants: they quantize "
+        "the FFNs the sparse levels read in float)"
+    )
 
     latency = []
     if llm.cost_model is None:
         print("latency: no fitted cost model on this machine (zcode hw --fit-cost, or --fit-cost)")
     else:
-        latency = latency_rows(llm, candidates, heldout[:64], args.repeats)
+        latency = latency_rows(llm, candidates, prompt, args.repeats)
         print_rows(
             [
                 "max ms",
@@ -187,8 +331,16 @@ def main() -> None:
             f"{met:.0%} of {len(latency)}"
         )
     RESULTS.mkdir(exist_ok=True)
-    blob = {"spearman": rho, "quality": quality, "latency": latency}
+    plot(rows, fronts, latency, RESULTS / "plan_pareto.png")
+    blob = {
+        "spearman": rho,
+        "plans": rows,
+        "frontiers": {name: [r["plan"] for r in points] for name, points in fronts.items()},
+        "frontier_areas": areas,
+        "latency": latency,
+    }
     (RESULTS / "plan.json").write_text(json.dumps(blob, indent=2) + "\n")
+    print(f"wrote {RESULTS / 'plan.json'} and {RESULTS / 'plan_pareto.png'}")
 
 
 if __name__ == "__main__":

@@ -220,10 +220,7 @@ class LLM:
                 self.engine.validate_skips(h.plan.skip_layers, h.plan.skip_kv_heads)
         if all(h == Hints() for h in hints):  # the model's default plan
             return [out for out, _ in self._run(token_lists, params, [None] * len(token_lists))]
-        # Predicted at the batch's mean context halfway through, up to a power of two (so the
-        # planner's memoized candidates serve many requests).
-        mean_len = sum(map(len, token_lists)) / len(token_lists) + params.max_tokens / 2
-        context_len = 1 << math.ceil(math.log2(max(mean_len, 1)))
+        context_len = planning_context_len([len(ids) for ids in token_lists], params.max_tokens)
         planner, choices = self.planner(), []
         for ids, h in zip(token_lists, hints):
             routed = None
@@ -363,3 +360,10 @@ def _as_batch(prompts) -> list[Prompt]:
             "prompts must be a string, token ids, messages, or a non-empty list of them"
         )
     return list(prompts)
+
+
+def planning_context_len(prompt_lens: list[int], max_tokens: int) -> int:
+    """The context a batch's plans are predicted at: its mean halfway through decoding, up to a
+    power of two (so the planner's memoized candidates serve many requests)."""
+    mean_len = sum(prompt_lens) / len(prompt_lens) + max_tokens / 2
+    return 1 << math.ceil(math.log2(max(mean_len, 1)))
