@@ -1,7 +1,8 @@
 """`zcode calibrate`: one pass over calibration text records activation thresholds and layer
-importance, then KV-group importance (by ablation: each group alone, and the least important
-together) and every candidate FFN level are scored on a separate calibration slice; the result
-is a SparsityArtifact. (Latency is the hardware cost model's: `zcode hw --fit-cost`.)
+importance, then KV-group importance (by ablation: each group alone) and every candidate FFN
+level are scored on a separate calibration slice, and the least important groups removed
+together on the recording slice (not the slice that ranked them); the result is a
+SparsityArtifact. (Latency is the hardware cost model's: `zcode hw --fit-cost`.)
 
 Held-out text is never touched here: quality claims are made on it by the bench.
 """
@@ -91,8 +92,11 @@ def calibrate(
         levels=[],
         layer_scores=bi.scores(),
         head_scores=head_scores,
+        # On the recording slice, not the one that ranked the groups: ranked and measured on
+        # one slice, the groups picked were those that happened to cost nothing there
+        # (SmolLM2-135M, 1024 tokens: the four least important together 0.999, held-out +9.4%).
         head_count_ratios=joint_ablation_ratios(
-            llm, evaluate, WINDOW, head_scores, on_count=bar.update
+            llm, record, WINDOW, head_scores, on_count=bar.update
         ),
         notes={"calibration_tokens": num_tokens, "eval_tokens": num_eval_tokens},
     )
