@@ -1,7 +1,8 @@
 """Measuring the cost model's ground truth: engine step times of SmolLM2-135M under several plans.
 
-`fit_smollm2` measures FIT_PLANS at FIT_SETTINGS and fits the coefficients, `fit_compiled` those
-of compiled decode steps (COMPILED_FIT_PLANS on a few layers of the model, at two depths);
+`fit_smollm2` measures FIT_PLANS at FIT_SETTINGS (and the sparse FFN's SPARSE_FIT_PLANS at
+batch 1) and fits the coefficients, `fit_compiled` those of compiled decode steps
+(COMPILED_FIT_PLANS on a few layers of the model, at two depths);
 `check_smollm2` measures CHECK_PLANS, which the fit never saw (other formats, other mixes, other
 batch sizes and context lengths), and returns predicted against measured for each. Step times
 are best-of: decode the fastest of several timed engine steps after a warm-up step, prefill the
@@ -203,8 +204,9 @@ def measure_plans(
     compiled: bool = False,
 ) -> list[Measurement]:
     """Each plan at each setting, best of `num_rounds` rounds. A round visits every plan in
-    turn (its quantized modules swapped in, then the originals back), so load from other
-    processes spreads over all plans instead of spoiling the one measured while it lasted.
+    turn (its quantized modules or SparseMLPs swapped in, then the originals back), so load
+    from other processes spreads over all plans instead of spoiling the one measured while it
+    lasted.
     `compiled`: every plan an engine of its own with compiled decode steps at each of
     COMPILED_FIT_DEPTHS (graphs are built in each setting's untimed first step)."""
     from zcode import LLM
