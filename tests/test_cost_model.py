@@ -132,6 +132,11 @@ def test_head_paged_kv_adds_its_gathers(llama):
     assert paged["kv-paged:rows"] == 3 * layers_run
     assert paged["kv-paged:MB"] == flat["kv:MB"] == paged["kv:MB"] > 0
     assert {k: v for k, v in paged.items() if not k.startswith("kv-paged:")} == flat
+    # the compiled fit measured no such engine: its steps are priced as flat KV's, not refused
+    zero = dict.fromkeys(flat, 0.0)
+    cost = CostModel(zero | {"step": 1.0}, {}, "k", compiled_decode=zero | {"step": 0.5})
+    step = dict(num_tokens=3, num_seqs=3, context_len=40, kv_paged=True)
+    assert cost.predict_step_ms(llama, compiled=True, **step) == 0.5
 
 
 def test_format_bytes_match_the_formats():

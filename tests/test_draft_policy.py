@@ -46,15 +46,26 @@ class LinearCost:
     draft_ms: float = 0.0
     compiled: "LinearCost | None" = None
     shapes: list = dataclasses.field(default_factory=list)  # (plan, tokens, seqs, compiled)
+    kv_paged: set = dataclasses.field(default_factory=set)  # every kv_paged asked
 
     @property
     def compiled_decode(self):
         return self.compiled
 
     def predict_step_ms(
-        self, model, plan, *, num_tokens, num_seqs, context_len, modules=None, compiled=False
+        self,
+        model,
+        plan,
+        *,
+        num_tokens,
+        num_seqs,
+        context_len,
+        modules=None,
+        compiled=False,
+        kv_paged=False,
     ) -> float:
         self.shapes.append((plan, num_tokens, num_seqs, compiled))
+        self.kv_paged.add(kv_paged)
         prices = self.compiled if compiled else self
         if plan is not None:
             return prices.draft_ms
@@ -220,6 +231,15 @@ def test_the_engine_drafts_where_the_cost_model_says_it_pays(tiny):
     out = run(bandwidth_bound, [(loop, GREEDY)])[0]
     assert out.token_ids == plain
     assert out.plan.speculative["num_draft_tokens"] > PROBES
+
+
+def test_an_engine_keeping_kv_per_head_prices_its_page_gathers(tiny):
+    """Its steps gather each layer's KV pages per sequence (the cost model's kv-paged
+    features): the policy asks for those prices, a flat-KV engine's policy does not."""
+    for per_request_depth in (True, False):
+        cost = LinearCost(10.0, 0.01)
+        run(engine(tiny, cost, per_request_depth=per_request_depth), [(prompts()[-1], GREEDY)])
+        assert cost.kv_paged == {per_request_depth}
 
 
 def test_a_compiled_engine_drafts_by_the_cost_of_compiled_steps(tiny):

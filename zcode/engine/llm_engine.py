@@ -160,6 +160,7 @@ class LLMEngine:
             graph_buckets=buckets,
             measured_step_ms=measured_step_ms,
             measured_draft_ms=measured_draft_ms,
+            kv_paged=self.runner.pages is not None,
         )
         return policy, "adaptive"
 

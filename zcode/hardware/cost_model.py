@@ -389,15 +389,15 @@ class CostModel:
         sequences (more tokens than sequences: a step verifying drafted tokens). `compiled`:
         one compiled graph, which computes logits for all `num_tokens` tokens."""
         step = functools.partial(
-            step_features, model, plan, num_tokens, context_len, num_seqs, modules,
-            kv_paged=kv_paged,
+            step_features, model, plan, num_tokens, context_len, num_seqs, modules
         )  # fmt: skip
         if not compiled:
-            return predict(self.decode, step())
+            return predict(self.decode, step(kv_paged=kv_paged))
         if self.compiled_decode is None:
             raise ValueError(
                 "the cost model has no fit of compiled steps: zcode hw --fit-cost --compiled"
             )
+        # The compiled fit has no engine keeping KV per head: its steps are priced as flat KV's.
         return predict(self.compiled_decode, step(logits_rows=num_tokens, compiled=True))
 
     def predict_prefill_ms(

@@ -78,6 +78,7 @@ class DraftPolicy:
         graph_buckets: list[int] | None = None,
         measured_step_ms: Callable[[int, int], float | None] | None = None,
         measured_draft_ms: Callable[[int], float | None] | None = None,
+        kv_paged: bool = False,
     ) -> None:
         """`cost_model`: a fitted zcode.hardware.cost_model.CostModel; `draft_plan`: the plan
         whose decode step costs what one draft step does (None: drafting is free); `plan`: the
@@ -86,8 +87,9 @@ class DraftPolicy:
         (GraphCache.buckets; the cost model then needs its compiled fit), None: eager steps.
         `measured_step_ms(rows, width)`, `measured_draft_ms(rows)`: the measured ms of the
         verifying (or plain) graph and of the draft graph at that shape, None where not run yet
-        (zcode.engine.step_times; None: nothing measured)."""
-        self.cost, self.model = cost_model, model
+        (zcode.engine.step_times; None: nothing measured); `kv_paged`: the engine keeps KV
+        per head (its steps gather each layer's pages)."""
+        self.cost, self.model, self.kv_paged = cost_model, model, kv_paged
         self.draft_plan, self.plan = draft_plan, plan
         self.graph_buckets = graph_buckets
         self.measured_step_ms = measured_step_ms or _not_measured
@@ -337,6 +339,7 @@ class DraftPolicy:
             self._ms[key] = self.cost.predict_step_ms(
                 self.model, plan, num_tokens=num_tokens, num_seqs=num_seqs,
                 context_len=context_len, modules=modules, compiled=compiled,
+                kv_paged=self.kv_paged,
             )  # fmt: skip
         return self._ms[key]
 
