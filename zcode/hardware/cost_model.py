@@ -17,7 +17,8 @@ a step reads one token's kept rows; a batch reads the union of its tokens', more
 engine that keeps KV per head (`per_request_depth`: requests skip layers and KV heads through
 their page tables) gathers each layer's pages per sequence: `kv-paged:calls` (attention layers
 run), `kv-paged:rows` (those times the sequences) and `kv-paged:MB` (the KV read through them)
-price that on top.
+price that on top, in eager steps (the compiled fit has no such engine: its steps are priced as
+flat KV's).
 Decode steps (a few tokens) and prefill steps (a long prompt) use separate coefficients, since
 the int kernels change algorithm with the row count. The coefficients are fitted once per machine by
 non-negative least squares on relative error against measured engine steps of several plans of
