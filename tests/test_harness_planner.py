@@ -5,10 +5,9 @@ out by hand), and the candidates it builds from a model, a sparsity artifact and
 import math
 from dataclasses import replace
 
-import cost_models
 import pytest
 import torch
-from cost_models import synthetic_coefficients
+from cost_models import synthetic_coefficients, synthetic_cost_model
 
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
@@ -96,10 +95,6 @@ HEAD_SCORES = torch.tensor([[1.20, 1.02], [1.01, 1.50]])
 COEFFICIENTS = synthetic_coefficients(mb_ms=2.0)
 
 
-def synthetic_cost_model():
-    return cost_models.synthetic_cost_model(mb_ms=2.0)
-
-
 def synthetic_artifact(model):
     from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
     from zcode.sparsity.calibrate import flops_skipped
@@ -118,7 +113,9 @@ def tiny_net(tiny_model):
 
 
 def test_candidates_predict_ms_loss_and_kv_bytes(tiny_net):
-    planner = Planner(tiny_net, synthetic_cost_model(), None, synthetic_artifact(tiny_net), True)
+    planner = Planner(
+        tiny_net, synthetic_cost_model(mb_ms=2.0), None, synthetic_artifact(tiny_net), True
+    )
     mlp_mb = sum(p.nbytes for layer in tiny_net.model.layers for p in layer.mlp.parameters()) / 1e6
     linear_mb = (
         sum(m.weight.nbytes for m in tiny_net.modules() if isinstance(m, torch.nn.Linear)) / 1e6
@@ -155,7 +152,9 @@ def test_candidates_predict_ms_loss_and_kv_bytes(tiny_net):
 
 
 def test_explicit_plans_and_skips(tiny_net):
-    planner = Planner(tiny_net, synthetic_cost_model(), None, synthetic_artifact(tiny_net), True)
+    planner = Planner(
+        tiny_net, synthetic_cost_model(mb_ms=2.0), None, synthetic_artifact(tiny_net), True
+    )
     sparse = next(c.plan for c in planner.candidates() if c.plan.name == "ffn in 0.5 / mid 0.7")
     choice = planner.choose(Hints(plan=sparse, max_quality_loss=1.0))
     assert choice.plan == sparse and choice.binding == "override" and not choice.target_met
@@ -175,7 +174,7 @@ def test_kv_groups_skipped_together_cost_what_calibration_measured_together(tiny
     them together at 10%: the candidate, and a caller naming the same set, predict 10%."""
     artifact = synthetic_artifact(tiny_net)
     artifact.head_count_ratios = {1: 1.01, 2: 1.10}
-    planner = Planner(tiny_net, synthetic_cost_model(), None, artifact, True)
+    planner = Planner(tiny_net, synthetic_cost_model(mb_ms=2.0), None, artifact, True)
     by_name = {c.plan.name: c for c in planner.candidates()}
     assert by_name["ffn in 0 / mid 0, skip 2 KV heads"].quality_loss_pct == pytest.approx(10.0)
     assert by_name["ffn in 0 / mid 0, skip 1 KV heads"].quality_loss_pct == pytest.approx(1.0)
@@ -211,7 +210,7 @@ def test_speculation_meets_a_latency_target_without_a_loss(tiny_net):
         spec = Speculation(DraftPolicy(cost, tiny_net, None), 3, lambda: acceptance[0])
         return Planner(tiny_net, cost, None, artifact, True, speculation=spec)
 
-    cost = synthetic_cost_model()
+    cost = synthetic_cost_model(mb_ms=2.0)
     linear_mb = sum(m.weight.nbytes for m in tiny_net.modules() if isinstance(m, torch.nn.Linear))
     dense_ms = 1.0 + 2.0 * linear_mb / 1e6
     target = Hints(max_latency_ms=dense_ms - 1e-6)

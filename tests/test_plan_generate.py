@@ -7,7 +7,7 @@ import itertools
 import random
 
 import pytest
-from cost_models import synthetic_coefficients
+from cost_models import synthetic_cost_model
 
 from zcode.engine.request_output import RequestOutput
 from zcode.harness.plan import ExecutionPlan
@@ -19,14 +19,11 @@ from zcode.sparsity.calibrate import calibrate
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 PROMPT = [5, 17, 200, 3, 99, 42, 7, 7, 130, 250, 11]
-COEFFICIENTS = synthetic_coefficients(mb_ms=20.0)
 LEVELS = ((0.0, 0.0), (0.0, 0.5), (0.3, 0.5), (0.5, 0.7))
 
 
 def cost_model():
-    from zcode.hardware.cost_model import CostModel
-
-    return CostModel(COEFFICIENTS, COEFFICIENTS, "test")
+    return synthetic_cost_model(mb_ms=20.0)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,9 @@ import dataclasses
 
 import pytest
 import torch
-from cost_models import synthetic_coefficients
+from cost_models import synthetic_cost_model
 
 from zcode.errors import ValidationError
-from zcode.hardware.cost_model import CostModel
 from zcode.harness.planner import Hints
 from zcode.harness.router import Router, fit, fit_router, prompt_embeddings
 from zcode.llm import LLM
@@ -19,7 +18,6 @@ from zcode.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 ENGINE = dict(dtype="float32", per_request_depth=True, kv_cache_bytes=1 << 20)
 # ms per MB of dense weights only: a plan skipping a layer is predicted faster
-COEFFICIENTS = synthetic_coefficients(mb_ms=10.0)
 
 
 def test_fit_recovers_a_linear_relation_and_round_trips(tmp_path):
@@ -74,7 +72,7 @@ def test_each_prompt_gets_the_plan_its_predicted_loss_allows(tiny_checkpoint, tm
     )
     router.save(tmp_path / "router.json")
     routed = LLM(path, **ENGINE, router=tmp_path / "router.json")
-    routed.cost_model = CostModel(COEFFICIENTS, COEFFICIENTS, "test")
+    routed.cost_model = synthetic_cost_model(mb_ms=10.0)
     predicted = [router.predict(embed, p)[1] for p in (low, high)]
     assert predicted[0] < 0.01 and predicted[1] > 0.09
     budget = 100 * (torch.tensor(predicted).mean().exp().item() - 1)  # between the two

@@ -10,10 +10,9 @@ from types import SimpleNamespace
 import openai
 import pytest
 import torch
-from cost_models import synthetic_coefficients
+from cost_models import synthetic_cost_model
 from remote_server import InThreadServer
 
-from zcode.hardware.cost_model import CostModel
 from zcode.harness.request_plans import RequestPlans
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
@@ -25,8 +24,7 @@ from zcode.sparsity.thresholds import ThresholdTable
 PROMPT = list(range(3, 11))
 LEVELS = [FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.05)]
 DENSE, SPARSE = "ffn in 0 / mid 0", "ffn in 0 / mid 0.5"
-COEFFICIENTS = synthetic_coefficients(mb_ms=10.0)
-COST = CostModel(COEFFICIENTS, COEFFICIENTS, "test")
+COST = synthetic_cost_model(mb_ms=10.0)
 
 
 def _artifact(model) -> SparsityArtifact:
