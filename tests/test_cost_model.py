@@ -123,6 +123,32 @@ def test_sparse_ffns_are_their_own_kind_at_the_plans_density(llama):
     assert given == pytest.approx(sparse)
 
 
+def test_sparse_ffns_on_int8_rows_are_priced_at_the_int8_formats_bytes(llama):
+    """A plan whose FFN level reads int8 rows: kind `sparse-int8`, the int8 format's bytes of
+    each FFN linear at the level's density, whatever rows the model's SparseMLPs are set to now;
+    a plan naming no level prices the rows the SparseMLPs given are set to."""
+    from zcode.hardware.cost_model import format_weight_bytes
+    from zcode.sparsity.sparse_mlp import SparseMLP
+
+    extras = (("ffn_sparsity_in", "0"), ("ffn_sparsity_mid", "0"), ("ffn_weights", "int8"))
+    plan = ExecutionPlan(ffn_density=0.5, extras=extras)
+    ffn = [m for n, m in llama.named_modules() if ".mlp." in n and isinstance(m, torch.nn.Linear)]
+    int8_mb = sum(format_weight_bytes(*m.weight.shape, "int8") for m in ffn) / 1e6
+    int8 = step_features(llama, plan, 1, 10)
+    assert int8["sparse-int8:MB"] == pytest.approx(0.5 * int8_mb)
+    assert "sparse-float32:MB" not in int8
+    swapped = {
+        f"model.layers.{i}.mlp": SparseMLP(layer.mlp, 0.1, 0.1)
+        for i, layer in enumerate(llama.model.layers)
+    }
+    as_planned = step_features(llama, plan, 1, 10, modules=swapped)  # modules read fp32 rows
+    assert as_planned == pytest.approx(int8)
+    for mlp in swapped.values():
+        mlp.set_weight_format("int8")
+    as_set = step_features(llama, ExecutionPlan(ffn_density=0.5), 1, 10, modules=swapped)
+    assert as_set == pytest.approx(int8)
+
+
 def test_head_paged_kv_adds_its_gathers(llama):
     """An engine keeping KV per head gathers each attention layer's pages per sequence."""
     flat = step_features(llama, ExecutionPlan(skip_layers=(0,)), 3, 40, num_seqs=3)

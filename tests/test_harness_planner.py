@@ -151,6 +151,35 @@ def test_candidates_predict_ms_loss_and_kv_bytes(tiny_net):
     assert choice.plan.name == "ffn in 0 / mid 0.5" and choice.binding == "quality"
 
 
+def test_ffn_levels_on_int8_rows_are_candidates_at_their_measured_loss(tiny_net):
+    """Levels calibrated on int8 rows too: each is a candidate at the loss calibration measured
+    for it (not a sum), priced at the int8 format's bytes; a latency target only int8 rows meet
+    takes the least lossy of them."""
+    from zcode.hardware.cost_model import format_weight_bytes
+
+    artifact = synthetic_artifact(tiny_net)
+    int8_ratios = [1.01, 1.2, 1.5]  # dense, (0, 0.5), (0.5, 0.7)
+    artifact.levels = [
+        replace(lv, weight_ppl_ratios={"int8": r}) for lv, r in zip(artifact.levels, int8_ratios)
+    ]
+    planner = Planner(tiny_net, synthetic_cost_model(mb_ms=2.0), None, artifact)
+    by_name = {c.plan.name: c for c in planner.candidates()}
+    assert len(by_name) == 3 * 2
+    dense_int8 = by_name["ffn in 0 / mid 0, int8 rows"]
+    assert dict(dense_int8.plan.extras)["ffn_weights"] == "int8"
+    assert dense_int8.quality_loss_pct == pytest.approx(1.0)
+    assert by_name["ffn in 0.5 / mid 0.7, int8 rows"].quality_loss_pct == pytest.approx(50.0)
+    linears = {n: m for n, m in tiny_net.named_modules() if isinstance(m, torch.nn.Linear)}
+    ffn = [m for n, m in linears.items() if ".mlp." in n]
+    assert ffn
+    saved_mb = sum(m.weight.nbytes - format_weight_bytes(*m.weight.shape, "int8") for m in ffn)
+    dense = by_name["ffn in 0 / mid 0"]
+    assert dense.ms_per_token - dense_int8.ms_per_token == pytest.approx(2.0 * saved_mb / 1e6)
+    fp32_fastest = by_name["ffn in 0.5 / mid 0.7"].ms_per_token
+    choice = planner.choose(Hints(max_latency_ms=min(fp32_fastest, dense_int8.ms_per_token) - 1e-6))
+    assert choice.plan.name == "ffn in 0 / mid 0.5, int8 rows"  # 20% over 50%
+
+
 def test_explicit_plans_and_skips(tiny_net):
     planner = Planner(
         tiny_net, synthetic_cost_model(mb_ms=2.0), None, synthetic_artifact(tiny_net), True

@@ -27,7 +27,10 @@ SPARSITIES = (0.0, 0.25, 0.5)  # FFN levels: down inputs below 0, 0.02, 0.05 in 
 def _artifact(model) -> SparsityArtifact:
     n = len(model.model.layers)
     mid = torch.tensor([-1.0, 0.02, 0.05]).expand(n, 3).contiguous()
-    levels = [FFNLevel(0.0, s, s / 3, 1 + s / 10) for s in SPARSITIES]
+    levels = [
+        FFNLevel(0.0, s, s / 3, 1 + s / 10, weight_ppl_ratios={"int8": 1.01 + s / 10})
+        for s in SPARSITIES
+    ]
     return SparsityArtifact(
         fingerprint(model),
         ThresholdTable("teal", SPARSITIES, -torch.ones(n, 3), mid),
@@ -48,11 +51,28 @@ def _ffn_llm(path, **engine_args) -> LLM:
     return llm
 
 
+def _ffn_level_plans(llm, rows: str) -> list[ExecutionPlan]:
+    """The plans of the three FFN levels reading `rows` (fp32, int8), at full depth."""
+    plans = {}
+    for c in llm.planner().candidates():
+        extras = dict(c.plan.extras)
+        if extras.get("ffn_weights", "fp32") == rows and not c.plan.skip_kv_heads:
+            plans[extras["ffn_sparsity_mid"]] = c.plan
+    return [plans[f"{s:g}"] for s in SPARSITIES]
+
+
 def _ffn_plans(llm) -> list[ExecutionPlan]:
     """The three FFN levels, and the dense one with a skipped layer and KV head."""
-    by_mid = {dict(c.plan.extras)["ffn_sparsity_mid"]: c.plan for c in llm.planner().candidates()}
-    dense, quarter, half = (by_mid[f"{s:g}"] for s in SPARSITIES)
+    dense, quarter, half = _ffn_level_plans(llm, "fp32")
     return [dense, half, quarter, _with_skips(dense)]
+
+
+def _ffn_rows_plans(llm) -> list[ExecutionPlan]:
+    """FFN levels on fp32 and on int8 rows, the dense level on both: two forwards a step (the
+    rows are model state)."""
+    dense, quarter, _ = _ffn_level_plans(llm, "fp32")
+    dense_int8, _, half_int8 = _ffn_level_plans(llm, "int8")
+    return [dense, half_int8, quarter, dense_int8]
 
 
 def _precision_plans(llm) -> list[ExecutionPlan]:
@@ -81,10 +101,12 @@ def _alone(llm, plans) -> list[list[int]]:
     return [llm.generate(p, GREEDY, plan=plan)[0].token_ids for p, plan in zip(PROMPTS, plans)]
 
 
-@pytest.mark.parametrize("kind", ["ffn", "precision"])
+@pytest.mark.parametrize("kind", ["ffn", "ffn-rows", "precision"])
 def test_a_batch_of_four_plans_gives_each_request_its_own_tokens(kind, request):
-    llm = request.getfixturevalue(kind)
-    plans = {"ffn": _ffn_plans, "precision": _precision_plans}[kind](llm)
+    llm = request.getfixturevalue("precision" if kind == "precision" else "ffn")
+    plans = {"ffn": _ffn_plans, "ffn-rows": _ffn_rows_plans, "precision": _precision_plans}[kind](
+        llm
+    )
     assert len({p.signature() for p in plans}) == 4
     alone = _alone(llm, plans)
     batched = llm.generate(PROMPTS, GREEDY, plan=plans)
@@ -123,12 +145,14 @@ def test_per_prompt_hints_are_one_per_prompt(ffn):
     assert not ffn.engine.has_unfinished()  # all or none
 
 
-def test_compiled_decode_follows_every_plan_of_a_mixed_sequence(tiny_checkpoint, ffn):
+@pytest.mark.parametrize("make_plans", [_ffn_plans, _ffn_rows_plans])
+def test_compiled_decode_follows_every_plan_of_a_mixed_sequence(tiny_checkpoint, ffn, make_plans):
     """Requests one after another, each plan in turn, then all together: a compiled engine gives
-    eager's tokens for every one (no cached graph runs another plan's model state)."""
+    eager's tokens for every one (no cached graph runs another plan's model state: FFN levels,
+    the rows the FFNs read)."""
     compiled = _ffn_llm(tiny_checkpoint("llama").path, compile=True)
-    plans = _ffn_plans(compiled)
-    want = _alone(ffn, _ffn_plans(ffn))
+    plans = make_plans(compiled)
+    want = _alone(ffn, make_plans(ffn))
     for i in [0, 2, 1, 2, 3, 0, 1]:
         (out,) = compiled.generate(PROMPTS[i], GREEDY, plan=plans[i])
         assert out.token_ids == want[i], plans[i].name

@@ -65,6 +65,69 @@ def test_each_token_at_its_own_level_is_that_level_alone(use_kernel, dense_fract
     torch.testing.assert_close(sparse(x), _oracle(mlp, x, 0.3, 0.1))
 
 
+def _int8_mlp(mlp: GatedMLP) -> GatedMLP:
+    """The FFN with each weight replaced by its int8 format's dequantized weight (the oracle of
+    a SparseMLP reading int8 rows)."""
+    from zcode.quant.int8 import Int8Weight
+
+    out = GatedMLP(mlp.gate_proj.in_features, mlp.gate_proj.out_features)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        weight = Int8Weight.quantize(getattr(mlp, name).weight).dequantize()
+        getattr(out, name).weight.data.copy_(weight)
+    return out.requires_grad_(False)
+
+
+@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("num_tokens", [1, 3, 8, 20])
+def test_sparse_mlp_on_int8_rows_is_the_int8_ffn_masked(use_kernel, num_tokens):
+    """int8 rows: the masked formula over the int8 format's own weights (codes x per-channel
+    scales), at a sparse level and at the dense one, token by token and in the GEMM fallback;
+    back on fp32 rows, the float FFN again."""
+    assert kernel.available() or not use_kernel, KERNEL_MISSING
+    mlp = _mlp(6, hidden=40, inter=300)  # 600 gate|up columns: several column slices
+    x = torch.randn(num_tokens, 40)
+    t_in = float(x.abs().quantile(0.4))
+    sparse = SparseMLP(mlp, t_in, 0.05, dense_fraction=0.5, use_kernel=use_kernel)
+    sparse.set_weight_format("int8")
+    assert not sparse.compilable
+    quantized = _int8_mlp(mlp)
+    close = {"rtol": 1e-4, "atol": 1e-4}  # the scale multiplies the sum, not each product
+    torch.testing.assert_close(sparse(x), _oracle(quantized, x, t_in, 0.05), **close)
+    sparse.set_thresholds(-1.0, -1.0)
+    torch.testing.assert_close(sparse(x), quantized(x), **close)
+    assert not torch.allclose(sparse(x), mlp(x), atol=1e-4)  # int8 rows are not the fp32 ones
+    sparse.set_weight_format("fp32")
+    assert sparse.compilable
+    torch.testing.assert_close(sparse(x), mlp(x))
+
+
+def test_sparse_mlp_refuses_an_unknown_row_format():
+    from zcode.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="fp32 or int8 rows"):
+        SparseMLP(_mlp(), 0.1, 0.1).set_weight_format("int4")
+
+
+def test_kernel_reads_int8_rows_of_kept_inputs_only():
+    """int8 codes with column scales: rows of dropped inputs hold the largest code (read, even
+    at a zero input, they would still be read; at a kept input they change the sum), so the
+    output equals the kept rows' product exactly when only kept rows are summed; each of 600
+    columns (several threads' slices) scaled by its own scale."""
+    assert kernel.available(), KERNEL_MISSING
+    torch.manual_seed(7)
+    x = torch.randn(3, 64)
+    codes = torch.randint(-127, 128, (64, 600), dtype=torch.int8)
+    col_scale = torch.rand(600) + 0.01
+    thresh = torch.tensor([1.5, 1.0, 2.0])
+    masks = x.abs() > thresh[:, None]
+    kept = masks.any(dim=0)
+    poisoned = torch.where(kept[:, None], codes, torch.tensor(127, dtype=torch.int8))
+    out = kernel.sparse_rows(x, torch.ones(64), thresh, poisoned, 1.0, col_scale)
+    expected = ((x * masks).double() @ codes.double()) * col_scale.double()
+    assert 0 < kept.float().mean() < 0.8
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-4)
+
+
 def test_kernel_reads_the_union_of_the_tokens_own_rows():
     """Poisoned rows, as below, with a threshold per token: a row kept by any token is read,
     none other."""

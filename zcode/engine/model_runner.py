@@ -78,12 +78,13 @@ class ModelRunner:
     def set_plan(self, plan: ExecutionPlan) -> None:
         """Declares the plan the model now runs (after its modules were changed to follow it,
         by zcode.harness.executor); compiled decode steps are looked up by its signature. A plan
-        with sparse FFN levels decodes eagerly: the row-skipping kernel is not a torch op yet."""
+        with sparse FFN levels or int8 FFN rows decodes eagerly: the row-skipping kernel is not a
+        torch op yet."""
         self.plan, self.plan_signature = plan, plan.signature()
         if self.graphs is not None:
             self.graphs.model_changed()
         self.compiles_plan = self.graphs is not None and not any(
-            isinstance(m, SparseMLP) and not m.is_dense for m in self.model.modules()
+            isinstance(m, SparseMLP) and not m.compilable for m in self.model.modules()
         )
 
     @property

@@ -58,6 +58,7 @@ class PlanSpec:
     # Every FFN a SparseMLP at this (input, intermediate) sparsity, its thresholds the
     # quantiles of the fit's own prompts' activations; None: the FFNs as loaded.
     ffn_level: tuple[float, float] | None = None
+    ffn_weights: str = "fp32"  # the rows those SparseMLPs read (zcode.sparsity.WEIGHT_FORMATS)
     kv_paged: bool = False  # an engine keeping KV per head (per_request_depth)
 
 
@@ -76,11 +77,13 @@ FIT_PLANS = (
              "other"),
     PlanSpec("fp32-kv-paged", "float32", _uniform("fp32"), "dense", kv_paged=True),
 )
-# The sparse FFN kernel at two densities (every row; 0.43 of them), timed at batch 1 only: a
-# batch reads the union of its tokens' kept rows, which the plan's density does not say.
-SPARSE_FIT_PLANS = (
-    PlanSpec("sparse-ffn-every-row", "float32", _uniform("fp32"), "sparse", ffn_level=(0.0, 0.0)),
-    PlanSpec("sparse-ffn-0.5/0.7", "float32", _uniform("fp32"), "sparse", ffn_level=(0.5, 0.7)),
+# The sparse FFN kernel at two densities (every row; 0.43 of them) on fp32 and on int8 rows,
+# timed at batch 1 only: a batch reads the union of its tokens' kept rows, which the plan's
+# density does not say.
+SPARSE_FIT_PLANS = tuple(
+    PlanSpec(f"sparse-ffn-{name}{suffix}", "float32", _uniform("fp32"), "sparse", level, rows)
+    for name, level in (("every-row", (0.0, 0.0)), ("0.5/0.7", (0.5, 0.7)))
+    for rows, suffix in (("fp32", ""), ("int8", "-int8-rows"))
 )
 CHECK_PLANS = (
     PlanSpec("fp32", "float32", _uniform("fp32"), "dense"),
@@ -238,7 +241,7 @@ def measure_plans(
             model = llm.model
             formats = spec.formats(quantizable_modules(model))
             if spec.ffn_level is not None:
-                swapped_in = _sparse_ffns(llm, spec.ffn_level)
+                swapped_in = _sparse_ffns(llm, spec.ffn_level, spec.ffn_weights)
                 plan = ExecutionPlan(ffn_density=ffn_read_fraction(*spec.ffn_level))
                 features = functools.partial(step_features, model, plan, modules=swapped_in)
                 rows = {s: _features(features, *s) for s in settings}
@@ -331,10 +334,10 @@ def _features(
     return features(length, length, kv_paged=kv_paged)
 
 
-def _sparse_ffns(llm, level: tuple[float, float]) -> dict[str, nn.Module]:
+def _sparse_ffns(llm, level: tuple[float, float], rows: str = "fp32") -> dict[str, nn.Module]:
     """{name: SparseMLP} for every FFN of `llm`'s model at `level` (sparsity of the FFN's
-    inputs, of its intermediate activations), thresholds from the activations of the prompts
-    the fit decodes (so that decode keeps about the level's share of rows)."""
+    inputs, of its intermediate activations) reading `rows`, thresholds from the activations of
+    the prompts the fit decodes (so that decode keeps about the level's share of rows)."""
     from zcode import SamplingParams
     from zcode.sparsity.sparse_mlp import SparseMLP
     from zcode.sparsity.thresholds import ActivationRecorder
@@ -344,10 +347,13 @@ def _sparse_ffns(llm, level: tuple[float, float]) -> dict[str, nn.Module]:
         for seed in range(4):
             llm.generate(_prompt(llm.engine, 128, seed), params)
     table = acts.table(levels=level)
-    return {
+    sparse = {
         f"model.layers.{i}.mlp": SparseMLP(mlp, *table.at(row, *level), table.score)
         for row, (i, mlp) in enumerate(sorted(acts.mlps.items()))
     }
+    for mlp in sparse.values():
+        mlp.set_weight_format(rows)
+    return sparse
 
 
 def _prompt(engine, length: int, seed: int) -> list[int]:

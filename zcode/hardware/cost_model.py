@@ -11,8 +11,9 @@ format as the family doing its work, `gguf_proxy_kind`), weight_MB_k the bytes o
 that kind read per step (QuantizedLinear.weight_bytes, or the parameter's bytes; a MoE layer's
 routed experts by the expected share of them the step's tokens touch, routed uniformly),
 calls_k the number of linear calls and GFLOP_k their arithmetic past the first row. A sparse
-FFN (zcode.sparsity.SparseMLP, eager) is its own kind, `sparse-<dtype>`: its row-skipping kernel
-reads the plan's `ffn_density` of the FFN's rows, at a rate of its own (fitted at batch 1, where
+FFN (zcode.sparsity.SparseMLP, eager) is its own kind, `sparse-<rows>` (`sparse-float32`,
+`sparse-int8`: the rows it reads): its row-skipping kernel reads the plan's `ffn_density` of
+the FFN's rows, at a rate of its own (fitted at batch 1, where
 a step reads one token's kept rows; a batch reads the union of its tokens', more than that). An
 engine that keeps KV per head (`per_request_depth`: requests skip layers and KV heads through
 their page tables) gathers each layer's pages per sequence: `kv-paged:calls` (attention layers
@@ -91,8 +92,8 @@ _DENSE_FFN_LINEAR = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|up|down)_proj$"
 # 3: its software prefetch; 4: sibling linears in one GEMV call, no size asserts in graphs;
 # 5: unmasked GEMV main loops, fused attention loops in compiled verifying steps; 6: the float
 # GEMV 4 weight rows a step and up to 16 activation rows, verifying steps at batch 4 on it; 7:
-# the sparse FFN's row kernel, 8 rows a pass).
-KERNELS_VERSION = 7
+# the sparse FFN's row kernel, 8 rows a pass; 8: its int8 rows, a kind of their own).
+KERNELS_VERSION = 8
 
 
 # --- features --------------------------------------------------------------------------------
@@ -168,18 +169,23 @@ def step_features(
     def add(name: str, value: float) -> None:
         features[name] = features.get(name, 0.0) + value
 
-    # A plan naming an FFN level runs every dense FFN as a SparseMLP (zcode.sparsity.apply).
-    ffn_level = any(key == "ffn_sparsity_in" for key, _ in exec_plan.extras)
-    for name, module, sparse in _linears(model, modules or {}):
-        sparse = sparse or (ffn_level and _DENSE_FFN_LINEAR.match(name) is not None)
+    # A plan naming an FFN level runs every dense FFN as a SparseMLP (zcode.sparsity.apply),
+    # reading the rows the plan names; without a level, a SparseMLP reads the rows it is set to.
+    extras = dict(exec_plan.extras)
+    plan_rows = extras.get("ffn_weights", "fp32") if "ffn_sparsity_in" in extras else None
+    for name, module, rows in _linears(model, modules or {}):
+        if plan_rows is not None and (rows is not None or _DENSE_FFN_LINEAR.match(name)):
+            rows = plan_rows
         if name.endswith("mlp.gate"):
             continue  # the MoE router is a Parameter product, not counted among linears
         if any(name.startswith(prefix) for prefix in skipped):
             continue
         fmt = None if modules and name in modules else formats.get(name)
+        if rows is not None and rows != "fp32":
+            fmt = rows
         kind = kernel_kind(module, fmt)
-        if sparse and not compiled:
-            kind = kind.replace("dense-", "sparse-")
+        if rows is not None and not compiled:
+            kind = "sparse-" + kind.removeprefix("dense-")
         n, k = module.out_features, module.in_features
         if fmt is not None and fmt != "fp32":
             num_bytes = format_weight_bytes(n, k, fmt)
@@ -212,9 +218,10 @@ def step_features(
 
 
 def _linears(model: nn.Module, modules: Mapping[str, nn.Module]):
-    """(name, linear, whether a SparseMLP runs it) of every linear the model runs, `modules`
-    in place of its own; a sparse FFN (zcode.sparsity.SparseMLP, whose weights are transposed
-    rows, not linears) as its three dense linears, whose bytes the plan's ffn_density scales."""
+    """(name, linear, rows) of every linear the model runs, `modules` in place of its own; a
+    sparse FFN (zcode.sparsity.SparseMLP, whose weights are transposed rows, not linears) as its
+    three dense linears, whose bytes the plan's ffn_density scales, with the format of the rows
+    it reads ("fp32", "int8"; None for a linear no SparseMLP runs)."""
     from zcode.sparsity.sparse_mlp import SparseMLP
 
     replaced = set()  # modules[name] replaces the model's module and everything inside it
@@ -226,9 +233,10 @@ def _linears(model: nn.Module, modules: Mapping[str, nn.Module]):
             module = modules[name]
             replaced.add(name)
         if isinstance(module, SparseMLP):
-            yield from ((f"{name}.{n}", linear, True) for n, linear in _ffn_linears(module))
+            rows = module.weight_format
+            yield from ((f"{name}.{n}", linear, rows) for n, linear in _ffn_linears(module))
         elif isinstance(module, nn.Linear | QuantizedLinear):
-            yield name, module, False
+            yield name, module, None
 
 
 def _ffn_linears(mlp) -> list[tuple[str, nn.Linear]]:

@@ -16,6 +16,7 @@ from zcode.harness.plan import ExecutionPlan
 from zcode.harness.planner import quantizes_ffn
 
 FFN_LEVEL = ("ffn_sparsity_in", "ffn_sparsity_mid")  # the plan extras that name its FFN level
+FFN_WEIGHTS = "ffn_weights"  # the plan extra naming the rows sparse FFNs read (absent: as loaded)
 
 
 class PlanExecutor:
@@ -29,7 +30,8 @@ class PlanExecutor:
 
     def group_key(self, plan: ExecutionPlan) -> str:
         """Rows whose plans share this key run in one forward: the plan less what is per row
-        (skips; the FFN level, when an artifact gives levels)."""
+        (skips; the FFN level, when an artifact gives levels; the rows the FFNs read stay:
+        they are model state)."""
         plan = plan.without_skips()
         if self.sparsity is not None:
             extras = tuple((k, v) for k, v in plan.extras if k not in FFN_LEVEL)
@@ -59,10 +61,11 @@ class PlanExecutor:
         self._precision_modules(plan.precision)
         if _names_ffn_level(plan) and self.sparsity is None:
             raise ValidationError("the plan names an FFN level: load a sparsity artifact")
-        if _ffn_level(plan) != (0.0, 0.0) and quantizes_ffn(plan.precision):
+        ffn_state = _ffn_level(plan) != (0.0, 0.0) or FFN_WEIGHTS in dict(plan.extras)
+        if ffn_state and quantizes_ffn(plan.precision):
             raise ValidationError(
-                "the plan quantizes FFN linears and names a sparse FFN level: the sparse FFN "
-                "kernel reads rows of float weights, so a plan has one or the other"
+                "the plan quantizes FFN linears and names a sparse FFN level or rows: the sparse "
+                "FFN reads its own rows (fp32 or int8), so a plan has one or the other"
             )
 
     def apply(self, plan: ExecutionPlan) -> None:
@@ -99,11 +102,12 @@ class PlanExecutor:
             raise ValidationError("the plan names an FFN level: load a sparsity artifact")
         from zcode.sparsity.apply import set_ffn_level
 
-        set_ffn_level(self.engine.model, self.sparsity, *_ffn_level(plan))
+        weights = dict(plan.extras).get(FFN_WEIGHTS, "fp32")
+        set_ffn_level(self.engine.model, self.sparsity, *_ffn_level(plan), weights)
 
 
 def _names_ffn_level(plan: ExecutionPlan) -> bool:
-    return any(name in FFN_LEVEL for name, _ in plan.extras)
+    return any(name in (*FFN_LEVEL, FFN_WEIGHTS) for name, _ in plan.extras)
 
 
 def _ffn_level(plan: ExecutionPlan) -> tuple[float, float]:

@@ -5,8 +5,9 @@ Dimensions searched jointly (their product), each where its calibration data exi
 - precision: the precision variants attached to the LLM (zcode.quant.variants: "fast", the base
   plan installed in the model, and the "balanced" / "max" variants of its most sensitive units),
   else the weights as loaded;
-- FFN level: the sparsity artifact's calibrated levels (zcode calibrate), when no precision level
-  quantizes an FFN (the row-skipping kernel reads float rows);
+- FFN level: the sparsity artifact's calibrated levels (zcode calibrate), each on the float rows
+  and on the int8 rows calibration measured it with (the row-skipping kernel reads either), when
+  no precision level quantizes an FFN (the sparse FFN reads its own rows, not a variant's);
 - KV heads: the artifact's least important KV groups skipped per request (needs an engine with
   `per_request_depth`): the k least important for each k calibration measured them together.
 
@@ -23,7 +24,8 @@ dimensions and units:
 - a precision level: the sensitivity profile's KL(dense || quantized) summed over its units
   (the expected increase of next-token cross-entropy when the dense model's distribution is the
   text's; the precision planner already adds it across units);
-- an FFN level: log(ppl_ratio) measured for the level on calibration text;
+- an FFN level: log(ppl_ratio) measured for the level on calibration text, on the rows it reads
+  (int8 rows at a sparse level: measured together, not added);
 - skipped KV groups: log of the perplexity ratio of ablating them together, as calibration
   measured for the k least important; any other set (named by the caller, or from an artifact
   written before the joint measurement) sums its groups' single ablations, which underestimates
@@ -44,7 +46,8 @@ batches). Drafting costs no quality, so a latency target is met by speculation w
 before any lossy dimension is cut.
 
 An FFN level is the fraction of FFN weight rows a step of one token reads
-(`ffn_read_fraction`), at the sparse FFN kernel's own fitted rate; skipped KV heads are not in
+(`ffn_read_fraction`), at the sparse FFN kernel's own fitted rate for the rows' format
+(`sparse-float32`, `sparse-int8`); skipped KV heads are not in
 the cost model's features yet (their saved KV reads are not predicted: a conservative
 prediction).
 
@@ -234,6 +237,7 @@ class Option:
     modules: dict = field(default_factory=dict, compare=False)  # name -> module it runs there
     touches_ffn: bool = False  # quantizes an FFN linear (no FFN sparsity on top)
     ffn_level: tuple[float, float] | None = None  # (sparsity_in, sparsity_mid)
+    ffn_weights: str = "fp32"  # the rows a sparse FFN reads: as loaded, or "int8"
     ffn_density: float = 1.0  # fraction of FFN weight rows a step reads
     skip_layers: tuple[int, ...] = ()
     skip_kv_heads: tuple[tuple[int, int], ...] = ()
@@ -269,8 +273,9 @@ class Planner:
             from zcode.sparsity.apply import DEFAULT_MAX_PPL_RATIO
 
             level = sparsity.best_level(DEFAULT_MAX_PPL_RATIO)  # what LLM(sparsity=) installs
+            default = ((level.sparsity_in, level.sparsity_mid), "fp32")
             self.default_ffn = next(
-                f for f in self.ffn_levels if f.ffn_level == (level.sparsity_in, level.sparsity_mid)
+                f for f in self.ffn_levels if (f.ffn_level, f.ffn_weights) == default
             )
         self._memo: dict[tuple, list[Candidate]] = {}
 
@@ -283,6 +288,8 @@ class Planner:
         if ffn.ffn_level is not None:
             s_in, s_mid = ffn.ffn_level
             extras = (("ffn_sparsity_in", f"{s_in:g}"), ("ffn_sparsity_mid", f"{s_mid:g}"))
+            if ffn.ffn_weights != "fp32":
+                extras = tuple(sorted((*extras, ("ffn_weights", ffn.ffn_weights))))
         name = ", ".join(o.label for o in (precision, ffn, depth) if o.label) or "as loaded"
         return ExecutionPlan(
             name=name,
@@ -471,8 +478,8 @@ def precision_options(variants) -> list[Option]:
 
 
 def quantizes_ffn(precision: tuple[tuple[str, str], ...]) -> bool:
-    """Whether a plan's precision swaps an FFN linear: the sparse FFN kernel, which reads rows
-    of the float weights, cannot run on top of it."""
+    """Whether a plan's precision swaps an FFN linear: the sparse FFN kernel, which reads its
+    own rows (fp32 or int8), cannot run on top of it."""
     return any(".mlp." in name for name, _ in precision)
 
 
@@ -485,8 +492,9 @@ def ffn_read_fraction(sparsity_in: float, sparsity_mid: float) -> float:
 
 
 def ffn_options(sparsity, precision_touches_ffn: bool) -> list[Option]:
-    """The artifact's levels, dense first; only the dense one when no artifact, or when a
-    precision level quantizes FFNs (SparseMLP reads float rows)."""
+    """The artifact's levels, dense first, each on the float rows then on each other format's
+    rows it was calibrated with; only the dense float one when no artifact, or when a precision
+    level quantizes FFNs (SparseMLP reads its own rows)."""
     if sparsity is None:
         return [Option("", 0.0)]
     levels = sorted(sparsity.levels, key=lambda lv: lv.flops_skipped)
@@ -495,14 +503,20 @@ def ffn_options(sparsity, precision_touches_ffn: bool) -> list[Option]:
         dense = (lv.sparsity_in, lv.sparsity_mid) == (0.0, 0.0)
         if precision_touches_ffn and not dense:
             continue
-        options.append(
-            Option(
-                f"ffn in {lv.sparsity_in:g} / mid {lv.sparsity_mid:g}",
-                max(0.0, math.log(lv.ppl_ratio)),
-                ffn_level=(lv.sparsity_in, lv.sparsity_mid),
-                ffn_density=ffn_read_fraction(lv.sparsity_in, lv.sparsity_mid),
+        label = f"ffn in {lv.sparsity_in:g} / mid {lv.sparsity_mid:g}"
+        ratios = {"fp32": lv.ppl_ratio}
+        if not precision_touches_ffn:
+            ratios.update(lv.weight_ppl_ratios)
+        for weights, ratio in ratios.items():
+            options.append(
+                Option(
+                    label if weights == "fp32" else f"{label}, {weights} rows",
+                    max(0.0, math.log(ratio)),
+                    ffn_level=(lv.sparsity_in, lv.sparsity_mid),
+                    ffn_weights=weights,
+                    ffn_density=ffn_read_fraction(lv.sparsity_in, lv.sparsity_mid),
+                )
             )
-        )
     if not options or options[0].ffn_level != (0.0, 0.0):
         raise ValidationError("the sparsity artifact has no dense FFN level (0, 0): recalibrate")
     return options

@@ -3,7 +3,8 @@ FFNs, SkippedLayer for skipped layers, narrower Attention for pruned KV groups, 
 MoE layers.
 
 The plan carries the FFN levels, pruned heads and expert mass in `extras` (ffn_sparsity_in,
-ffn_sparsity_mid, drop_heads as "layer:group,...", moe_mass). A plan that changes what the KV
+ffn_sparsity_mid, ffn_weights: the rows the sparse FFNs read when not the loaded ones, drop_heads
+as "layer:group,...", moe_mass). A plan that changes what the KV
 cache holds (skipped layers, pruned heads) is applied before the engine sizes its cache:
 `apply_to_llm` rebuilds the engine.
 """
@@ -77,7 +78,7 @@ def apply_plan(model: nn.Module, artifact: SparsityArtifact, plan: ExecutionPlan
     extras = _extras(plan)
     s_in = float(extras.get("ffn_sparsity_in", 0.0))
     s_mid = float(extras.get("ffn_sparsity_mid", 0.0))
-    set_ffn_level(model, artifact, s_in, s_mid)
+    set_ffn_level(model, artifact, s_in, s_mid, extras.get("ffn_weights", "fp32"))
     if "ffn_predictor_keep" in extras:
         keep = extras["ffn_predictor_keep"]
         state = artifact.predictor[keep]
@@ -92,15 +93,21 @@ def apply_plan(model: nn.Module, artifact: SparsityArtifact, plan: ExecutionPlan
 
 
 def set_ffn_level(
-    model: nn.Module, artifact: SparsityArtifact, sparsity_in: float, sparsity_mid: float
+    model: nn.Module,
+    artifact: SparsityArtifact,
+    sparsity_in: float,
+    sparsity_mid: float,
+    weights: str = "fp32",
 ) -> None:
-    """Moves every dense FFN to the level (swapping GatedMLP for SparseMLP on first use)."""
-    if sparsity_in or sparsity_mid:
+    """Moves every dense FFN to the level, reading `weights` rows (fp32: the loaded weights, or
+    int8), swapping GatedMLP for SparseMLP on first use."""
+    if sparsity_in or sparsity_mid or weights != "fp32":
         sparse_ffns(model, artifact)
     thresholds = ffn_thresholds(model, artifact, sparsity_in, sparsity_mid)  # [L, 2]
     for layer, (thresh_in, thresh_mid) in zip(_all_layers(model), thresholds.tolist()):
         if isinstance(layer.mlp, SparseMLP):
             layer.mlp.set_thresholds(thresh_in, thresh_mid)
+            layer.mlp.set_weight_format(weights)
 
 
 def ffn_thresholds(

@@ -28,6 +28,9 @@ class FFNLevel:
     sparsity_mid: float  # fraction of down inputs dropped
     flops_skipped: float  # measured fraction of FFN multiply-adds skipped per token
     ppl_ratio: float  # perplexity / dense perplexity on calibration text
+    # {weight format: ppl_ratio at this level with the FFNs reading that format's rows}, e.g.
+    # {"int8": ...} (zcode.sparsity.sparse_mlp.WEIGHT_FORMATS); empty in older artifacts
+    weight_ppl_ratios: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """`zcode calibrate`: one pass over calibration text records activation thresholds and layer
 importance, then KV-group importance (by ablation: each group alone) and every candidate FFN
-level are scored on a separate calibration slice, and the least important groups removed
-together on the recording slice (not the slice that ranked them); the result is a
-SparsityArtifact. (Latency is the hardware cost model's: `zcode hw --fit-cost`.)
+level (on the float rows and on int8 rows) are scored on a separate calibration slice, and the
+least important groups removed together on the recording slice (not the slice that ranked
+them); the result is a SparsityArtifact. (Latency is the hardware cost model's:
+`zcode hw --fit-cost`.)
 
 Held-out text is never touched here: quality claims are made on it by the bench.
 """
@@ -23,6 +24,7 @@ from zcode.sparsity.head_skip import (
 )
 from zcode.sparsity.layer_skip import BlockInfluence
 from zcode.sparsity.predictor import FFNInputRecorder, predictor_state, train_predictors
+from zcode.sparsity.sparse_mlp import WEIGHT_FORMATS
 from zcode.sparsity.thresholds import ActivationRecorder
 
 # (gate/up input sparsity, down input sparsity): down inputs tolerate more (see the bench).
@@ -73,7 +75,11 @@ def calibrate(
     windows = [record[i : i + WINDOW] for i in range(0, len(record) - 1, WINDOW)]
     num_groups = sum(a.num_kv_heads for a in gqa_attentions(model).values())
     bar = tqdm(
-        total=len(windows) + num_groups + len(HEAD_COUNTS) + len(levels) + len(PREDICTOR_KEEPS),
+        total=len(windows)
+        + num_groups
+        + len(HEAD_COUNTS)
+        + len(levels) * len(WEIGHT_FORMATS)
+        + len(PREDICTOR_KEEPS),
         desc="calibrate",
         disable=not progress,
     )
@@ -108,11 +114,15 @@ def calibrate(
     del inputs
     dense_ppl = None
     for s_in, s_mid in levels:
-        set_ffn_level(model, artifact, s_in, s_mid)
-        ppl = perplexity(llm, evaluate, WINDOW, WINDOW).perplexity
-        dense_ppl = dense_ppl or ppl  # the first level is dense
-        artifact.levels.append(FFNLevel(s_in, s_mid, flops_skipped(s_in, s_mid), ppl / dense_ppl))
-        bar.update()
+        ratios = {}
+        for weights in WEIGHT_FORMATS:  # "fp32" (as loaded) first
+            set_ffn_level(model, artifact, s_in, s_mid, weights)
+            ppl = perplexity(llm, evaluate, WINDOW, WINDOW).perplexity
+            dense_ppl = dense_ppl or ppl  # the first level is dense
+            ratios[weights] = ppl / dense_ppl
+            bar.update()
+        level = FFNLevel(s_in, s_mid, flops_skipped(s_in, s_mid), ratios.pop("fp32"), ratios)
+        artifact.levels.append(level)
     set_ffn_level(model, artifact, 0.0, 0.0)
     bar.close()
     return artifact

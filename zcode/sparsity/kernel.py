@@ -5,10 +5,13 @@ one too: a negative threshold keeps every row, and the row loop streams them at 
 GEMV's speed).
 
 W_t is the transposed weight, [K, N] row-major, so one input channel is one contiguous row: a
-skipped channel is a row never loaded. Past `dense_fraction` of rows kept, a batch of 16 tokens
-or more falls back to one dense GEMM of the masked input (same result, MKL speed). `sparse_ffn`
-fuses a whole SwiGLU FFN (gate/up concatenated) into one call so decode pays one dispatch per
-layer, not five.
+skipped channel is a row never loaded. Its rows are fp32, or int8 codes with one fp32 scale per
+output column (the int8 format's per-channel scales, zcode.quant.int8): a quarter of the bytes,
+at about twice fp32's speed here (SmolLM2's FFN, one token, every row: 217 us a layer against
+429; widening the codes, not the reads, bounds it). Past `dense_fraction` of rows kept, a batch
+of 16 tokens or more falls back to one dense GEMM of the masked input (same result, MKL speed).
+`sparse_ffn` fuses a whole SwiGLU FFN (gate/up concatenated) into one call so decode pays one
+dispatch per layer, not five.
 
 Built once with torch.utils.cpp_extension.load_inline (gcc, cached by torch under
 $TORCH_EXTENSIONS_DIR); `available()` says whether the build works here, and SparseMLP falls back
@@ -29,15 +32,65 @@ _CPP = r"""
 #include <cmath>
 #include <vector>
 
+// Adds the kept rows of w into y, ROW_BLOCK rows at a time. Columns split across threads: each
+// thread streams its slice of every kept row, so each token's output slice is loaded and stored
+// once per block, not once per row (one row at a time ran a full-density decode GEMV at
+// ~16 GB/s, the dense GEMV ~25). W: float, or int8 codes whose column scales `col_scale` [N]
+// multiply each output column once at the end (null for float rows).
+template <typename W>
+static void add_rows(const std::vector<int64_t>& rows, const float* a, const W* wp,
+                     const float* col_scale, float* yp, int64_t T, int64_t N) {
+  constexpr int64_t ROW_BLOCK = 8;
+  const int64_t R = static_cast<int64_t>(rows.size());
+  const std::vector<float> zeros(T, 0.f);  // the inputs of a short block's padding rows
+  at::parallel_for(0, N, 256, [&](int64_t c0, int64_t c1) {
+    for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
+      const int64_t nb = std::min(ROW_BLOCK, R - r0);
+      const W* wr[ROW_BLOCK];
+      const float* ar[ROW_BLOCK];
+      for (int64_t j = 0; j < ROW_BLOCK; ++j) {  // a short block repeats its last row, scaled 0
+        const int64_t k = rows[r0 + std::min(j, nb - 1)];
+        wr[j] = wp + k * N;
+        ar[j] = j < nb ? a + k * T : zeros.data();
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        const float s0 = ar[0][t], s1 = ar[1][t], s2 = ar[2][t], s3 = ar[3][t];
+        const float s4 = ar[4][t], s5 = ar[5][t], s6 = ar[6][t], s7 = ar[7][t];
+        float* yr = yp + t * N;
+        #pragma omp simd
+        for (int64_t c = c0; c < c1; ++c) {
+          yr[c] += s0 * static_cast<float>(wr[0][c]) + s1 * static_cast<float>(wr[1][c]) +
+                   s2 * static_cast<float>(wr[2][c]) + s3 * static_cast<float>(wr[3][c]) +
+                   s4 * static_cast<float>(wr[4][c]) + s5 * static_cast<float>(wr[5][c]) +
+                   s6 * static_cast<float>(wr[6][c]) + s7 * static_cast<float>(wr[7][c]);
+        }
+      }
+    }
+    if (col_scale != nullptr) {
+      for (int64_t t = 0; t < T; ++t) {
+        float* yr = yp + t * N;
+        #pragma omp simd
+        for (int64_t c = c0; c < c1; ++c) yr[c] *= col_scale[c];
+      }
+    }
+  });
+}
+
 // y[t, :] = sum over kept rows k of a[t, k] * w[k, :], a = x masked by |x| > thresh.
 // A row is kept by token t when |x[t, k]| * scale[k] > thresh[t] (scale: the row's weight norm
 // for WINA-style scores, ones for plain TEAL; thresh: each token's own, negative keeps all).
+// w: fp32, or int8 codes with `col_scale` [N] fp32 (w[k, n] = code * col_scale[n]; an empty
+// col_scale for fp32 rows).
 static torch::Tensor sparse_rows(const torch::Tensor& x, const torch::Tensor& scale,
                                  const torch::Tensor& thresh, const torch::Tensor& w,
-                                 double dense_fraction) {
-  // x: [T, K] fp32, scale: [K], thresh: [T] fp32, w: [K, N] fp32 contiguous -> y: [T, N]
+                                 const torch::Tensor& col_scale, double dense_fraction) {
+  // x: [T, K] fp32, scale: [K], thresh: [T] fp32, w: [K, N] contiguous -> y: [T, N] fp32
   const int64_t T = x.size(0), K = x.size(1), N = w.size(1);
+  const bool codes = w.scalar_type() == torch::kInt8;
   TORCH_CHECK(thresh.numel() == T, "sparse_rows: one threshold per token");
+  TORCH_CHECK(codes ? col_scale.numel() == N : col_scale.numel() == 0,
+              "sparse_rows: int8 rows take one fp32 scale per column, fp32 rows none");
+  TORCH_CHECK(codes || w.scalar_type() == torch::kFloat, "sparse_rows: fp32 or int8 rows");
   auto xc = x.contiguous();
   auto thc = thresh.contiguous();
   const float* xp = xc.data_ptr<float>();
@@ -46,7 +99,6 @@ static torch::Tensor sparse_rows(const torch::Tensor& x, const torch::Tensor& sc
   std::vector<int64_t> rows;
   rows.reserve(K);
   std::vector<float> a(static_cast<size_t>(K) * T, 0.f);  // [K, T]: kept inputs, row-major by k
-  const std::vector<float> zeros(T, 0.f);  // the scales of a short block's padding rows
   for (int64_t k = 0; k < K; ++k) {
     bool any = false;
     const float sk = sp[k];
@@ -60,55 +112,34 @@ static torch::Tensor sparse_rows(const torch::Tensor& x, const torch::Tensor& sc
   if (rows.empty()) return y;
   // Past dense_fraction of the rows kept, one GEMM of the masked input, from GEMM_MIN_TOKENS
   // tokens on: below, the row loop wins even at every row (SmolLM2's FFN, 8 tokens, all rows:
-  // 1.1 ms against the GEMM's 1.5; at 16 tokens 2.0 against 1.6).
+  // 1.1 ms against the GEMM's 1.5; at 16 tokens 2.0 against 1.6). int8 rows are widened to
+  // fp32 for it (a prefill's GEMM, not a decode's row loop).
   constexpr int64_t GEMM_MIN_TOKENS = 16;
   const bool dense = static_cast<double>(rows.size()) > dense_fraction * static_cast<double>(K);
   if (T >= GEMM_MIN_TOKENS && dense) {
     auto masked = torch::from_blob(a.data(), {K, T}, x.options()).t();  // [T, K]
-    return torch::mm(masked, w);
+    return codes ? torch::mm(masked, w.to(torch::kFloat)) * col_scale : torch::mm(masked, w);
   }
-  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t R = static_cast<int64_t>(rows.size());
-  // Columns split across threads: each thread streams its slice of every kept row, ROW_BLOCK
-  // rows at a time, so each token's output slice is loaded and stored once per block, not once
-  // per row (one row at a time ran a full-density decode GEMV at ~16 GB/s, the dense GEMV ~25).
-  constexpr int64_t ROW_BLOCK = 8;
-  at::parallel_for(0, N, 256, [&](int64_t c0, int64_t c1) {
-    for (int64_t r0 = 0; r0 < R; r0 += ROW_BLOCK) {
-      const int64_t nb = std::min(ROW_BLOCK, R - r0);
-      const float* wr[ROW_BLOCK];
-      const float* ar[ROW_BLOCK];
-      for (int64_t j = 0; j < ROW_BLOCK; ++j) {  // a short block repeats its last row, scaled 0
-        const int64_t k = rows[r0 + std::min(j, nb - 1)];
-        wr[j] = wp + k * N;
-        ar[j] = j < nb ? a.data() + k * T : zeros.data();
-      }
-      for (int64_t t = 0; t < T; ++t) {
-        const float s0 = ar[0][t], s1 = ar[1][t], s2 = ar[2][t], s3 = ar[3][t];
-        const float s4 = ar[4][t], s5 = ar[5][t], s6 = ar[6][t], s7 = ar[7][t];
-        float* yr = yp + t * N;
-        #pragma omp simd
-        for (int64_t c = c0; c < c1; ++c) {
-          yr[c] += s0 * wr[0][c] + s1 * wr[1][c] + s2 * wr[2][c] + s3 * wr[3][c] +
-                   s4 * wr[4][c] + s5 * wr[5][c] + s6 * wr[6][c] + s7 * wr[7][c];
-        }
-      }
-    }
-  });
+  if (codes) {
+    add_rows(rows, a.data(), w.data_ptr<int8_t>(), col_scale.data_ptr<float>(), yp, T, N);
+  } else {
+    add_rows<float>(rows, a.data(), w.data_ptr<float>(), nullptr, yp, T, N);
+  }
   return y;
 }
 
 // SwiGLU FFN with both inputs sparsified: down(silu(gate) * up), gate|up from one [K, 2I] weight.
 static torch::Tensor sparse_ffn(const torch::Tensor& x, const torch::Tensor& scale_in,
                                 const torch::Tensor& thresh_in, const torch::Tensor& w_gu,
-                                const torch::Tensor& scale_mid, const torch::Tensor& thresh_mid,
-                                const torch::Tensor& w_down, double dense_fraction) {
+                                const torch::Tensor& col_scale_gu, const torch::Tensor& scale_mid,
+                                const torch::Tensor& thresh_mid, const torch::Tensor& w_down,
+                                const torch::Tensor& col_scale_down, double dense_fraction) {
   // x: [T, D]; thresh_in, thresh_mid: [T]; w_gu: [D, 2I]; w_down: [I, D] -> [T, D]
-  auto gu = sparse_rows(x, scale_in, thresh_in, w_gu, dense_fraction);  // [T, 2I]
+  auto gu = sparse_rows(x, scale_in, thresh_in, w_gu, col_scale_gu, dense_fraction);  // [T, 2I]
   const int64_t I = w_down.size(0);
   auto h = torch::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);  // [T, I]
-  return sparse_rows(h, scale_mid, thresh_mid, w_down, dense_fraction);
+  return sparse_rows(h, scale_mid, thresh_mid, w_down, col_scale_down, dense_fraction);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -124,7 +155,7 @@ def _module():
 
     from zcode.kernels.cpp_build import build_lock
 
-    name = "zcode_sparse_rows_v4"  # v4: rows in blocks of 8, the GEMM from 16 tokens
+    name = "zcode_sparse_rows_v5"  # v5: int8 rows with column scales
     with build_lock(name):
         return load_inline(
             name=name,
@@ -152,10 +183,11 @@ def sparse_rows(
     thresh: torch.Tensor,
     w_t: torch.Tensor,
     dense_fraction: float,
+    col_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x: [T, K] fp32, scale: [K], thresh: [T] fp32 (each token's), w_t: [K, N] fp32 contiguous
-    -> [T, N]."""
-    return _module().sparse_rows(x, scale, thresh, w_t, dense_fraction)
+    """x: [T, K] fp32, scale: [K], thresh: [T] fp32 (each token's), w_t: [K, N] contiguous, fp32
+    or int8 codes with `col_scale` [N] fp32 -> [T, N] fp32."""
+    return _module().sparse_rows(x, scale, thresh, w_t, _scales(col_scale), dense_fraction)
 
 
 def sparse_ffn(
@@ -167,9 +199,26 @@ def sparse_ffn(
     thresh_mid: torch.Tensor,
     w_down_t: torch.Tensor,
     dense_fraction: float,
+    col_scale_gate_up: torch.Tensor | None = None,
+    col_scale_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [T, D]; scale_in: [D]; thresh_in, thresh_mid: [T] (each token's); w_gate_up_t:
-    [D, 2I]; scale_mid: [I]; w_down_t: [I, D] -> [T, D] (all fp32)."""
+    [D, 2I]; scale_mid: [I]; w_down_t: [I, D] -> [T, D] (fp32; the weights fp32, or int8 codes
+    with their column scales [2I] and [D])."""
     return _module().sparse_ffn(
-        x, scale_in, thresh_in, w_gate_up_t, scale_mid, thresh_mid, w_down_t, dense_fraction
+        x,
+        scale_in,
+        thresh_in,
+        w_gate_up_t,
+        _scales(col_scale_gate_up),
+        scale_mid,
+        thresh_mid,
+        w_down_t,
+        _scales(col_scale_down),
+        dense_fraction,
     )
+
+
+def _scales(col_scale: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's column scales argument: empty for fp32 rows."""
+    return torch.empty(0) if col_scale is None else col_scale

@@ -10,6 +10,10 @@ more, the kernel multiplies the masked inputs densely instead (same numbers, MKL
 The thresholds are the module's level (`set_thresholds`), or, inside `tokens_at_levels`, each
 token's own: requests at different FFN levels (a dense one included: negative thresholds keep
 every input) then share one forward.
+
+The rows it reads are the float weights, or (`set_weight_format("int8")`) their int8 codes with
+per-output-channel scales, the int8 format's own (zcode.quant.int8): a quarter of fp32's bytes,
+quantized on first use and kept beside the float rows.
 """
 
 from contextlib import contextmanager
@@ -18,11 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zcode.errors import ValidationError
 from zcode.layers.mlp import GatedMLP
+from zcode.quant.int8 import channel_scales as int8_scales
+from zcode.quant.int8 import codes_on_scale
 from zcode.sparsity import kernel
 from zcode.sparsity.thresholds import channel_scales
 
 DEFAULT_DENSE_FRACTION = 0.85  # past this union density the row loop loses to one dense GEMM
+WEIGHT_FORMATS = ("fp32", "int8")  # the rows a SparseMLP reads: as loaded, or int8 codes
 
 
 class SparseMLP(nn.Module):
@@ -56,6 +64,8 @@ class SparseMLP(nn.Module):
         if use_kernel is None:
             use_kernel = w_gate.dtype == torch.float32 and kernel.available()
         self.use_kernel = use_kernel
+        self.weight_format = "fp32"
+        self.int8: tuple[torch.Tensor, ...] | None = None  # codes and column scales, on first use
 
     @property
     def is_dense(self) -> bool:
@@ -71,18 +81,41 @@ class SparseMLP(nn.Module):
         mlp.down_proj.weight = nn.Parameter(self.w_down_t.t(), requires_grad=False)
         return mlp
 
+    @property
+    def compilable(self) -> bool:
+        """Whether a compiled graph can run it: dense, on the float rows (a matmul); sparse
+        levels and int8 rows need the row kernel, which is not a torch op."""
+        return self.is_dense and self.weight_format == "fp32"
+
+    def set_weight_format(self, weight_format: str) -> None:
+        """Which rows the kernel reads: "fp32" (the weights as loaded) or "int8"."""
+        if weight_format not in WEIGHT_FORMATS:
+            raise ValidationError(
+                f"a sparse FFN reads {' or '.join(WEIGHT_FORMATS)} rows, not {weight_format!r}"
+            )
+        if weight_format == "int8" and self.int8 is None:
+            self.int8 = (*_int8_rows(self.w_gate_up_t), *_int8_rows(self.w_down_t))
+        self.weight_format = weight_format
+
+    def _rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """(gate|up rows [D, 2I], their column scales, down rows [I, D], theirs) of the format."""
+        if self.weight_format == "int8":
+            return self.int8
+        return self.w_gate_up_t, None, self.w_down_t, None
+
     def set_thresholds(self, thresh_in: float, thresh_mid: float) -> None:
         """Moves this FFN to another sparsity level (negative thresholds: dense)."""
         self.thresh_in, self.thresh_mid = float(thresh_in), float(thresh_mid)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D] -> [T, D]
+        w_gate_up, scale_gate_up, w_down, scale_down = self._rows()
         if self.token_thresholds is not None:
             thresh_in, thresh_mid = self.token_thresholds.unbind(1)  # [T] each
-        elif self.is_dense and (not self.use_kernel or torch.compiler.is_compiling()):
+        elif self.compilable and (not self.use_kernel or torch.compiler.is_compiling()):
             # (the kernel's row loop is the faster GEMV, but not a torch op a graph can call)
-            gate, up = (x @ self.w_gate_up_t).split(self.intermediate_size, dim=-1)
-            return (F.silu(gate) * up) @ self.w_down_t
+            gate, up = (x @ w_gate_up).split(self.intermediate_size, dim=-1)
+            return (F.silu(gate) * up) @ w_down
         else:
             thresh_in = torch.full((x.shape[0],), self.thresh_in)
             thresh_mid = torch.full((x.shape[0],), self.thresh_mid)
@@ -91,18 +124,30 @@ class SparseMLP(nn.Module):
                 x,
                 self.scale_in,
                 thresh_in,
-                self.w_gate_up_t,
+                w_gate_up,
                 self.scale_mid,
                 thresh_mid,
-                self.w_down_t,
+                w_down,
                 self.dense_fraction,
+                scale_gate_up,
+                scale_down,
             )
         gate_up = _sparse_rows_torch(
-            x, self.scale_in, thresh_in, self.w_gate_up_t, self.dense_fraction
+            x, self.scale_in, thresh_in, w_gate_up, self.dense_fraction, scale_gate_up
         )
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         h = F.silu(gate) * up  # [T, I]
-        return _sparse_rows_torch(h, self.scale_mid, thresh_mid, self.w_down_t, self.dense_fraction)
+        return _sparse_rows_torch(
+            h, self.scale_mid, thresh_mid, w_down, self.dense_fraction, scale_down
+        )
+
+
+def _int8_rows(w_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transposed float rows [K, N] -> (int8 codes [K, N], fp32 column scales [N]): the int8
+    format's codes of the weight [N, K], per output channel."""
+    w = w_t.t().float()  # [N, K]
+    scales = int8_scales(w)  # bf16 [N]
+    return codes_on_scale(w, scales).t().contiguous(), scales.float()
 
 
 @contextmanager
@@ -126,11 +171,16 @@ def _sparse_rows_torch(
     thresh: torch.Tensor,
     w_t: torch.Tensor,
     dense_fraction: float,
+    col_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The kernel's contract in torch ops: index_select copies only the union's rows."""
-    # x: [T, K], scale: [K], thresh: [T], w_t: [K, N] -> [T, N]
+    # x: [T, K], scale: [K], thresh: [T], w_t: [K, N] (int8 codes with col_scale [N]) -> [T, N]
     masked = x * (x.abs() * scale.to(x.dtype) > thresh[:, None].to(x.dtype))
+    if col_scale is not None:
+        w_t = w_t.to(x.dtype)
     rows = masked.ne(0).any(dim=0).nonzero().squeeze(1)  # [R]
     if rows.numel() > dense_fraction * x.shape[1]:
-        return masked @ w_t
-    return masked.index_select(1, rows) @ w_t.index_select(0, rows)
+        y = masked @ w_t
+    else:
+        y = masked.index_select(1, rows) @ w_t.index_select(0, rows)
+    return y if col_scale is None else y * col_scale.to(x.dtype)
