@@ -5,13 +5,16 @@
 1. Every candidate plan (or --num-plans of them, evenly spaced in predicted loss) measured:
    held-out perplexity increase, and batch-1 decode ms/token (the min / median of --repeats runs,
    plans round-robin). The quality model (zcode.harness.planner: log-perplexity increases add
-   across dimensions) against the measured increases: Spearman rank correlation. The dimensions
-   that combine on a float model are the FFN level and skipped KV groups (precision variants
-   quantize FFNs, which sparse FFNs cannot read yet; skipped layers need a router).
+   across dimensions; an FFN level on int8 rows is measured as one) against the measured
+   increases: Spearman rank correlation. The dimensions that combine on a float model: the
+   FFNs' precision (the rows the sparse FFN kernel reads: fp32 as loaded, or int8), the FFN level
+   and skipped KV groups (skipped layers need a router: bench_router.py; precision variants of
+   the other modules need a sensitivity profile of the sparse model, not built).
 2. Pareto frontiers of those measurements (ms/token, perplexity increase): each dimension alone
-   (FFN levels at full depth; KV groups skipped at the dense FFN) and the joint product, with
-   the area each dominates up to the dense plan's ms and a 20% loss (larger is better); plotted
-   with the planner's choices below to bench/results/plan_pareto.png.
+   (int8 FFN rows at the dense level and full depth; FFN levels on fp32 rows at full depth; KV
+   groups skipped at the dense fp32 FFN) and the joint product, with the area each dominates up
+   to the dense plan's ms and a 20% loss (larger is better); plotted with the planner's choices
+   below to bench/results/plan_pareto.png.
 3. Latency (the hardware cost model): over a grid of (max_latency_ms, max_quality_loss) targets,
    the plan chosen, its predicted and measured batch-1 decode ms/token (min / median of
    --repeats runs, targets round-robin), and whether the fastest run is within 10% of the
@@ -74,9 +77,13 @@ def spread(candidates: list[Candidate], num_plans: int) -> list[Candidate]:
 
 
 def dimensions(plan) -> frozenset[str]:
-    """The dimensions a plan cuts: "sparsity" (an FFN level past dense), "depth" (skips)."""
-    level = {float(v) for k, v in plan.extras if k.startswith("ffn_sparsity_")}
+    """The dimensions a plan cuts: "precision" (FFN rows other than the loaded fp32),
+    "sparsity" (an FFN level past dense), "depth" (skips)."""
+    extras = dict(plan.extras)
+    level = {float(v) for k, v in extras.items() if k.startswith("ffn_sparsity_")}
     cut = {"sparsity"} if level - {0.0} else set()
+    if extras.get("ffn_weights", "fp32") != "fp32":
+        cut.add("precision")
     return frozenset(cut | ({"depth"} if plan.skip_layers or plan.skip_kv_heads else set()))
 
 
@@ -134,6 +141,7 @@ def dominated_area(points: list[dict], max_ms: float, max_loss: float) -> float:
 
 
 FRONTIERS = {  # name: which plans (by the dimensions they cut) it is drawn from
+    "precision alone": lambda dims: dims <= {"precision"},
     "sparsity alone": lambda dims: dims <= {"sparsity"},
     "depth alone": lambda dims: dims <= {"depth"},
     "joint": lambda dims: True,
@@ -161,7 +169,7 @@ def plot(rows: list[dict], fronts: dict, latency: list[dict], path: Path) -> Non
         s=12,
         label="every candidate",
     )
-    for (name, points), style in zip(fronts.items(), ("o-", "s-", "D-"), strict=True):
+    for (name, points), style in zip(fronts.items(), ("v-", "o-", "s-", "D-"), strict=True):
         xs = [r["measured_ms_min"] for r in points]
         ys = [r["measured_loss_pct"] for r in points]
         ax.step(xs, ys, style, where="post", label=f"{name} frontier", markersize=4)
@@ -292,10 +300,6 @@ def main() -> None:
             f"{r['measured_ms_min']:.1f} ms {r['measured_loss_pct']:.1f}%" for r in points
         )
         print(f"{name} frontier ({areas[name]:.1f} ms x % dominated): {path}")
-    print(
-        "precision alone: not among these candidates (no precision variants: they quantize "
-        "the FFNs the sparse levels read in float)"
-    )
 
     latency = []
     if llm.cost_model is None:

@@ -162,9 +162,10 @@ def test_compiled_decode_follows_every_plan_of_a_mixed_sequence(tiny_checkpoint,
 
 
 def test_a_plan_that_quantizes_ffns_at_a_sparse_level_is_refused(precision, ffn):
-    """The sparse FFN kernel reads rows of float weights: a precision level that swaps FFN
-    linears cannot run at a sparse FFN level (the planner never combines them; a plan given
-    directly to the engine is refused the same way), while its dense level runs."""
+    """The sparse FFN kernel reads its own rows (fp32, or int8 made from them): a precision
+    level that swaps FFN linears cannot run at a sparse FFN level nor name the FFNs' rows (the
+    planner never combines them; a plan given directly to the engine is refused the same way),
+    while its dense level runs."""
     from zcode.harness.executor import PlanExecutor
     from zcode.harness.planner import quantizes_ffn
 
@@ -173,10 +174,12 @@ def test_a_plan_that_quantizes_ffns_at_a_sparse_level_is_refused(precision, ffn)
     fast = precision.precision_variants.levels["fast"].plan
     assert quantizes_ffn(fast.precision)
 
-    def at(mid: float) -> ExecutionPlan:
-        extras = (("ffn_sparsity_in", "0"), ("ffn_sparsity_mid", f"{mid:g}"))
-        return dataclasses.replace(fast, extras=extras)
+    def at(mid: float, rows: tuple = ()) -> ExecutionPlan:
+        extras = (("ffn_sparsity_in", "0"), ("ffn_sparsity_mid", f"{mid:g}"), *rows)
+        return dataclasses.replace(fast, extras=tuple(sorted(extras)))
 
     with pytest.raises(ValidationError, match="quantizes FFN linears and names a sparse FFN"):
         executor.check(at(0.5))
+    with pytest.raises(ValidationError, match="quantizes FFN linears and names a sparse FFN"):
+        executor.check(at(0.0, (("ffn_weights", "int8"),)))
     executor.check(at(0.0))

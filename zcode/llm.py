@@ -75,7 +75,7 @@ class LLM:
         group = join(self.config, sparsity)
         dtype = self.config.torch_dtype
         if dtype is None and sparsity is not None:
-            dtype = torch.float32  # sparse FFN kernels read rows of float weights
+            dtype = torch.float32  # sparse FFN kernels read fp32 rows (or int8 ones made from them)
         net, self.tokenizer = load_model(model, dtype)
         if group is not None and self.config.parallel.pipeline_parallel_size > 1:
             split_pipeline(net, group)
