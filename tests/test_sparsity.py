@@ -108,17 +108,17 @@ def test_sparse_mlp_refuses_an_unknown_row_format():
         SparseMLP(_mlp(), 0.1, 0.1).set_weight_format("int4")
 
 
-def test_kernel_reads_int8_rows_of_kept_inputs_only():
-    """int8 codes with column scales: rows of dropped inputs hold the largest code (read, even
-    at a zero input, they would still be read; at a kept input they change the sum), so the
-    output equals the kept rows' product exactly when only kept rows are summed; each of 600
-    columns (several threads' slices) scaled by its own scale."""
+@pytest.mark.parametrize("num_tokens", [3, 5])  # one token a pass; four at once, then one
+def test_kernel_reads_int8_rows_of_kept_inputs_only(num_tokens):
+    """int8 codes with column scales: rows no token keeps hold the largest code, so the output
+    equals the kept rows' product only when those rows are never summed; each of 600 columns
+    (several threads' slices) scaled by its own scale."""
     assert kernel.available(), KERNEL_MISSING
     torch.manual_seed(7)
-    x = torch.randn(3, 64)
+    x = torch.randn(num_tokens, 64)
     codes = torch.randint(-127, 128, (64, 600), dtype=torch.int8)
     col_scale = torch.rand(600) + 0.01
-    thresh = torch.tensor([1.5, 1.0, 2.0])
+    thresh = torch.tensor([1.5, 1.0, 2.0, 2.2, 1.8])[:num_tokens]
     masks = x.abs() > thresh[:, None]
     kept = masks.any(dim=0)
     poisoned = torch.where(kept[:, None], codes, torch.tensor(127, dtype=torch.int8))

@@ -94,7 +94,7 @@ class SparseMLP(nn.Module):
                 f"a sparse FFN reads {' or '.join(WEIGHT_FORMATS)} rows, not {weight_format!r}"
             )
         if weight_format == "int8" and self.int8 is None:
-            self.int8 = (*_int8_rows(self.w_gate_up_t), *_int8_rows(self.w_down_t))
+            self.int8 = (*int8_rows(self.w_gate_up_t), *int8_rows(self.w_down_t))
         self.weight_format = weight_format
 
     def _rows(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
@@ -142,7 +142,7 @@ class SparseMLP(nn.Module):
         )
 
 
-def _int8_rows(w_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int8_rows(w_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Transposed float rows [K, N] -> (int8 codes [K, N], fp32 column scales [N]): the int8
     format's codes of the weight [N, K], per output channel."""
     w = w_t.t().float()  # [N, K]
