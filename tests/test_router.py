@@ -1,7 +1,8 @@
-"""The routing predictor (zcode/harness/router.py): the ridge fit recovers a known relation,
-the artifact round-trips, and an LLM with a router plans each prompt at the loss the router
-predicts for it: a prompt predicted to lose little gets the cheaper skipped-layer plan, one
-predicted to lose much does not, and each runs its own plan (the same tokens as alone)."""
+"""The routing predictor (zcode/harness/router.py): the ridge fit recovers a known relation, it
+round-trips through the calibration artifact, and an LLM loaded with an artifact holding a
+router plans each prompt at the loss the router predicts for it: a prompt predicted to lose
+little gets the cheaper skipped-layer plan, one predicted to lose much does not, and each runs
+its own plan (the same tokens as alone)."""
 
 import dataclasses
 
@@ -14,10 +15,29 @@ from zcode.harness.planner import Hints
 from zcode.harness.router import Router, fit, fit_router, prompt_embeddings
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
+from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
+from zcode.sparsity.thresholds import ThresholdTable
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 ENGINE = dict(dtype="float32", per_request_depth=True, kv_cache_bytes=1 << 20)
 # ms per MB of dense weights only: a plan skipping a layer is predicted faster
+
+
+def _artifact_with(router: Router, path, out) -> str:
+    """A calibration artifact of the tiny checkpoint at `path` holding `router`: the dense FFN
+    level only, and KV groups whose skipping costs far more than any budget below."""
+    model = LLM(path, dtype="float32").model
+    n, kv_heads = len(model.model.layers), model.config.num_key_value_heads
+    artifact = SparsityArtifact(
+        fingerprint(model),
+        ThresholdTable("teal", (0.0,), -torch.ones(n, 1), -torch.ones(n, 1)),
+        [FFNLevel(0.0, 0.0, 0.0, 1.0)],
+        torch.zeros(n),
+        torch.full((n, kv_heads), 10.0),
+        router=router.state(),
+    )
+    artifact.save(out)
+    return str(out)
 
 
 def test_fit_recovers_a_linear_relation_and_round_trips(tmp_path):
@@ -28,20 +48,25 @@ def test_fit_recovers_a_linear_relation_and_round_trips(tmp_path):
     router = fit(raw, losses, [(), (1,)])
     assert (router.predict_raw(raw) - losses).abs().max() < 0.05
     assert router.num_parameters == 4 + 4 * 4 + 5 + 5 + 6 * 2
-    router.save(tmp_path / "r.json")
-    loaded = Router.load(tmp_path / "r.json")
+    torch.save(router.state(), tmp_path / "r.pt")  # as the calibration artifact stores it
+    loaded = Router.from_state(torch.load(tmp_path / "r.pt", weights_only=True))
     assert loaded.depths == router.depths
     assert torch.equal(loaded.predict_raw(raw), router.predict_raw(raw))
-    (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(ValidationError, match="not a router artifact"):
-        Router.load(tmp_path / "bad.json")
+    with pytest.raises(ValidationError, match="router is unreadable"):
+        Router.from_state({"schema": 1})
 
 
-def test_an_llm_router_needs_per_request_depth(tiny_checkpoint, tmp_path):
-    router = fit(torch.randn(4, 3), torch.rand(4, 2), [(), (1,)])  # 2-D embeddings
-    router.save(tmp_path / "r.json")
-    with pytest.raises(ValidationError, match="per_request_depth"):
-        LLM(tiny_checkpoint("llama").path, router=tmp_path / "r.json")
+def test_the_artifacts_router_routes_only_per_request_depth(tiny_checkpoint, tmp_path):
+    path = tiny_checkpoint("llama").path
+    llm = LLM(path, dtype="float32")
+    windows = [[5, 17, 200, 3, 99, 42], [7, 130, 250, 11, 64, 9], [8, 190, 33, 2, 9, 120]]
+    embed = llm.model.model.embed_tokens
+    router = fit(prompt_embeddings(embed, windows), torch.rand(3, 2), [(), (1,)])
+    artifact = _artifact_with(router, path, tmp_path / "art.pt")
+    assert LLM(path, sparsity=artifact, dtype="float32").router is None
+    routed = LLM(path, sparsity=artifact, **ENGINE).router
+    assert routed.depths == router.depths
+    assert torch.equal(routed.weights, router.weights)
 
 
 def test_each_prompt_gets_the_plan_its_predicted_loss_allows(tiny_checkpoint, tmp_path):
@@ -70,8 +95,7 @@ def test_each_prompt_gets_the_plan_its_predicted_loss_allows(tiny_checkpoint, tm
         feature_scale=scale,
         weights=weights,
     )
-    router.save(tmp_path / "router.json")
-    routed = LLM(path, **ENGINE, router=tmp_path / "router.json")
+    routed = LLM(path, **ENGINE, sparsity=_artifact_with(router, path, tmp_path / "art.pt"))
     routed.cost_model = synthetic_cost_model(mb_ms=10.0)
     predicted = [router.predict(embed, p)[1] for p in (low, high)]
     assert predicted[0] < 0.01 and predicted[1] > 0.09
@@ -80,8 +104,33 @@ def test_each_prompt_gets_the_plan_its_predicted_loss_allows(tiny_checkpoint, tm
     unrouted = routed.planner().choose(Hints(max_quality_loss=budget), 2, 32).plan
     assert unrouted.skip_layers == ()
     outs = routed.generate([low, high], GREEDY, max_quality_loss=budget)
-    assert [out.plan.plan for out in outs] == ["skip 1 layers", "as loaded"]
-    assert all(out.plan.target_met for out in outs)
     skipping = dataclasses.replace(unrouted, skip_layers=router.depths[1])
+    assert [out.plan.signature for out in outs] == [skipping.signature(), unrouted.signature()]
+    assert all(out.plan.target_met for out in outs)
     for prompt, plan, out in zip((low, high), (skipping, unrouted), outs):
         assert out.token_ids == routed.generate(prompt, GREEDY, plan=plan)[0].token_ids
+
+
+def test_calibrate_fits_the_router_into_the_one_artifact(tiny_checkpoint, tmp_path):
+    """zcode calibrate on an engine keeping KV per head: the artifact holds the router (the
+    tiny model's 2 layers: skipping none or its least important one), and an LLM loading that
+    artifact with per_request_depth routes by it."""
+    from zcode.sparsity.calibrate import calibrate
+
+    path = tiny_checkpoint("llama").path
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(3, 250, (384 + 128,), generator=generator).tolist()
+    artifact = calibrate(
+        LLM(path, **ENGINE),
+        num_tokens=384,
+        num_eval_tokens=128,
+        levels=((0.0, 0.0), (0.0, 0.5)),
+        progress=False,
+        tokens=tokens,
+    )
+    router = Router.from_state(artifact.router)
+    assert router.depths[0] == () and [len(d) for d in router.depths] == [0, 1]
+    artifact.save(tmp_path / "art.pt")
+    loaded = LLM(path, sparsity=tmp_path / "art.pt", **ENGINE)
+    assert loaded.router.depths == router.depths
+    assert [o.label for o in loaded.planner().depths if o.skip_layers] == ["skip 1 layers"]

@@ -52,19 +52,18 @@ class LLM:
         tensor_parallel_size: int | None = None,
         expert_parallel: bool = False,
         pipeline_parallel_size: int | None = None,
-        router: str | Path | None = None,
         **engine_args,
     ) -> None:
         """`sparsity`: a calibration artifact (`zcode calibrate`) whose default plan is applied
-        before the KV cache is sized, and which `max_latency_ms` plans from.
+        before the KV cache is sized, and which the hints plan from; with
+        `per_request_depth=True`, its routing predictor (zcode.harness.router, when calibration
+        fitted one) makes the planner also search skipped-layer sets, each request's at the
+        loss the router predicts from its prompt.
         `tensor_parallel_size`: the number of torchrun processes that split the model; on
         ranks other than 0 this constructor follows rank 0's steps and exits the process when
         rank 0 ends (zcode.distributed). `expert_parallel`: those processes hold whole MoE
         experts, a range each, instead of a slice of every expert. `pipeline_parallel_size`:
-        torchrun processes that each run a range of the layers instead (same behaviour).
-        `router`: a routing predictor (`zcode route`, zcode.harness.router; needs
-        `per_request_depth=True`): the planner then also searches its skipped-layer sets, each
-        request's at the loss the router predicts from its prompt."""
+        torchrun processes that each run a range of the layers instead (same behaviour)."""
         if (tensor_parallel_size, expert_parallel, pipeline_parallel_size) != (None, False, None):
             engine_args["parallel"] = ParallelConfig(
                 tensor_parallel_size=tensor_parallel_size or 1,
@@ -101,12 +100,11 @@ class LLM:
         self._cost_model_read = False
         self._planner: tuple[tuple, Planner] | None = None
         self.router = None
-        if router is not None:
+        routes = self.sparsity is not None and self.sparsity.router is not None
+        if routes and self.config.per_request_depth:  # a router routes per-request depths
             from zcode.harness.router import Router
 
-            if not self.config.per_request_depth:
-                raise ValidationError("a router routes skipped layers: pass per_request_depth=True")
-            self.router = Router.load(router)
+            self.router = Router.from_state(self.sparsity.router)
         if self.sparsity is not None:
             self.declare_default_plan()
 

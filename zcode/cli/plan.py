@@ -54,11 +54,13 @@ def hint_args(args: argparse.Namespace) -> dict:
 def add_commands(commands) -> None:
     calibrate = commands.add_parser(
         "calibrate",
-        help="calibrate dynamic sparsity: FFN thresholds, layer and head importance, latency",
+        help="calibrate the planner: FFN levels, layer and KV-head importance, the router",
         description="Run MODEL over calibration text (Python standard-library sources) and write "
-        "a sparsity artifact that generate/ppl/serve load with --sparsity: per-layer FFN "
-        "activation thresholds (TEAL), each candidate level's perplexity on a separate "
-        "calibration slice, layer and KV-head importance, and a decode latency fit.",
+        "the calibration artifact that generate/plan/ppl/serve load with --sparsity: per-layer "
+        "FFN activation thresholds (TEAL), each candidate FFN level's perplexity (on fp32 and "
+        "int8 rows) on a separate calibration slice, layer and KV-head importance, and the "
+        "routing predictor that plans skipped layers per prompt. Latency is the hardware cost "
+        "model's (zcode hw --fit-cost).",
     )
     add_model_argument(calibrate)
     calibrate.add_argument(
@@ -110,7 +112,10 @@ def _calibrate(args: argparse.Namespace) -> None:
 
     if args.tokens < 512:
         raise ValidationError(f"--tokens must be at least 512, got {args.tokens}")
-    llm = options.load_llm(args.model, "float32", enable_prefix_caching=False)
+    # per_request_depth: the router is fitted on requests skipping layers as data
+    llm = options.load_llm(
+        args.model, "float32", enable_prefix_caching=False, per_request_depth=True
+    )
     if llm.tokenizer is None:
         raise ValidationError("calibration reads text: this checkpoint has no tokenizer")
     try:
@@ -123,7 +128,11 @@ def _calibrate(args: argparse.Namespace) -> None:
         print(
             f"ffn in {level.sparsity_in:.2f} mid {level.sparsity_mid:.2f}  "
             f"flops skipped {level.flops_skipped:.1%}  calibration ppl x{level.ppl_ratio:.4f}"
+            + "".join(f", {w} rows x{r:.4f}" for w, r in level.weight_ppl_ratios.items())
         )
+    if artifact.router is not None:
+        depths = ", ".join(str(len(d)) for d in artifact.router["depths"])
+        print(f"router: skipped-layer sets of {depths} layers")
     print(f"wrote {out}")
 
 

@@ -14,13 +14,13 @@ and (16 + 2) x K weights) are under 0.01% of SmolLM2-135M's.
 Fitted by `fit_router` on calibration windows: each window's measured log-perplexity increase
 under each depth (prompt log-probs through the engine, the skips per request, all windows of one
 depth in one batch), the ridge penalty chosen by leave-one-out error on the same windows.
+`zcode calibrate` fits it into the calibration artifact (zcode.sparsity.artifact: `router`, its
+`state()`); an LLM loaded with that artifact and `per_request_depth` routes by it.
 bench/bench_router.py judges it on held-out text against the best static depth at equal cost.
 """
 
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -65,25 +65,24 @@ class Router:
             + self.weights.numel()
         )
 
-    def save(self, path: Path) -> None:
-        blob = {"schema": SCHEMA, "depths": [list(d) for d in self.depths]}
-        blob["mean_log_loss"] = list(self.mean_log_loss)
-        blob |= {name: getattr(self, name).tolist() for name in TENSORS}
-        Path(path).write_text(json.dumps(blob) + "\n")
+    def state(self) -> dict:
+        """Plain lists and tensors, as the calibration artifact stores them."""
+        depths = [list(d) for d in self.depths]
+        blob = {"schema": SCHEMA, "depths": depths, "mean_log_loss": list(self.mean_log_loss)}
+        return blob | {name: getattr(self, name) for name in TENSORS}
 
     @classmethod
-    def load(cls, path: Path) -> "Router":
+    def from_state(cls, blob: dict) -> "Router":
         try:
-            blob = json.loads(Path(path).read_text())
-            if blob.pop("schema") != SCHEMA:
+            if blob["schema"] != SCHEMA:
                 raise ValueError("written by another version of zcode")
             return cls(
                 tuple(tuple(d) for d in blob["depths"]),
                 tuple(blob["mean_log_loss"]),
-                *(torch.tensor(blob[name]) for name in TENSORS),
+                *(torch.as_tensor(blob[name]) for name in TENSORS),
             )
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValidationError(f"{path}: not a router artifact: {e}") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValidationError(f"the calibration artifact's router is unreadable: {e}") from None
 
 
 TENSORS = ("center", "projection", "feature_mean", "feature_scale", "weights")
@@ -161,6 +160,7 @@ def fit_router(
     if llm.engine.runner.pages is None:
         raise ValidationError("a router routes skipped layers: load with per_request_depth=True")
     order = layer_order(llm, windows[:order_windows])
-    depths = [tuple(sorted(order[:k])) for k in skip_counts]
+    counts = sorted({min(k, len(order) - 1) for k in skip_counts})  # a layer always runs
+    depths = [tuple(sorted(order[:k])) for k in counts]
     losses = window_log_losses(llm, windows, depths)
     return fit(prompt_embeddings(llm.model.model.embed_tokens, windows), losses, depths)

@@ -1,7 +1,7 @@
 """The calibration artifact `zcode calibrate` writes and generate/ppl/serve load: thresholds,
-layer and head importance, the candidate plans' measured quality and the FFN block predictors,
-for one model. Latency is the hardware cost model's (zcode.hardware.cost_model): an older
-artifact's "latency" fit is ignored.
+layer and head importance, the candidate plans' measured quality, the FFN block predictors and
+the routing predictor (zcode.harness.router), for one model. Latency is the hardware cost
+model's (zcode.hardware.cost_model): an older artifact's "latency" fit is ignored.
 
 Stored with torch.save as plain tensors and builtins, read back with weights_only=True.
 """
@@ -45,6 +45,8 @@ class SparsityArtifact:
     head_count_ratios: dict[int, float] = field(default_factory=dict)
     predictor: dict | None = None  # FFNPredictor.state() and its held-out metrics
     notes: dict = field(default_factory=dict)
+    # zcode.harness.router.Router.state(); None when calibration ran without per-request depth
+    router: dict | None = None
 
     def level(self, sparsity_in: float, sparsity_mid: float) -> FFNLevel:
         for lv in self.levels:
@@ -77,6 +79,7 @@ class SparsityArtifact:
             "head_count_ratios": self.head_count_ratios,
             "predictor": self.predictor,
             "notes": self.notes,
+            "router": self.router,
         }
         torch.save(blob, path)
 
@@ -101,6 +104,7 @@ class SparsityArtifact:
             head_count_ratios=blob.get("head_count_ratios", {}),
             predictor=blob["predictor"],
             notes=blob["notes"],
+            router=blob.get("router"),
         )
 
     def check_model(self, model: nn.Module) -> None:

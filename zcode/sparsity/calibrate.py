@@ -2,8 +2,9 @@
 importance, then KV-group importance (by ablation: each group alone) and every candidate FFN
 level (on the float rows and on int8 rows) are scored on a separate calibration slice, and the
 least important groups removed together on the recording slice (not the slice that ranked
-them); the result is a SparsityArtifact. (Latency is the hardware cost model's:
-`zcode hw --fit-cost`.)
+them); with an engine keeping KV per head (per_request_depth), the routing predictor is fitted on
+the recording slice's windows too (zcode.harness.router). The result is one SparsityArtifact.
+(Latency is the hardware cost model's: `zcode hw --fit-cost`.)
 
 Held-out text is never touched here: quality claims are made on it by the bench.
 """
@@ -11,6 +12,7 @@ Held-out text is never touched here: quality claims are made on it by the bench.
 from tqdm import tqdm
 
 from zcode.calibration import corpus_tokens
+from zcode.harness.router import fit_router
 from zcode.llm import LLM
 from zcode.ppl import perplexity
 from zcode.sampling_params import SamplingParams
@@ -43,6 +45,7 @@ CANDIDATE_LEVELS = (
     (0.6, 0.8),
 )
 WINDOW = 512
+ROUTER_WINDOW = 128  # tokens of each window the router is fitted on (a prompt's length)
 PREDICTOR_KEEPS = (0.75, 0.5)  # fractions of FFN neuron blocks the trained predictors keep
 PREDICTOR_RANK = 4  # 30 layers x (576 x 4 + 4 x 25) = 72,720 parameters for SmolLM2-135M
 
@@ -74,12 +77,14 @@ def calibrate(
     record, evaluate = tokens[:num_tokens], tokens[num_tokens:]
     windows = [record[i : i + WINDOW] for i in range(0, len(record) - 1, WINDOW)]
     num_groups = sum(a.num_kv_heads for a in gqa_attentions(model).values())
+    routes = llm.engine.runner.pages is not None  # skipped layers are per request there
     bar = tqdm(
         total=len(windows)
         + num_groups
         + len(HEAD_COUNTS)
         + len(levels) * len(WEIGHT_FORMATS)
-        + len(PREDICTOR_KEEPS),
+        + len(PREDICTOR_KEEPS)
+        + routes,
         desc="calibrate",
         disable=not progress,
     )
@@ -124,5 +129,9 @@ def calibrate(
         level = FFNLevel(s_in, s_mid, flops_skipped(s_in, s_mid), ratios.pop("fp32"), ratios)
         artifact.levels.append(level)
     set_ffn_level(model, artifact, 0.0, 0.0)
+    if routes:
+        prompts = [record[i : i + ROUTER_WINDOW] for i in range(0, len(record), ROUTER_WINDOW)]
+        artifact.router = fit_router(llm, [p for p in prompts if len(p) > 1]).state()
+        bar.update()
     bar.close()
     return artifact
