@@ -1,10 +1,11 @@
 """The executor: the one code that moves the model to a plan (precision variant modules, FFN
-level) and declares that plan to the model runner, so compiled decode keys its graphs by the
-plan's signature and re-reads the model's tensors at every change. The engine calls it: each
-request carries its plan (`Sequence.plan`), and a step runs its rows grouped by what must be
-model state, their precision (`group_key`), one forward per group, moving the model to each
-group's plan first. Within a group FFN levels are per token (`token_levels`: each SparseMLP
-takes a threshold per token), and skipped layers and KV heads per row (LLMEngine.add_request).
+level and the rows the sparse FFNs read) and declares that plan to the model runner, so compiled
+decode keys its graphs by the plan's signature and re-reads the model's tensors at every change.
+The engine calls it: each request carries its plan (`Sequence.plan`), and a step runs its rows
+grouped by what must be model state, their precision and FFN rows (`group_key`), one forward per
+group, moving the model to each group's plan first. Within a group FFN levels are per token
+(`token_levels`: each SparseMLP takes a threshold per token), and skipped layers and KV heads per
+row (LLMEngine.add_request).
 """
 
 import dataclasses
