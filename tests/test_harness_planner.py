@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from artifacts import synthetic_artifact
 from cost_models import synthetic_coefficients, synthetic_cost_model
 
 from zcode.errors import ValidationError
@@ -95,15 +96,12 @@ HEAD_SCORES = torch.tensor([[1.20, 1.02], [1.01, 1.50]])
 COEFFICIENTS = synthetic_coefficients(mb_ms=2.0)
 
 
-def synthetic_artifact(model):
-    from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
+def planner_artifact(model):
+    from zcode.sparsity.artifact import FFNLevel
     from zcode.sparsity.calibrate import flops_skipped
-    from zcode.sparsity.thresholds import ThresholdTable
 
-    n = len(model.model.layers)
-    table = ThresholdTable("teal", (0.0, 0.5, 0.7), torch.zeros(n, 3), torch.zeros(n, 3))
     levels = [FFNLevel(i, m, flops_skipped(i, m), ratio) for i, m, ratio in LEVELS]
-    return SparsityArtifact(fingerprint(model), table, levels, torch.zeros(n), HEAD_SCORES)
+    return synthetic_artifact(model, levels, 0.0, 0.0, HEAD_SCORES)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +112,7 @@ def tiny_net(tiny_model):
 
 def test_candidates_predict_ms_loss_and_kv_bytes(tiny_net):
     planner = Planner(
-        tiny_net, synthetic_cost_model(mb_ms=2.0), None, synthetic_artifact(tiny_net), True
+        tiny_net, synthetic_cost_model(mb_ms=2.0), None, planner_artifact(tiny_net), True
     )
     mlp_mb = sum(p.nbytes for layer in tiny_net.model.layers for p in layer.mlp.parameters()) / 1e6
     linear_mb = (
@@ -157,7 +155,7 @@ def test_ffn_levels_on_int8_rows_are_candidates_at_their_measured_loss(tiny_net)
     takes the least lossy of them."""
     from zcode.hardware.cost_model import format_weight_bytes
 
-    artifact = synthetic_artifact(tiny_net)
+    artifact = planner_artifact(tiny_net)
     int8_ratios = [1.01, 1.2, 1.5]  # dense, (0, 0.5), (0.5, 0.7)
     artifact.levels = [
         replace(lv, weight_ppl_ratios={"int8": r}) for lv, r in zip(artifact.levels, int8_ratios)
@@ -182,7 +180,7 @@ def test_ffn_levels_on_int8_rows_are_candidates_at_their_measured_loss(tiny_net)
 
 def test_explicit_plans_and_skips(tiny_net):
     planner = Planner(
-        tiny_net, synthetic_cost_model(mb_ms=2.0), None, synthetic_artifact(tiny_net), True
+        tiny_net, synthetic_cost_model(mb_ms=2.0), None, planner_artifact(tiny_net), True
     )
     sparse = next(c.plan for c in planner.candidates() if c.plan.name == "ffn in 0.5 / mid 0.7")
     choice = planner.choose(Hints(plan=sparse, max_quality_loss=1.0))
@@ -201,7 +199,7 @@ def test_explicit_plans_and_skips(tiny_net):
 def test_kv_groups_skipped_together_cost_what_calibration_measured_together(tiny_net):
     """Single ablations of the two least important groups sum to 3.02%; calibration measured
     them together at 10%: the candidate, and a caller naming the same set, predict 10%."""
-    artifact = synthetic_artifact(tiny_net)
+    artifact = planner_artifact(tiny_net)
     artifact.head_count_ratios = {1: 1.01, 2: 1.10}
     planner = Planner(tiny_net, synthetic_cost_model(mb_ms=2.0), None, artifact, True)
     by_name = {c.plan.name: c for c in planner.candidates()}
@@ -215,7 +213,7 @@ def test_kv_groups_skipped_together_cost_what_calibration_measured_together(tiny
 
 
 def test_latency_needs_a_cost_model(tiny_net):
-    planner = Planner(tiny_net, None, None, synthetic_artifact(tiny_net))
+    planner = Planner(tiny_net, None, None, planner_artifact(tiny_net))
     with pytest.raises(ValidationError, match="zcode hw --fit-cost"):
         planner.choose(Hints(max_latency_ms=10))
     assert planner.choose(Hints(max_quality_loss=10)).predicted_ms_per_token is None
@@ -232,7 +230,7 @@ def test_speculation_meets_a_latency_target_without_a_loss(tiny_net):
     from zcode.harness.planner import Speculation
     from zcode.spec.policy import DraftPolicy
 
-    artifact = synthetic_artifact(tiny_net)
+    artifact = planner_artifact(tiny_net)
     acceptance = [0.8]
 
     def planner(cost):

@@ -7,7 +7,7 @@ them; compiled decode gives eager's tokens for every plan of a mixed sequence of
 import dataclasses
 
 import pytest
-import torch
+from artifacts import synthetic_artifact
 
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
@@ -15,8 +15,7 @@ from zcode.llm import LLM
 from zcode.quant.sensitivity import profile_sensitivity
 from zcode.quant.variants import attach_variants
 from zcode.sampling_params import SamplingParams
-from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
-from zcode.sparsity.thresholds import ThresholdTable
+from zcode.sparsity.artifact import FFNLevel, SparsityArtifact
 
 PROMPTS = [[5, 17, 200, 3, 99, 42, 7], [7, 130, 250, 11, 64], [8, 190, 33, 2, 9, 120], [77, 150]]
 CALIBRATION = [9, 120, 77, 150, 31, 4, 88, 210, 16, 23, 140, 61, 5, 240, 12, 70, 101, 44, 3, 199]
@@ -25,19 +24,11 @@ SPARSITIES = (0.0, 0.25, 0.5)  # FFN levels: down inputs below 0, 0.02, 0.05 in 
 
 
 def _artifact(model) -> SparsityArtifact:
-    n = len(model.model.layers)
-    mid = torch.tensor([-1.0, 0.02, 0.05]).expand(n, 3).contiguous()
     levels = [
         FFNLevel(0.0, s, s / 3, 1 + s / 10, weight_ppl_ratios={"int8": 1.01 + s / 10})
         for s in SPARSITIES
     ]
-    return SparsityArtifact(
-        fingerprint(model),
-        ThresholdTable("teal", SPARSITIES, -torch.ones(n, 3), mid),
-        levels,
-        torch.zeros(n),
-        torch.zeros(n, 2),
-    )
+    return synthetic_artifact(model, levels, thresh_mid=[-1.0, 0.02, 0.05])
 
 
 def _with_skips(plan: ExecutionPlan) -> ExecutionPlan:

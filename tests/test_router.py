@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from artifacts import synthetic_artifact
 from cost_models import synthetic_cost_model
 
 from zcode.errors import ValidationError
@@ -15,8 +16,7 @@ from zcode.harness.planner import Hints
 from zcode.harness.router import Router, fit, fit_router, prompt_embeddings
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
-from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
-from zcode.sparsity.thresholds import ThresholdTable
+from zcode.sparsity.artifact import FFNLevel
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 ENGINE = dict(dtype="float32", per_request_depth=True, kv_cache_bytes=1 << 20)
@@ -28,12 +28,10 @@ def _artifact_with(router: Router, path, out) -> str:
     level only, and KV groups whose skipping costs far more than any budget below."""
     model = LLM(path, dtype="float32").model
     n, kv_heads = len(model.model.layers), model.config.num_key_value_heads
-    artifact = SparsityArtifact(
-        fingerprint(model),
-        ThresholdTable("teal", (0.0,), -torch.ones(n, 1), -torch.ones(n, 1)),
+    artifact = synthetic_artifact(
+        model,
         [FFNLevel(0.0, 0.0, 0.0, 1.0)],
-        torch.zeros(n),
-        torch.full((n, kv_heads), 10.0),
+        head_scores=torch.full((n, kv_heads), 10.0),
         router=router.state(),
     )
     artifact.save(out)

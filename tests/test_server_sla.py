@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import openai
 import pytest
-import torch
+from artifacts import synthetic_artifact
 from cost_models import synthetic_cost_model
 from remote_server import InThreadServer
 
@@ -18,8 +18,7 @@ from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
 from zcode.server.app import build_app
 from zcode.server.launch import build_state
-from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
-from zcode.sparsity.thresholds import ThresholdTable
+from zcode.sparsity.artifact import FFNLevel, SparsityArtifact
 
 PROMPT = list(range(3, 11))
 LEVELS = [FFNLevel(0.0, 0.0, 0.0, 1.0), FFNLevel(0.0, 0.5, 1 / 6, 1.05)]
@@ -28,14 +27,7 @@ COST = synthetic_cost_model(mb_ms=10.0)
 
 
 def _artifact(model) -> SparsityArtifact:
-    n = len(model.model.layers)
-    return SparsityArtifact(
-        fingerprint(model),
-        ThresholdTable("teal", (0.0, 0.5), -torch.ones(n, 2), torch.full((n, 2), 0.05)),
-        LEVELS,
-        torch.zeros(n),
-        torch.zeros(n, 2),
-    )
+    return synthetic_artifact(model, LEVELS, thresh_mid=0.05)
 
 
 def _with_cost(llm: LLM) -> LLM:
