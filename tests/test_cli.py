@@ -42,7 +42,7 @@ OPTIONS = {
     "ppl": ["MODEL", "FILE", "--window", "--stride", "--max-tokens", "--dtype"],
     "hw": ["--refresh", "--json", "--fit-cost", "--compiled"],
     "plan": [
-        "MODEL", "--sparsity", "--profile", "--budget", "--max-latency-ms", "--max-quality-loss",
+        "MODEL", "--sparsity", "--budget", "--max-latency-ms", "--max-quality-loss",
         "--quality", "--max-kv-bytes", "--per-request-depth", "--batch-size", "--context-len",
     ],
 }  # fmt: skip

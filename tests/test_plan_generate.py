@@ -3,6 +3,7 @@ token ids): every combination of hints in one call, each request's tokens agains
 applied statically (modules swapped before the engine is built: another code path), reports, and
 compiled decode following every plan change."""
 
+import dataclasses
 import itertools
 import random
 
@@ -214,6 +215,84 @@ def test_compiled_decode_follows_every_plan_change(tiny_checkpoint, artifact):
     assert outputs[-1][1].token_ids == outputs[0][1].token_ids
 
 
+def test_calibration_profiles_precision_of_the_units_outside_the_leveled_ffns(artifact):
+    """The one artifact holds the sensitivity profile precision levels are built from: each
+    attention projection and the LM head in each format, not the FFNs (their precision is the
+    sparse FFN's rows)."""
+    from zcode.quant.sensitivity import DEFAULT_FORMATS
+
+    profile = artifact.sensitivity
+    attention = {f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"}
+    assert set(profile["modules"]) == attention | {"lm_head"}
+    assert all(set(e["formats"]) == set(DEFAULT_FORMATS) for e in profile["modules"].values())
+
+    def total_kl(fmt: str) -> float:
+        return sum(e["formats"][fmt]["kl"] for e in profile["modules"].values())
+
+    assert total_kl("int4-g32") > total_kl("int8") > 0
+
+
+def _precision_ffn_plans(llm: LLM) -> list[ExecutionPlan]:
+    """Four plans, each a precision level at an FFN level: fast/dense, fast/sparse on int8 rows,
+    balanced/sparse, max/sparse."""
+    by_key = {}
+    for c in llm.planner().candidates():
+        extras = dict(c.plan.extras)
+        level = c.plan.name.split(":")[0], extras["ffn_sparsity_mid"], extras.get("ffn_weights")
+        by_key.setdefault(level, c.plan)
+    keys = [
+        ("quality=fast", "0", None),
+        ("quality=fast", "0.5", "int8"),
+        ("quality=balanced", "0.5", None),
+        ("quality=max", "0.7", None),
+    ]
+    return [by_key[k] for k in keys]
+
+
+def test_precision_levels_from_the_artifact_run_at_every_ffn_level(tiny_checkpoint, artifact):
+    """--budget's precision levels (the artifact's profile) and FFN levels in one plan: in a
+    mixed batch each request gets the tokens of its plan applied statically (attention
+    quantized by apply_precision, FFN level swapped in; no planner or executor)."""
+    from zcode.quant.apply import apply_precision
+    from zcode.quant.variants import attach_variants
+    from zcode.sparsity.apply import apply_to_llm
+
+    path = tiny_checkpoint("llama").path
+    llm = planned_llm(path, artifact)
+    attach_variants(llm, artifact.sensitivity, "6bits", "1MB", kernel="reference")
+    plans = _precision_ffn_plans(llm)
+    assert all(p.precision for p in plans[:3]) and len({p.signature() for p in plans}) == 4
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:6], PROMPT[::-1]]
+    batched = llm.generate(prompts, GREEDY, plan=plans)
+    for prompt, plan, out in zip(prompts, plans, batched):
+        static = LLM(path, dtype="float32", kv_cache_bytes=1 << 20)
+        apply_to_llm(static, artifact, ExecutionPlan(extras=plan.extras))
+        apply_precision(static.model, dict(plan.precision), kernel="reference")
+        assert out.token_ids == static.generate(prompt, GREEDY)[0].token_ids, plan.name
+    # Each plan computes differently (so the batch above is not equal by running one plan)
+    params = dataclasses.replace(GREEDY, max_tokens=1, logprobs=0)
+    firsts = [out.logprobs[0] for out in llm.generate([PROMPT] * 4, params, plan=plans)]
+    assert all(firsts[i] != firsts[j] for i in range(4) for j in range(i))
+
+
+def test_precision_levels_attach_when_the_default_ffn_level_is_dense(
+    tiny_checkpoint, artifact, tmp_path
+):
+    """Loaded with an artifact whose default FFN level is dense, the FFNs are still the dense
+    modules: attaching precision levels leaves them to the FFN dimension (as the profile does)."""
+    from zcode.quant.variants import attach_variants
+
+    levels = [
+        dataclasses.replace(lv, ppl_ratio=1.5) if lv.flops_skipped else lv for lv in artifact.levels
+    ]
+    dataclasses.replace(artifact, levels=levels).save(tmp_path / "dense.pt")
+    llm = LLM(tiny_checkpoint("llama").path, sparsity=tmp_path / "dense.pt")
+    llm.cost_model = cost_model()
+    assert llm.executor().default.ffn_density == 1
+    attach_variants(llm, artifact.sensitivity, "6bits", "1MB", kernel="reference")
+    assert any(c.plan.precision and c.plan.ffn_density < 1 for c in llm.planner().candidates())
+
+
 def test_zcode_plan_prints_the_choice(tiny_checkpoint, artifact, tmp_path, capsys, monkeypatch):
     import json
 
@@ -239,6 +318,10 @@ def test_zcode_plan_prints_the_choice(tiny_checkpoint, artifact, tmp_path, capsy
     assert row["predicted_quality_loss_pct"] <= 50 and row["predicted_ms_per_token"] > 0
     assert "skip 1 KV heads" in row["plan"] or "skip 2 KV heads" in row["plan"]
     assert "speculation_gain" not in row
+    # --budget: the artifact's precision levels searched with the rest
+    cli.main([*argv, *hints, "--budget", "6bits", "--variant-cap", "1MB"])
+    precise = json.loads(capsys.readouterr().out)
+    assert precise["plan"].startswith("quality=") and precise["target_met"]
     # With drafts: the same plan, its ms per token over the predicted gain at the prior 0.5
     cli.main([*argv, *hints, "--speculative", "ngram"])
     drafting = json.loads(capsys.readouterr().out)

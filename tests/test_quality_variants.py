@@ -168,9 +168,9 @@ def test_cap_too_small_for_any_variant(tiny_checkpoint):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--profile", "p.json"], "needs --budget"),
-        (["--quality", "max", "--profile", "/nonexistent.json", "--budget", "4.5bits"], "no such"),
-        (["--quality", "max", "--profile", "p", "--budget", "4.5bits", "--stream"], "--stream"),
+        (["--budget", "4.5bits"], "add --sparsity"),
+        (["--quality", "max", "--sparsity", "/nonexistent.pt", "--budget", "4.5bits"], "no such"),
+        (["--quality", "max", "--sparsity", "p", "--budget", "4.5bits", "--stream"], "--stream"),
     ],
 )
 def test_cli_quality_errors_before_loading(argv, message, capsys):

@@ -18,8 +18,8 @@ from zcode import cli
         (["generate", "hi", "--skip-kv-heads", "5"], "layer:head pairs"),
         (["generate", "hi", "--skip-kv-heads", "5:1:2"], "layer:head pairs"),
         (["generate", "hi", "--quality", "fast", "--stream"], "cannot be combined"),
-        (["generate", "hi", "--profile", "p.json"], "--profile needs --budget"),
-        (["plan", "--profile", "p.json", "--budget", "4bits"], "p.json: no such profile"),
+        (["generate", "hi", "--budget", "4bits"], "add --sparsity ARTIFACT"),
+        (["plan", "--sparsity", "p.pt", "--budget", "4bits"], "p.pt: no such sparsity artifact"),
         (["ppl", "f.txt", "--skip-kv-heads", "x:1"], "layer:head pairs"),
     ],
 )
@@ -55,7 +55,7 @@ def test_generate_passes_skips_to_a_paged_engine(stream, capsys, monkeypatch):
     argv = ["generate", "hi", "--skip-layers", "3,4", "--skip-kv-heads", "5:2,6:0"]
     cli.main(argv + (["--stream"] if stream else []))
     assert capsys.readouterr().out.strip() == "ok"
-    assert seen["engine_args"] == {"float_weights": False, "per_request_depth": True}
+    assert seen["engine_args"] == {"per_request_depth": True}
     assert seen["skips"] == {"skip_layers": [3, 4], "skip_kv_heads": [(5, 2), (6, 0)]}
 
 

@@ -19,10 +19,11 @@ from zcode.cli.options import (
     add_sparsity_option,
     add_speculative_options,
     add_thinking_option,
+    attach_precision,
+    check_quality_options,
     compile_args,
     expert_cache_args,
     parallel_args,
-    quality_profile,
     sampling_params,
     skip_args,
     sparsity_args,
@@ -89,13 +90,12 @@ def _generate(args: argparse.Namespace) -> None:
     hints = hint_args(args)
     if args.stream and hints:
         raise ValidationError("--stream cannot be combined with planning hints yet")
-    profile = quality_profile(args)
+    check_quality_options(args)
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     # Only a non-default option is passed on, so the default call matches the other commands'.
     llm = options.load_llm(
         args.model,
         args.dtype,
-        float_weights=profile is not None,
         **compile_args(args),
         **({"per_request_depth": True} if skips else {}),
         **expert_cache_args(args),
@@ -104,10 +104,7 @@ def _generate(args: argparse.Namespace) -> None:
         **speculative_args(args),
     )
     prompt = [{"role": "user", "content": text}] if args.chat else text
-    if profile is not None:
-        from zcode.quant.variants import attach_variants
-
-        attach_variants(llm, profile, args.budget, args.variant_cap)
+    attach_precision(llm, args)
     if args.stream:
         for out in llm.stream(prompt, params, args.thinking, **skips):
             write(out.delta_text)

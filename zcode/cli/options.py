@@ -5,7 +5,6 @@ start-up must not wait on torch.
 """
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -128,8 +127,8 @@ def add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") -> 
         choices=choices,
         default=default,
         help="dtype the weights are computed in; auto runs them as the file stores them (a GGUF "
-        "file's quantized blocks, memory-mapped), float32 where --sparsity or --profile rewrites "
-        "them (default: %(default)s)",
+        "file's quantized blocks, memory-mapped), float32 where --sparsity rewrites them "
+        "(default: %(default)s)",
     )
 
 
@@ -310,34 +309,38 @@ def speculative_args(args: argparse.Namespace) -> dict:
 
 def add_quality_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--profile",
-        metavar="PROFILE",
-        help="'zcode profile' JSON: quantize to the --budget plan and keep int8 and unquantized "
-        "variants of the most sensitive modules under --variant-cap, the precision levels the "
-        "planner chooses among",
+        "--budget",
+        help="precision levels from the --sparsity artifact's sensitivity profile: quantize the "
+        "units outside the leveled FFNs (attention, lm_head) to the plan of least predicted KL "
+        "within this budget, e.g. 4.5bits, and keep int8 and unquantized variants of the most "
+        "sensitive under --variant-cap",
     )
-    parser.add_argument("--budget", help="the base plan's budget, e.g. 4.5bits (--profile)")
     parser.add_argument(
         "--variant-cap", default="64MB", help="memory for the variants (default: %(default)s)"
     )
 
 
-def quality_profile(args: argparse.Namespace) -> dict | None:
-    """The profile the precision variants are built from, checked before the model loads."""
-    if args.profile is None:
-        return None
-    if args.budget is None:
-        raise ValidationError("--profile needs --budget (e.g. 4.5bits): the base plan's budget")
-    if args.sparsity:
+def check_quality_options(args: argparse.Namespace) -> None:
+    """Before the model loads: --budget plans from the calibration artifact's profile."""
+    if args.budget is not None and not args.sparsity:
         raise ValidationError(
-            "--profile cannot be combined with --sparsity yet: sparse FFNs read float weights"
+            "--budget plans precision from a calibration artifact's sensitivity profile: add "
+            "--sparsity ARTIFACT (written by zcode calibrate)"
         )
-    if not Path(args.profile).is_file():
-        raise ValidationError(f"{args.profile}: no such profile (see zcode profile)")
-    try:
-        return json.loads(Path(args.profile).read_text())
-    except json.JSONDecodeError as e:
-        raise ValidationError(f"{args.profile}: not a profile JSON ({e})") from e
+
+
+def attach_precision(llm: "LLM", args: argparse.Namespace) -> None:
+    """The precision levels --budget asks for, from the artifact `llm` loaded."""
+    if args.budget is None:
+        return
+    if llm.sparsity.sensitivity is None:
+        raise ValidationError(
+            f"{args.sparsity} has no sensitivity profile (written before calibration profiled "
+            "precision): rerun zcode calibrate"
+        )
+    from zcode.quant.variants import attach_variants
+
+    attach_variants(llm, llm.sparsity.sensitivity, args.budget, args.variant_cap)
 
 
 def load_llm(model: str | None, dtype: str, float_weights: bool = False, **engine_args) -> "LLM":

@@ -1,4 +1,4 @@
-"""`zcode calibrate` (the profile plans are made from) and `zcode plan` (the plan chosen for a
+"""`zcode calibrate` (the one artifact plans are made from) and `zcode plan` (the plan chosen for a
 request's hints, printed without generating); the hint options `zcode generate` shares."""
 
 import argparse
@@ -14,7 +14,8 @@ from zcode.cli.options import (
     add_quality_options,
     add_sparsity_option,
     add_speculative_options,
-    quality_profile,
+    attach_precision,
+    check_quality_options,
     sparsity_args,
     speculative_args,
 )
@@ -35,7 +36,7 @@ def add_hint_options(parser: argparse.ArgumentParser) -> None:
         "--max-quality-loss",
         type=float,
         metavar="PCT",
-        help="predicted perplexity increase, in %% (from --sparsity and --profile data)",
+        help="predicted perplexity increase, in %% (from the --sparsity artifact)",
     )
     hints.add_argument(
         "--quality",
@@ -54,13 +55,15 @@ def hint_args(args: argparse.Namespace) -> dict:
 def add_commands(commands) -> None:
     calibrate = commands.add_parser(
         "calibrate",
-        help="calibrate the planner: FFN levels, layer and KV-head importance, the router",
+        help="calibrate the planner: FFN levels, layer and KV-head importance, the router, "
+        "precision sensitivity",
         description="Run MODEL over calibration text (Python standard-library sources) and write "
         "the calibration artifact that generate/plan/ppl/serve load with --sparsity: per-layer "
         "FFN activation thresholds (TEAL), each candidate FFN level's perplexity (on fp32 and "
         "int8 rows) on a separate calibration slice, layer and KV-head importance, and the "
-        "routing predictor that plans skipped layers per prompt. Latency is the hardware cost "
-        "model's (zcode hw --fit-cost).",
+        "routing predictor that plans skipped layers per prompt, and each other linear's "
+        "sensitivity to each weight format (what --budget builds precision levels from). "
+        "Latency is the hardware cost model's (zcode hw --fit-cost).",
     )
     add_model_argument(calibrate)
     calibrate.add_argument(
@@ -83,9 +86,9 @@ def add_commands(commands) -> None:
         help="print the plan chosen for planning hints, without generating",
         description="Print the execution plan the planner chooses for these hints: its "
         "predicted decode ms per token, predicted quality loss, KV bytes per token and the "
-        "binding constraint, from the --sparsity artifact, --profile precision variants and "
-        "this machine's fitted cost model (with --speculative, the drafts' predicted gain in "
-        "the ms per token).",
+        "binding constraint, from the --sparsity artifact (with --budget, its precision levels "
+        "too) and this machine's fitted cost model (with --speculative, the drafts' predicted "
+        "gain in the ms per token).",
     )
     add_model_argument(plan)
     add_dtype_option(plan)
@@ -133,23 +136,24 @@ def _calibrate(args: argparse.Namespace) -> None:
     if artifact.router is not None:
         depths = ", ".join(str(len(d)) for d in artifact.router["depths"])
         print(f"router: skipped-layer sets of {depths} layers")
+    profile = artifact.sensitivity
+    print(
+        f"sensitivity: {len(profile['modules'])} units outside the FFNs x "
+        f"{', '.join(profile['formats'])} (zcode generate --budget)"
+    )
     print(f"wrote {out}")
 
 
 def _plan(args: argparse.Namespace) -> None:
-    profile = quality_profile(args)
+    check_quality_options(args)
     llm = options.load_llm(
         args.model,
         args.dtype,
-        float_weights=profile is not None,
         **({"per_request_depth": True} if args.per_request_depth else {}),
         **sparsity_args(args),
         **speculative_args(args),
     )
-    if profile is not None:
-        from zcode.quant.variants import attach_variants
-
-        attach_variants(llm, profile, args.budget, args.variant_cap)
+    attach_precision(llm, args)
     _print_plan(args, llm)
 
 

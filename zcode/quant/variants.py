@@ -258,7 +258,13 @@ def swapped(model: nn.Module, modules: dict[str, nn.Module]) -> Iterator[None]:
 def attach_variants(llm, profile: dict, budget: str, memory_cap: str | int, **options) -> dict:
     """Builds PrecisionVariants on `llm` (see PrecisionVariants.build), installs the base plan and
     declares it; the planner (zcode.harness.planner) then chooses among the levels. Returns the
-    base plan's summary."""
+    base plan's summary. With a calibration artifact (`llm.sparsity`) the FFNs are its dimension
+    (sparse levels on fp32 or int8 rows): they become SparseMLPs first (at the dense level, the
+    same outputs), so the variants cover the other units, as the artifact's profile does."""
+    if llm.sparsity is not None:
+        from zcode.sparsity.apply import sparse_ffns
+
+        sparse_ffns(llm.model, llm.sparsity)
     variants = PrecisionVariants.build(llm.model, profile, budget, memory_cap, **options)
     llm.precision_variants = variants
     llm.declare_default_plan()

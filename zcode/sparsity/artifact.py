@@ -1,6 +1,7 @@
 """The calibration artifact `zcode calibrate` writes and generate/ppl/serve load: thresholds,
-layer and head importance, the candidate plans' measured quality, the FFN block predictors and
-the routing predictor (zcode.harness.router), for one model. Latency is the hardware cost
+layer and head importance, the candidate plans' measured quality, the FFN block predictors, the
+routing predictor (zcode.harness.router) and the precision sensitivity profile
+(zcode.quant.sensitivity), for one model. Latency is the hardware cost
 model's (zcode.hardware.cost_model): an older artifact's "latency" fit is ignored.
 
 Stored with torch.save as plain tensors and builtins, read back with weights_only=True.
@@ -47,6 +48,10 @@ class SparsityArtifact:
     notes: dict = field(default_factory=dict)
     # zcode.harness.router.Router.state(); None when calibration ran without per-request depth
     router: dict | None = None
+    # zcode.quant.sensitivity.profile_sensitivity's report of the units outside the leveled
+    # FFNs (attention, lm_head): what precision variants are built from; None in an artifact
+    # written before calibration profiled them
+    sensitivity: dict | None = None
 
     def level(self, sparsity_in: float, sparsity_mid: float) -> FFNLevel:
         for lv in self.levels:
@@ -80,6 +85,7 @@ class SparsityArtifact:
             "predictor": self.predictor,
             "notes": self.notes,
             "router": self.router,
+            "sensitivity": self.sensitivity,
         }
         torch.save(blob, path)
 
@@ -105,6 +111,7 @@ class SparsityArtifact:
             predictor=blob["predictor"],
             notes=blob["notes"],
             router=blob.get("router"),
+            sensitivity=blob.get("sensitivity"),
         )
 
     def check_model(self, model: nn.Module) -> None:

@@ -3,7 +3,10 @@ importance, then KV-group importance (by ablation: each group alone) and every c
 level (on the float rows and on int8 rows) are scored on a separate calibration slice, and the
 least important groups removed together on the recording slice (not the slice that ranked
 them); with an engine keeping KV per head (per_request_depth), the routing predictor is fitted on
-the recording slice's windows too (zcode.harness.router). The result is one SparsityArtifact.
+the recording slice's windows too (zcode.harness.router). Last, each unit outside the leveled
+FFNs (attention projections, lm_head) is profiled in each weight format
+(zcode.quant.sensitivity), what precision variants are built from. The result is one
+SparsityArtifact.
 (Latency is the hardware cost model's: `zcode hw --fit-cost`.)
 
 Held-out text is never touched here: quality claims are made on it by the bench.
@@ -15,8 +18,9 @@ from zcode.calibration import corpus_tokens
 from zcode.harness.router import fit_router
 from zcode.llm import LLM
 from zcode.ppl import perplexity
+from zcode.quant.sensitivity import DEFAULT_FORMATS, profile_sensitivity
 from zcode.sampling_params import SamplingParams
-from zcode.sparsity.apply import remove_sparsity, set_ffn_level
+from zcode.sparsity.apply import remove_sparsity, set_ffn_level, sparse_ffns
 from zcode.sparsity.artifact import FFNLevel, SparsityArtifact, fingerprint
 from zcode.sparsity.head_skip import (
     HEAD_COUNTS,
@@ -48,6 +52,7 @@ WINDOW = 512
 ROUTER_WINDOW = 128  # tokens of each window the router is fitted on (a prompt's length)
 PREDICTOR_KEEPS = (0.75, 0.5)  # fractions of FFN neuron blocks the trained predictors keep
 PREDICTOR_RANK = 4  # 30 layers x (576 x 4 + 4 x 25) = 72,720 parameters for SmolLM2-135M
+PROFILE_TOKENS = 512  # of the recording slice, one sequence (zcode profile's default)
 
 
 def flops_skipped(sparsity_in: float, sparsity_mid: float) -> float:
@@ -134,4 +139,9 @@ def calibrate(
         artifact.router = fit_router(llm, [p for p in prompts if len(p) > 1]).state()
         bar.update()
     bar.close()
+    # With the FFNs as SparseMLPs (dense level) the profile's units are the other linears.
+    sparse_ffns(model, artifact)
+    artifact.sensitivity = profile_sensitivity(
+        model, record[:PROFILE_TOKENS], DEFAULT_FORMATS, progress=progress
+    )
     return artifact
