@@ -1,15 +1,17 @@
 """The planner's predictions against measurements, on SmolLM2-135M in fp32 by default.
 
     .venv/bin/python bench/bench_plan.py [--quick] [--model PATH] [--artifact PATH] [--fit-cost]
+        [--budget 4.5bits [--variant-cap 400MB]]
 
 1. Every candidate plan (or --num-plans of them, evenly spaced in predicted loss) measured:
    held-out perplexity increase, and batch-1 decode ms/token (the min / median of --repeats runs,
    plans round-robin). The quality model (zcode.harness.planner: log-perplexity increases add
    across dimensions; an FFN level on int8 rows is measured as one) against the measured
-   increases: Spearman rank correlation. The dimensions that combine on a float model: the
-   FFNs' precision (the rows the sparse FFN kernel reads: fp32 as loaded, or int8), the FFN level
-   and skipped KV groups (skipped layers need a router: bench_router.py; precision variants of
-   the other modules need a sensitivity profile of the sparse model, not built).
+   increases: Spearman rank correlation. The dimensions that combine on a float model:
+   precision (the rows the sparse FFN kernel reads: fp32 as loaded, or int8; with --budget also
+   the precision levels of the other linears, built from the artifact's sensitivity profile:
+   the budget's plan, int8 and unquantized variants under --variant-cap), the FFN level and
+   skipped KV groups (skipped layers need a router: bench_router.py).
 2. Pareto frontiers of those measurements (ms/token, perplexity increase): each dimension alone
    (int8 FFN rows at the dense level and full depth; FFN levels on fp32 rows at full depth; KV
    groups skipped at the dense fp32 FFN) and the joint product, with the area each dominates up
@@ -45,6 +47,7 @@ from zcode.hardware.probe import probe  # noqa: E402
 from zcode.harness.planner import Candidate  # noqa: E402
 from zcode.llm import planning_context_len  # noqa: E402
 from zcode.ppl import perplexity  # noqa: E402
+from zcode.quant.variants import attach_variants  # noqa: E402
 from zcode.sampling_params import SamplingParams  # noqa: E402
 from zcode.sparsity.artifact import SparsityArtifact, default_path  # noqa: E402
 from zcode.sparsity.calibrate import calibrate  # noqa: E402
@@ -77,12 +80,12 @@ def spread(candidates: list[Candidate], num_plans: int) -> list[Candidate]:
 
 
 def dimensions(plan) -> frozenset[str]:
-    """The dimensions a plan cuts: "precision" (FFN rows other than the loaded fp32),
-    "sparsity" (an FFN level past dense), "depth" (skips)."""
+    """The dimensions a plan cuts: "precision" (FFN rows other than the loaded fp32, quantized
+    linears), "sparsity" (an FFN level past dense), "depth" (skips)."""
     extras = dict(plan.extras)
     level = {float(v) for k, v in extras.items() if k.startswith("ffn_sparsity_")}
     cut = {"sparsity"} if level - {0.0} else set()
-    if extras.get("ffn_weights", "fp32") != "fp32":
+    if extras.get("ffn_weights", "fp32") != "fp32" or plan.precision:
         cut.add("precision")
     return frozenset(cut | ({"depth"} if plan.skip_layers or plan.skip_kv_heads else set()))
 
@@ -244,6 +247,13 @@ def main() -> None:
     parser.add_argument("--num-plans", type=int, help="measure this many (default: every plan)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each plan and target")
     parser.add_argument("--fit-cost", action="store_true", help="fit the cost model if missing")
+    parser.add_argument("--budget", help="precision levels of the linears outside the FFNs too")
+    parser.add_argument(
+        "--variant-cap",
+        default="400MB",
+        help="memory for their variants; SmolLM2's all fit, so one level is unquantized "
+        "(default: %(default)s)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.heldout_tokens, args.num_plans = 1024, 12
@@ -253,6 +263,8 @@ def main() -> None:
     )
     llm.cost_model = CostModel.load_or_fit() if args.fit_cost else CostModel.cached(probe())
     llm.declare_default_plan()
+    if args.budget:
+        attach_variants(llm, llm.sparsity.sensitivity, args.budget, args.variant_cap)
     heldout = corpus_tokens(llm.tokenizer, "heldout", args.heldout_tokens)
     prompt = heldout[:PROMPT_TOKENS]
     context_len = planning_context_len([len(prompt)], DECODE_TOKENS)
