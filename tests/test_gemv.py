@@ -17,8 +17,8 @@ def test_kernels_build_here():
     assert gemv.available()
 
 
-# Up to 4 rows in one tile of sums; 5 to 16 (a verifying step's) in tiles of 4, the last partial.
-FLOAT_ROWS = [1, 2, 3, 4, 5, 8, 13, 16]
+# Up to 4 rows in one tile of sums; 5 to 32 (a verifying step's) in tiles of 4, the last partial.
+FLOAT_ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 23, 32]
 
 
 @pytest.mark.parametrize("rows", FLOAT_ROWS)
@@ -87,8 +87,8 @@ def test_linear_of_no_rows_is_empty(dtype):
 
 
 def test_gemv_rejects_too_many_rows():
-    with pytest.raises(RuntimeError, match="1 to 16 rows, got 17"):
-        torch.ops.zcode.gemv_bf16(torch.randn(17, 32), [torch.randn(8, 32).to(torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="1 to 32 rows, got 33"):
+        torch.ops.zcode.gemv_bf16(torch.randn(33, 32), [torch.randn(8, 32).to(torch.bfloat16)])
     w = W8A8Weight.quantize(torch.randn(8, 32))
     with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
         torch.ops.zcode.gemv_w8a8(torch.randn(5, 32), [w.qweight], [w.scales], [w.row_sums], 1e-8)

@@ -6,8 +6,8 @@ over the gathered, padded context), and for MLA the expansion of the latent thro
 as zcode.layers.mla.MLAttention does it. CPU variants:
 - attention `decode-grouped`: one query per sequence, the query heads of a KV head multiplied as
   one group against that head's keys, no padding or KV-head repetition;
-- attention `cpp-paged`: the C++ kernel of zcode.kernels.paged_attention (what eager decode runs),
-  the context read in place from the pages;
+- attention `cpp-paged`: the C++ kernel of zcode.kernels.paged_attention (what eager decode and
+  verifying steps run), the context read in place from the pages;
 - mla `absorbed`: kv_b_proj folded into the query and the output (the DeepSeek decode trick):
   attention runs in the latent space, so the context is never expanded to H heads.
 """
@@ -23,8 +23,14 @@ from zcode.kernels.paged import BLOCK_SIZE, random_batch
 from zcode.kernels.registry import define_op, register
 from zcode.layers.attention import gather_cache, padded_attention
 
-# (query lens, context lens): uniform decode (no mask), ragged decode, prefill + chunked prefill
-BATCH_SHAPES = (([1, 1], [7, 7]), ([1, 1, 1], [5, 13, 2]), ([3, 6], [3, 10]))
+# (query lens, context lens): uniform decode (no mask), ragged decode, verifying (a token and
+# its drafts a sequence), prefill + chunked prefill
+BATCH_SHAPES = (
+    ([1, 1], [7, 7]),
+    ([1, 1, 1], [5, 13, 2]),
+    ([4, 1, 2], [9, 5, 21]),
+    ([3, 12], [3, 30]),
+)
 
 
 def _shape_name(query_lens: list[int], context_lens: list[int]) -> str:
@@ -32,7 +38,10 @@ def _shape_name(query_lens: list[int], context_lens: list[int]) -> str:
 
 
 def _rows(batch: ForwardBatch) -> str:
-    return "decode" if batch.query_index.shape[1] == 1 else "prefill"
+    width = batch.query_index.shape[1]
+    if width == 1:
+        return "decode"
+    return "verify" if paged_attention.handles(batch, batch.attn_mask) else "prefill"
 
 
 # --- attention -------------------------------------------------------------------------------
@@ -95,10 +104,11 @@ def decode_grouped(
 @register(
     "attention",
     "cpp-paged",
-    supports=lambda q, c, batch, s: _rows(batch) == "decode" and paged_attention.supports(q, c),
+    supports=lambda q, c, batch, s: _rows(batch) != "prefill" and paged_attention.supports(q, c),
 )
 def cpp_paged(q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float):
-    """The layers' eager decode path: the C++ kernel reads the context from the pages."""
+    """The layers' eager decode and verifying path: the C++ kernel reads the context from the
+    pages, one query a row."""
     return paged_attention.decode_batch(q, kv_cache, batch, batch.attn_mask, scale)
 
 

@@ -50,9 +50,9 @@ namespace {
 
 constexpr int64_t MAX_ROWS = 4;  // the int8-activation kernels' (W4A8, W8A8)
 // The float kernels (bf16, fp32) take up to MAX_FLOAT_ROWS rows, TILE_ROWS at a time: a step
-// verifying 3 drafts for each of 4 sequences multiplies 16 rows, and oneDNN's bf16 GEMM there
-// ran at ~120 GFLOP/s against ~290 for these loops at 4 rows.
-constexpr int64_t MAX_FLOAT_ROWS = 16;
+// verifying drafts of 16 sequences multiplies up to 32 rows, where oneDNN's bf16 GEMM still ran
+// 1.2-1.5x slower than these loops (zcode.quant.formats.FLOAT_GEMV_MAX_ROWS).
+constexpr int64_t MAX_FLOAT_ROWS = 32;
 constexpr int64_t TILE_ROWS = 4;
 // A parallel_for task reads at least this many weight bytes: forking the second thread costs
 // microseconds, as much as streaming ~64 KB, so small matrices run on one thread.

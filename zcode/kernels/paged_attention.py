@@ -1,8 +1,9 @@
 """Decode attention over the paged KV cache in C++ (attention.cpp), as a torch op.
 
 `torch.ops.zcode.paged_decode_attention(q, kv_cache, context_slots, mask, scale)`: one query per
-sequence, q [B, H, D] against its context read in place from kv_cache [blocks, block_size, 2,
-KVH, D] through context_slots [B, L] (mask [B, 1, 1, L] bool or None) -> [B, H, D], fp32 sums;
+row (a decode step's sequence, or one token of a verifying step's), q [B, H, D] against its
+context read in place from kv_cache [blocks, block_size, 2, KVH, D] through context_slots [B, L]
+(mask [B, 1, 1, L] bool or None) -> [B, H, D], fp32 sums;
 the math of zcode.layers.attention.padded_attention without gathering the context or setting
 up SDPA, which in eager decode cost ~25x the arithmetic (~75 us a layer on SmolLM2).
 
@@ -21,6 +22,7 @@ from zcode.kernels.cpp_build import build_ops
 SOURCE = Path(__file__).with_name("attention.cpp")
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_GROUP = 64  # query heads per KV head the kernel holds
+MAX_QUERY_WIDTH = 8  # queries a sequence decode_batch takes (a token and its drafts)
 
 
 @functools.cache
@@ -63,6 +65,14 @@ def decode(
     return torch.ops.zcode.paged_decode_attention(q, kv_cache, context_slots, mask, scale)
 
 
+def handles(batch: ForwardBatch, mask: torch.Tensor | None) -> bool:
+    """Whether decode_batch computes this step: one query a sequence (decode), or a few under a
+    mask (verifying: a token and its drafts, each seeing the context up to itself). Longer
+    queries (prefill) are SDPA's: each query here reads its whole context alone."""
+    width = batch.query_index.shape[1]
+    return width == 1 or (width <= MAX_QUERY_WIDTH and mask is not None)
+
+
 def decode_batch(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -70,6 +80,17 @@ def decode_batch(
     mask: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
-    """A decode batch's packed queries q [T, H, D] (one per sequence) -> [T, H, D]."""
-    first = batch.query_index[:, 0]  # [B] each sequence's query
-    return decode(q[first], kv_cache, batch.context_slots, mask, scale)[batch.token_index]
+    """A decode or verifying batch's packed queries q [T, H, D] -> [T, H, D] (see `handles`):
+    each query one row of the kernel, over its sequence's context slots under its own mask
+    row, so a verifying step's drafts cost what as many decode rows do, not a gather + SDPA
+    (SmolLM2 bf16, 16 sequences verifying: ~2x the attention of a decode step, before)."""
+    width = batch.query_index.shape[1]
+    if width == 1:
+        first = batch.query_index[:, 0]  # [B] each sequence's query
+        return decode(q[first], kv_cache, batch.context_slots, mask, scale)[batch.token_index]
+    num_seqs, context_len = batch.context_slots.shape
+    seq_of_token = batch.token_index // width  # [T]
+    rows_mask = mask.expand(num_seqs, 1, width, context_len).reshape(-1, 1, 1, context_len)
+    return decode(
+        q, kv_cache, batch.context_slots[seq_of_token], rows_mask[batch.token_index], scale
+    )

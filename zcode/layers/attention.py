@@ -159,7 +159,6 @@ class Attention(nn.Module):
             if self.sliding_window is None
             else batch.window_mask(self.sliding_window)
         )
-        decode = batch.query_index.shape[1] == 1
         if batch.slot_mapping.dim() == 2:  # pages per KV head (EngineConfig.per_request_depth)
             # This step's KV joins the gathered context here and reaches the pages after the
             # last layer (LayerPaging.write_pending).
@@ -168,9 +167,10 @@ class Attention(nn.Module):
             batch.paging.pending.append((batch.slot_mapping, kv_new))
         else:
             write_cache(self.cache["kv"], kv_new, batch.slot_mapping)
-            if decode and not torch.compiler.is_compiling():  # compiled: inductor's loops below
-                cache, kernel = self.cache["kv"], _paged_attention()
-                if kernel.supports(q, cache):  # the kernel reads the context in place
+            if not torch.compiler.is_compiling():  # compiled: inductor's loops below
+                kernel, cache = _paged_attention(), self.cache["kv"]
+                # decode or verifying rows: the context read in place
+                if kernel.handles(batch, mask) and kernel.supports(q, cache):
                     out = kernel.decode_batch(q, cache, batch, mask, self.scale)  # [T, H, D]
                     return self._output(out, batch)
             kv = gather_cache(self.cache["kv"], batch.context_slots)  # [B, L, 2, KVH, D]

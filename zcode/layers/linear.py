@@ -3,7 +3,7 @@ linear_group: sibling linears that share their input (q/k/v, gate/up) as one GEM
 
 At one row a linear only reads its weight. The GEMV reads bf16 ~2x faster than torch's bf16
 F.linear on AVX-512 BF16 CPUs, and fp32 2-3% faster than MKL's sgemv (its prefetch); up to
-FLOAT_GEMV_MAX_ROWS rows (a verifying step's), 4 at a time, it stays ~1.8x faster than F.linear;
+FLOAT_GEMV_MAX_ROWS rows (a verifying step's), 4 at a time, it stays 1.2-2x faster than F.linear;
 every other call (prefill, other dtypes, no kernel on this machine, autograd) is F.linear. Same
 parameters and names as nn.Linear.
 """
