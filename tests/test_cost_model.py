@@ -13,6 +13,7 @@ from zcode.hardware.cost_model import (
 )
 from zcode.harness.plan import ExecutionPlan
 from zcode.quant import apply_precision, quantizable_modules
+from zcode.quant.formats import FLOAT_GEMV_MAX_ROWS
 
 
 def test_fit_recovers_known_coefficients():
@@ -86,10 +87,17 @@ def test_dense_features_count_parameter_bytes_and_flops(llama):
     linears = [llama.get_submodule(n) for n in names]
     features = step_features(llama, None, 1, 10)
     assert features["dense-float32:MB"] * 1e6 == sum(m.weight.nbytes for m in linears)
-    assert features["dense-float32:GFLOP"] == 0  # one row: the bytes term carries it
+    assert features["dense-float32:gemv-GFLOP"] == 0  # one row: the bytes term carries it
+    # A few rows run the float GEMV (its own rate), a prompt's many rows F.linear's GEMM
     batched = step_features(llama, None, 4, 10, num_seqs=4)
-    assert batched["dense-float32:GFLOP"] * 1e9 == pytest.approx(
+    assert batched["dense-float32:gemv-GFLOP"] * 1e9 == pytest.approx(
         sum(2 * 3 * m.weight.numel() for m in linears)
+    )
+    assert "dense-float32:GFLOP" not in batched
+    prompt = step_features(llama, None, FLOAT_GEMV_MAX_ROWS + 1, 40)
+    body = [m for n, m in zip(names, linears) if n != "lm_head"]  # lm_head: the last row only
+    assert prompt["dense-float32:GFLOP"] * 1e9 == pytest.approx(
+        sum(2 * FLOAT_GEMV_MAX_ROWS * m.weight.numel() for m in body)
     )
     skipped = step_features(llama, ExecutionPlan(skip_layers=(0,)), 1, 10)
     assert skipped["dense-float32:calls"] == features["dense-float32:calls"] - 7
@@ -186,11 +194,11 @@ def test_compiled_steps_are_predicted_by_their_own_fit(llama, tmp_path):
     that fits it); with one, its coefficients price the step, and lm_head computes every
     token's logits (a verifying graph's), not only each sequence's last."""
     zero = dict.fromkeys(step_features(llama, None, 8, 16, 2), 0.0)
-    eager = CostModel(zero | {"step": 1.0, "dense-float32:GFLOP": 1.0}, {}, "k")
+    eager = CostModel(zero | {"step": 1.0, "dense-float32:gemv-GFLOP": 1.0}, {}, "k")
     step = dict(num_tokens=8, num_seqs=2, context_len=16)
     with pytest.raises(ValueError, match="--fit-cost --compiled"):
         eager.predict_step_ms(llama, compiled=True, **step)
-    fit = zero | {"step": 0.25, "dense-float32:GFLOP": 1.0}
+    fit = zero | {"step": 0.25, "dense-float32:gemv-GFLOP": 1.0}
     compiled = dataclasses.replace(eager, compiled_decode=fit)
     head = llama.lm_head
     head_gflop = 2 * head.out_features * head.in_features / 1e9

@@ -98,9 +98,12 @@ CHECK_PLANS = (
 # (mode, batch size, context or prompt length, tokens per sequence). Decode at 16 sequences: a
 # speculative step verifies B x (1 + k) tokens, and with only 1- and 4-token steps the fit priced
 # the rows past the first near zero, so drafting looked free at batch 4 (bench_spec: 0.73x, never
-# turned off).
+# turned off). And at 48 sequences: rows past the float GEMV's 32, whose GEMM arithmetic (a
+# batch of 16 verifying 2 drafts each) a decode step has no other measure of
+# (zcode.hardware.cost_model: FLOAT_GEMV_KINDS).
 FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 1, 512, 1), (DECODE, 4, 256, 1),
-                (DECODE, 16, 128, 1), (PREFILL, 1, 64, 1), (PREFILL, 1, 256, 1))
+                (DECODE, 16, 128, 1), (DECODE, 48, 128, 1), (PREFILL, 1, 64, 1),
+                (PREFILL, 1, 256, 1))
 SPARSE_FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 1, 512, 1))
 CHECK_SETTINGS = ((DECODE, 1, 1000, 1), (DECODE, 2, 128, 1), (PREFILL, 1, 160, 1))
 # fmt: on

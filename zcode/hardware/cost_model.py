@@ -10,7 +10,9 @@ format family `bf16`, `int8`, `w8a8`, `int4`, `w4a8` through its fast kernel; a 
 format as the family doing its work, `gguf_proxy_kind`), weight_MB_k the bytes of weights of
 that kind read per step (QuantizedLinear.weight_bytes, or the parameter's bytes; a MoE layer's
 routed experts by the expected share of them the step's tokens touch, routed uniformly),
-calls_k the number of linear calls and GFLOP_k their arithmetic past the first row. A sparse
+calls_k the number of linear calls and GFLOP_k their arithmetic past the first row (for the
+float kinds, `gemv-GFLOP` where the call has few enough rows for the float GEMV: a rate of its
+own, apart from a prefill's GEMM). A sparse
 FFN (zcode.sparsity.SparseMLP, eager) is its own kind, `sparse-<rows>` (`sparse-float32`,
 `sparse-int8`: the rows it reads): its row-skipping kernel reads the plan's `ffn_density` of
 the FFN's rows, at a rate of its own (fitted at batch 1, where
@@ -74,6 +76,7 @@ from torch import nn
 from zcode.hardware.load import BUSY_LOAD_PER_CORE
 from zcode.hardware.probe import HardwareInfo, default_cache_dir, fingerprint, probe
 from zcode.harness.plan import ExecutionPlan
+from zcode.quant.formats import FLOAT_GEMV_MAX_ROWS
 from zcode.quant.gguf import row_bytes
 from zcode.quant.linear import QuantizedLinear, quantize_weight
 
@@ -92,8 +95,13 @@ _DENSE_FFN_LINEAR = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|up|down)_proj$"
 # 3: its software prefetch; 4: sibling linears in one GEMV call, no size asserts in graphs;
 # 5: unmasked GEMV main loops, fused attention loops in compiled verifying steps; 6: the float
 # GEMV 4 weight rows a step and up to 16 activation rows, verifying steps at batch 4 on it; 7:
-# the sparse FFN's row kernel, 8 rows a pass; 8: its int8 rows, a kind of their own).
-KERNELS_VERSION = 8
+# the sparse FFN's row kernel, 8 rows a pass; 8: its int8 rows, a kind of their own; 9: the float
+# GEMV up to 32 rows, its arithmetic a feature of its own, `<kind>:gemv-GFLOP`).
+KERNELS_VERSION = 9
+# Kinds whose few-row calls run the float GEMV (zcode.layers.linear): its rows past the first
+# cost arithmetic at a rate of their own (the GEMV re-reads the weight for every 4 rows;
+# SmolLM2's bf16 linears at 16 -> 32 rows ~2x the time), not F.linear's GEMM rate of a prefill.
+FLOAT_GEMV_KINDS = ("dense-float32", "dense-bfloat16", "bf16")
 
 
 # --- features --------------------------------------------------------------------------------
@@ -203,7 +211,8 @@ def step_features(
         # Arithmetic past the first row: one row's cost is in the bytes term (decode at batch 1
         # streams the weight once), so the two terms are not collinear at batch 1.
         rows_past_first = max(0.0, rows - touched - 1e-9)  # 1 - (1 - p) rounds off p
-        add(f"{kind}:GFLOP", share * 2 * rows_past_first * n * k / 1e9)
+        gemv = kind in FLOAT_GEMV_KINDS and rows <= FLOAT_GEMV_MAX_ROWS
+        add(f"{kind}:{'gemv-' if gemv else ''}GFLOP", share * 2 * rows_past_first * n * k / 1e9)
 
     kv_bytes_per_token, attn_flops_per_pair = _attention_sizes(model, exec_plan.skip_layers)
     kv_mb = num_seqs * context_len * kv_bytes_per_token / 1e6
