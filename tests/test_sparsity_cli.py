@@ -89,7 +89,8 @@ def test_ppl_scores_with_the_skips_on_a_paged_engine(capsys, monkeypatch, tmp_pa
     }
 
 
-# 410 s on a quiet 2-core machine: the suite's 600 s hang guard would fail it on a busy one
+# ~800 s on a quiet 2-core machine (zcode calibrate on SmolLM2: 13 min with its precision profile):
+# the suite's 600 s hang guard would fail it
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_calibrate_then_ppl_with_the_artifact(tmp_path):
