@@ -286,7 +286,7 @@ def test_precision_levels_attach_when_the_default_ffn_level_is_dense(
         dataclasses.replace(lv, ppl_ratio=1.5) if lv.flops_skipped else lv for lv in artifact.levels
     ]
     dataclasses.replace(artifact, levels=levels).save(tmp_path / "dense.pt")
-    llm = LLM(tiny_checkpoint("llama").path, sparsity=tmp_path / "dense.pt")
+    llm = LLM(tiny_checkpoint("llama").path, sparsity=tmp_path / "dense.pt", kv_cache_bytes=1 << 20)
     llm.cost_model = cost_model()
     assert llm.executor().default.ffn_density == 1
     attach_variants(llm, artifact.sensitivity, "6bits", "1MB", kernel="reference")
@@ -303,6 +303,10 @@ def test_zcode_plan_prints_the_choice(tiny_checkpoint, artifact, tmp_path, capsy
     artifact.save(path)
     model = str(tiny_checkpoint("llama").path)
     argv = ["plan", model, "--sparsity", str(path), "--per-request-depth", "--json"]
+    load = cli.options.load_llm  # each load's KV cache 1 MiB, not the default 1 GiB
+    monkeypatch.setattr(
+        cli.options, "load_llm", lambda *a, **k: load(*a, **k, kv_cache_bytes=1 << 20)
+    )
     monkeypatch.setattr(CostModel, "cached", classmethod(lambda cls, info, cache_dir=None: None))
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*argv, "--max-latency-ms", "5"])
