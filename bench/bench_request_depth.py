@@ -58,8 +58,8 @@ class LogitsRecorder:
     def __enter__(self) -> "LogitsRecorder":
         execute = self.runner.execute
 
-        def recording(scheduled, token_levels=None):
-            outs = execute(scheduled, token_levels)
+        def recording(scheduled, row_settings=None):
+            outs = execute(scheduled, row_settings)
             for s, logits in zip(scheduled, outs, strict=True):
                 self.logits.setdefault(s.seq.request_id, []).append(logits)
             return outs

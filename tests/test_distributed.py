@@ -200,8 +200,8 @@ def _run(llm: LLM, rounds: list, max_tokens: int = 6) -> dict:
     logits = []
     execute = llm.engine.runner.execute
 
-    def recording(scheduled, token_levels=None):
-        out = execute(scheduled, token_levels)
+    def recording(scheduled, row_settings=None):
+        out = execute(scheduled, row_settings)
         logits.extend(x.clone() for x in out if x.numel())
         return out
 

@@ -18,7 +18,7 @@ import torch
 from scripts import make_gguf
 from zcode import cli
 from zcode.errors import ValidationError
-from zcode.layers.moe import MoE
+from zcode.layers.moe import MoE, set_experts_per_token
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
 
@@ -312,3 +312,29 @@ def test_cli_passes_the_budget(monkeypatch):
         with pytest.raises(_Loaded):
             cli.main(["generate", "hi", "--expert-cache-gb", size])
         assert {k: seen.get(k) for k in want} == want
+
+
+def test_an_expert_limit_counts_and_reads_only_the_kept_experts(tiny_checkpoint, tmp_path):
+    """One routed expert per token of the router's two (a plan's experts_per_token): each decode
+    step of one sequence counts one expert a layer, not two, so the dropped one is never read;
+    the tokens are the fully resident model's at the same limit."""
+    path = _fresh_copy(tiny_checkpoint("glm4_moe").path, tmp_path / "glm4_moe")
+
+    def run(count, **budget):
+        llm = LLM(path, kv_cache_bytes=1 << 20, **budget)
+        set_experts_per_token(llm.model, count)
+        cache, per_step = llm.engine.expert_cache, []
+        if cache is not None:
+            after_step = cache.after_step
+
+            def recording(token_counts):
+                per_step.append({int(layer.expert_counts.sum()) for layer in cache.layers})
+                after_step(token_counts)
+
+            cache.after_step = recording
+        return _tokens(llm, PROMPTS[:1]), per_step
+
+    got, per_step = run(1, expert_cache_gb=0)
+    assert per_step[1:] == [{1}] * (GREEDY.max_tokens - 1)  # decode steps: 1 token, 1 expert
+    assert run(None, expert_cache_gb=0)[1][1:] == [{2}] * (GREEDY.max_tokens - 1)
+    assert run(1, expert_cache_fraction=1.0)[0] == got

@@ -45,8 +45,8 @@ def _generate(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[in
     logits_by_step = []
     execute = engine.runner.execute
 
-    def recording(scheduled, token_levels=None):
-        logits = execute(scheduled, token_levels)
+    def recording(scheduled, row_settings=None):
+        logits = execute(scheduled, row_settings)
         logits_by_step.append([row[-1].clone() for row in logits])
         return logits
 

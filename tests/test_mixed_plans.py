@@ -125,9 +125,9 @@ def test_requests_at_different_ffn_levels_share_each_forward(ffn, monkeypatch):
     rows_per_forward = []
     execute = ffn.engine.runner.execute
 
-    def counting(scheduled, token_levels=None):
+    def counting(scheduled, row_settings=None):
         rows_per_forward.append(len(scheduled))
-        return execute(scheduled, token_levels)
+        return execute(scheduled, row_settings)
 
     monkeypatch.setattr(ffn.engine.runner, "execute", counting)
     ffn.generate(PROMPTS, GREEDY, plan=_ffn_plans(ffn))

@@ -163,11 +163,11 @@ class Recorder:
         self.execute = engine.runner.execute
         engine.runner.execute = self
 
-    def __call__(self, scheduled, token_levels=None):
+    def __call__(self, scheduled, row_settings=None):
         self.calls += [
             (s.seq.request_id, s.seq.num_computed_tokens, s.num_new_tokens) for s in scheduled
         ]
-        return self.execute(scheduled, token_levels)
+        return self.execute(scheduled, row_settings)
 
     def tokens_run(self, request_id: str) -> int:
         return sum(n for rid, _, n in self.calls if rid == request_id)

@@ -264,10 +264,10 @@ def test_a_failing_forward_pass_only_fails_its_request(net, monkeypatch):
     engine = make_engine(net)
     execute = engine.runner.execute
 
-    def fragile(scheduled, token_levels=None):
+    def fragile(scheduled, row_settings=None):
         if any(s.seq.request_id == "bad" for s in scheduled):
             raise RuntimeError("kernel failure")  # before any KV of the step is written
-        return execute(scheduled, token_levels)
+        return execute(scheduled, row_settings)
 
     monkeypatch.setattr(engine.runner, "execute", fragile)
     p = [prompt(9, seed=1), prompt(14, seed=2), prompt(11, seed=3)]

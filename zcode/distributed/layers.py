@@ -90,7 +90,7 @@ class ParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D], the same on every rank -> [T, D] summed over the ranks
-        weights, expert_ids = self.moe.gate(x)  # [T, top_k], ids among all experts
+        weights, expert_ids = self.moe.route(x)  # [T, top_k], ids among all experts (-1: dropped)
         local_ids = expert_ids - self.first_expert
         held = (local_ids >= 0) & (local_ids < len(self.moe.experts))
         local_ids = local_ids.masked_fill(~held, -1)

@@ -361,6 +361,7 @@ def _expert_lookup(
     and has its cache read in those not resident, and the next layer's as predicted from the
     layer's input x: [T, D]."""
     routed_ids = expert_ids.flatten()
+    routed_ids = routed_ids[routed_ids >= 0]  # -1: dropped by the plan's expert limit
     counts.index_add_(0, routed_ids, torch.ones_like(routed_ids))
     cache_ref, layer = _CACHES.get(layer_key, (None, 0))
     if cache_ref is not None and (cache := cache_ref()) is not None:

@@ -394,11 +394,12 @@ class LLMEngine:
         return sorted(groups.values(), key=lambda g: key(g[0]) != key(self.runner.plan))
 
     def _execute(self, rows: list[ScheduledSeq]) -> list[torch.Tensor]:
-        """One forward of rows of one group; their FFN levels per token where they differ."""
-        levels = None
+        """One forward of rows of one group; their FFN levels and experts per token where they
+        differ."""
+        settings = None
         if self.executor is not None:
-            levels = self.executor.token_levels([s.seq.plan or self.default_plan for s in rows])
-        return self.runner.execute(rows, levels)
+            settings = self.executor.row_settings([s.seq.plan or self.default_plan for s in rows])
+        return self.runner.execute(rows, settings)
 
     def _draft(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Drafts for the rows scheduled with room for them, as many as the draft policy finds

@@ -14,8 +14,7 @@ from zcode.engine.sequence import Sequence
 from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
 from zcode.models.base import Backbone
-from zcode.sparsity.expert_skip import AdaptiveMoE
-from zcode.sparsity.sparse_mlp import SparseMLP, tokens_at_levels
+from zcode.sparsity.sparse_mlp import SparseMLP
 
 LOGICAL_BLOCKS_PER_BLOCK = 4
 # (input_ids [T], batch, the backbone's final hidden states [T, D]) -> None
@@ -56,11 +55,6 @@ class ModelRunner:
         # One block past those the block manager hands out: padding rows of a compiled decode
         # step write their KV there (with pages: the null page).
         self.pad_block = num_blocks
-        if compile and any(isinstance(m, AdaptiveMoE) for m in model.modules()):
-            raise NotImplementedError(
-                "compiled decode with adaptive expert counts (moe_mass): its expert loop is not "
-                "a torch op yet"
-            )
         self.graphs = GraphCache(model, max_num_seqs) if compile else None
         self.graph_shape: tuple[int, int] | None = None  # (rows, width) the last execute ran
         # Sees the final hidden states of each eager forward: the MTP drafter's input
@@ -93,18 +87,18 @@ class ModelRunner:
         return 0 if self.graphs is None else self.graphs.num_compiles
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], token_levels=None) -> list[torch.Tensor]:
+    def execute(self, scheduled: list[ScheduledSeq], row_settings=None) -> list[torch.Tensor]:
         """Runs one step; returns per scheduled sequence the logits it asked for, [n_i, V] fp32.
 
         A sequence asks for its last token's logits when this step completes its known tokens,
         and for every new token's logits while its prompt log-probabilities are wanted. Drafted
         tokens (`seq.spec_token_ids`) follow its known ones in the same query, each asking for its
-        logits: [1 + num_drafts, V] to verify them. `token_levels`: (each layer's SparseMLP or
-        None, [B, L, 2] FFN thresholds of each sequence) when the sequences run different FFN
-        levels (PlanExecutor.token_levels); the step then runs eagerly.
+        logits: [1 + num_drafts, V] to verify them. `row_settings`: the FFN levels and experts per
+        token of each sequence where they differ (zcode.harness.executor.RowSettings); the step
+        then runs eagerly.
         """
         self.graph_shape = None
-        if token_levels is None and self.runs_compiled(scheduled):
+        if row_settings is None and self.runs_compiled(scheduled):
             logits = self._execute_compiled(scheduled)  # [B, S, V]
             return [logits[b, : 1 + len(s.seq.spec_token_ids)] for b, s in enumerate(scheduled)]
         input_ids, query_lens, context_lens, tables, num_logits = [], [], [], [], []
@@ -122,12 +116,10 @@ class ModelRunner:
         if self.pages is not None:
             batch = self._with_paging(batch, [s.seq for s in scheduled], query_lens)
         input_ids = torch.tensor(input_ids, dtype=torch.int64)
-        if token_levels is None:
+        if row_settings is None:
             logits = self._forward(input_ids, batch)  # [N, V]
         else:
-            mlps, per_seq = token_levels  # per_seq: [B, L, 2]
-            per_token = per_seq.repeat_interleave(torch.tensor(query_lens), dim=0)  # [T, L, 2]
-            with tokens_at_levels(mlps, per_token.transpose(0, 1)):
+            with row_settings.bound(query_lens):
                 logits = self._forward(input_ids, batch)
         return list(logits.split(num_logits))
 

@@ -9,7 +9,8 @@ where a kernel kind is how a linear layer runs (`dense-float32`, `dense-bfloat16
 format family `bf16`, `int8`, `w8a8`, `int4`, `w4a8` through its fast kernel; a ggml block
 format as the family doing its work, `gguf_proxy_kind`), weight_MB_k the bytes of weights of
 that kind read per step (QuantizedLinear.weight_bytes, or the parameter's bytes; a MoE layer's
-routed experts by the expected share of them the step's tokens touch, routed uniformly),
+routed experts by the expected share of them the step's tokens touch, routed uniformly to the
+plan's experts per token),
 calls_k the number of linear calls and GFLOP_k their arithmetic past the first row (for the
 float kinds, `gemv-GFLOP` where the call has few enough rows for the float GEMV: a rate of its
 own, apart from a prefill's GEMM). A sparse
@@ -168,7 +169,7 @@ def step_features(
     decode eagerly) multiply densely; `kv_paged`: the engine keeps KV per head."""
     formats, exec_plan = _plan_formats(plan)
     skipped = {f"model.layers.{i}." for i in exec_plan.skip_layers}
-    routed = _routed_experts(model, num_tokens)
+    routed = _routed_experts(model, num_tokens, dict(exec_plan.extras).get("experts_per_token"))
     # Per sequence past the first (the first's is in "step"): work outside the linears that
     # each row brings (its sampling, bookkeeping), told apart from work per token by steps that
     # verify several tokens of one sequence.
@@ -262,15 +263,21 @@ def _ffn_linears(mlp) -> list[tuple[str, nn.Linear]]:
     ]
 
 
-def _routed_experts(model: nn.Module, num_tokens: int) -> dict[str, tuple[float, float]]:
+def _routed_experts(
+    model: nn.Module, num_tokens: int, experts_per_token: str | None = None
+) -> dict[str, tuple[float, float]]:
     """{MoE layer's `experts` name: (expected share of its experts a step touches, expected
-    rows per expert)} for `num_tokens` tokens routed uniformly, each to top_k experts."""
+    rows per expert)} for `num_tokens` tokens routed uniformly, each to top_k experts (or the
+    plan's `experts_per_token`, when fewer)."""
     from zcode.layers.moe import MoE
 
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, MoE):
-            p = module.gate.top_k / module.gate.num_experts
+            k = module.gate.top_k
+            if experts_per_token is not None:
+                k = min(k, int(experts_per_token))
+            p = k / module.gate.num_experts
             out[f"{name}.experts"] = (1 - (1 - p) ** num_tokens, num_tokens * p)
     return out
 

@@ -3,11 +3,13 @@ level and the rows the sparse FFNs read) and declares that plan to the model run
 decode keys its graphs by the plan's signature and re-reads the model's tensors at every change.
 The engine calls it: each request carries its plan (`Sequence.plan`), and a step runs its rows
 grouped by what must be model state, their precision and FFN rows (`group_key`), one forward per
-group, moving the model to each group's plan first. Within a group FFN levels are per token
-(`token_levels`: each SparseMLP takes a threshold per token), and skipped layers and KV heads per
-row (LLMEngine.add_request).
+group, moving the model to each group's plan first. Within a group FFN levels and the routed
+experts a MoE layer runs are per token (`row_settings`: each SparseMLP takes a threshold per
+token, each MoE layer an expert count), and skipped layers and KV heads per row
+(LLMEngine.add_request).
 """
 
+import contextlib
 import dataclasses
 
 import torch
@@ -18,6 +20,35 @@ from zcode.harness.planner import quantizes_ffn
 
 FFN_LEVEL = ("ffn_sparsity_in", "ffn_sparsity_mid")  # the plan extras that name its FFN level
 FFN_WEIGHTS = "ffn_weights"  # the plan extra naming the rows sparse FFNs read (absent: as loaded)
+EXPERTS = "experts_per_token"  # the plan extra naming the routed experts a token runs (absent: all)
+EXPERT_MASS = "moe_mass"  # the plan extra naming the share of routing weight they reach
+
+
+@dataclasses.dataclass
+class RowSettings:
+    """What the rows of one forward set for themselves (None: the model's setting for all):
+    FFN thresholds of each layer's SparseMLP, routed experts per token of each MoE layer."""
+
+    sparse_ffns: list | None = None  # each layer's SparseMLP or None
+    ffn_thresholds: torch.Tensor | None = None  # [B, L, 2]
+    moes: list = dataclasses.field(default_factory=list)
+    experts_per_token: torch.Tensor | None = None  # [B] int64
+
+    @contextlib.contextmanager
+    def bound(self, query_lens: list[int]):
+        """Inside, the model runs each row's settings on its `query_lens` tokens."""
+        from zcode.layers.moe import tokens_with_experts
+        from zcode.sparsity.sparse_mlp import tokens_at_levels
+
+        repeats = torch.tensor(query_lens)
+        with contextlib.ExitStack() as stack:
+            if self.ffn_thresholds is not None:
+                per_token = self.ffn_thresholds.repeat_interleave(repeats, dim=0)  # [T, L, 2]
+                stack.enter_context(tokens_at_levels(self.sparse_ffns, per_token.transpose(0, 1)))
+            if self.experts_per_token is not None:
+                counts = self.experts_per_token.repeat_interleave(repeats)  # [T]
+                stack.enter_context(tokens_with_experts(self.moes, counts))
+            yield
 
 
 class PlanExecutor:
@@ -27,39 +58,52 @@ class PlanExecutor:
         KV)."""
         self.engine, self.variants, self.sparsity = engine, variants, sparsity
         self.default = default or engine.runner.plan
-        self._sparse_ffns: list | None = None  # the modules token_levels last bound
+        self._sparse_ffns: list | None = None  # the modules row_settings last bound
 
     def group_key(self, plan: ExecutionPlan) -> str:
         """Rows whose plans share this key run in one forward: the plan less what is per row
-        (skips; the FFN level, when an artifact gives levels; the rows the FFNs read stay:
-        they are model state)."""
+        (skips; the experts per token; the FFN level, when an artifact gives levels; the rows
+        the FFNs read stay: they are model state)."""
         plan = plan.without_skips()
+        per_row = (EXPERTS, *FFN_LEVEL) if self.sparsity is not None else (EXPERTS,)
+        extras = tuple((k, v) for k, v in plan.extras if k not in per_row)
         if self.sparsity is not None:
-            extras = tuple((k, v) for k, v in plan.extras if k not in FFN_LEVEL)
-            plan = dataclasses.replace(plan, extras=extras, ffn_density=1.0)
-        return plan.signature()
+            plan = dataclasses.replace(plan, ffn_density=1.0)
+        return dataclasses.replace(plan, extras=extras).signature()
 
-    def token_levels(self, plans: list[ExecutionPlan]):
+    def row_settings(self, plans: list[ExecutionPlan]) -> RowSettings | None:
         """For one forward of requests with these plans (one group_key): None when they share
-        one FFN level (the model's, once the group's plan is applied), else (each layer's
-        SparseMLP or None, [B, L, 2] thresholds of each request) for
-        zcode.sparsity.sparse_mlp.tokens_at_levels."""
+        their FFN level and experts per token (the model's, once the group's plan is applied),
+        else each row's where they differ."""
+        settings = RowSettings()
         levels = [_ffn_level(plan) for plan in plans]
-        if len(set(levels)) == 1:
-            return None
-        from zcode.sparsity.apply import ffn_thresholds, sparse_ffns
+        if len(set(levels)) > 1:
+            from zcode.sparsity.apply import ffn_thresholds, sparse_ffns
 
-        model = self.engine.model
-        mlps = sparse_ffns(model, self.sparsity)
-        if mlps != self._sparse_ffns:  # SparseMLPs swapped in: compiled graphs must see them
-            self._sparse_ffns = mlps
-            self.engine.runner.set_plan(self.engine.runner.plan)
-        per_level = {lv: ffn_thresholds(model, self.sparsity, *lv) for lv in set(levels)}
-        return mlps, torch.stack([per_level[lv] for lv in levels])
+            model = self.engine.model
+            mlps = sparse_ffns(model, self.sparsity)
+            if mlps != self._sparse_ffns:  # SparseMLPs swapped in: compiled graphs must see them
+                self._sparse_ffns = mlps
+                self.engine.runner.set_plan(self.engine.runner.plan)
+            per_level = {lv: ffn_thresholds(model, self.sparsity, *lv) for lv in set(levels)}
+            settings.sparse_ffns = mlps
+            settings.ffn_thresholds = torch.stack([per_level[lv] for lv in levels])
+        counts = [_experts_per_token(plan) for plan in plans]
+        if len(set(counts)) > 1:
+            from zcode.layers.moe import moe_layers
+
+            settings.moes = moe_layers(self.engine.model)
+            top_k = max(moe.gate.top_k for moe in settings.moes)
+            settings.experts_per_token = torch.tensor([c or top_k for c in counts])
+        if settings.ffn_thresholds is None and settings.experts_per_token is None:
+            return None
+        return settings
 
     def check(self, plan: ExecutionPlan) -> None:
-        """Raises ValidationError unless this model can run `plan`'s precision and FFN level."""
+        """Raises ValidationError unless this model can run `plan`'s precision, FFN level and
+        expert limits."""
         self._precision_modules(plan.precision)
+        self._check_experts(plan)
         if _names_ffn_level(plan) and self.sparsity is None:
             raise ValidationError("the plan names an FFN level: load a sparsity artifact")
         ffn_state = _ffn_level(plan) != (0.0, 0.0) or FFN_WEIGHTS in dict(plan.extras)
@@ -78,7 +122,29 @@ class PlanExecutor:
 
             swap(self.engine.model, modules)
         self._set_ffn_level(plan)
+        from zcode.layers.moe import set_experts_per_token
+        from zcode.sparsity.apply import expert_limits
+
+        set_experts_per_token(self.engine.model, *expert_limits(plan))
         self.engine.runner.set_plan(plan.without_skips())
+
+    def _check_experts(self, plan: ExecutionPlan) -> None:
+        extras = dict(plan.extras)
+        if EXPERTS not in extras and EXPERT_MASS not in extras:
+            return
+        from zcode.layers.moe import moe_layers
+
+        if not moe_layers(self.engine.model):
+            raise ValidationError("the plan limits routed experts: this model has no MoE layers")
+        try:
+            count = int(extras.get(EXPERTS, 1))
+            mass = float(extras.get(EXPERT_MASS, 1.0))
+        except ValueError:
+            raise ValidationError(f"the plan's expert limits are not numbers: {extras}") from None
+        if count < 1 or not 0.0 < mass <= 1.0:
+            raise ValidationError(
+                f"the plan's {EXPERTS} must be >= 1 and its {EXPERT_MASS} in (0, 1]: {extras}"
+            )
 
     def _precision_modules(self, precision: tuple[tuple[str, str], ...]) -> dict | None:
         """The variant modules of `precision` (None: the model has no variants, and the plan
@@ -109,6 +175,11 @@ class PlanExecutor:
 
 def _names_ffn_level(plan: ExecutionPlan) -> bool:
     return any(name in (*FFN_LEVEL, FFN_WEIGHTS) for name, _ in plan.extras)
+
+
+def _experts_per_token(plan: ExecutionPlan) -> int | None:
+    count = dict(plan.extras).get(EXPERTS)
+    return None if count is None else int(count)
 
 
 def _ffn_level(plan: ExecutionPlan) -> tuple[float, float]:

@@ -9,7 +9,9 @@ Dimensions searched jointly (their product), each where its calibration data exi
   and on the int8 rows calibration measured it with (the row-skipping kernel reads either), when
   no precision level quantizes an FFN (the sparse FFN reads its own rows, not a variant's);
 - KV heads: the artifact's least important KV groups skipped per request (needs an engine with
-  `per_request_depth`): the k least important for each k calibration measured them together.
+  `per_request_depth`): the k least important for each k calibration measured them together;
+- experts per token (MoE models): each token's k highest-weighted routed experts of its top_k,
+  for each k calibration measured (per token, so rows of one step run their own).
 
 - skipped layers: the router's sets (zcode.harness.router, needs `per_request_depth`), each at
   its calibration mean loss, or at the router's prediction for this input when the LLM routes
@@ -26,6 +28,7 @@ dimensions and units:
   text's; the precision planner already adds it across units);
 - an FFN level: log(ppl_ratio) measured for the level on calibration text, on the rows it reads
   (int8 rows at a sparse level: measured together, not added);
+- experts per token: log(ppl_ratio) measured for k on calibration text, every MoE layer at k;
 - skipped KV groups: log of the perplexity ratio of ablating them together, as calibration
   measured for the k least important; any other set (named by the caller, or from an artifact
   written before the joint measurement) sums its groups' single ablations, which underestimates
@@ -47,7 +50,8 @@ before any lossy dimension is cut.
 
 An FFN level is the fraction of FFN weight rows a step of one token reads
 (`ffn_read_fraction`), at the sparse FFN kernel's own fitted rate for the rows' format
-(`sparse-float32`, `sparse-int8`); skipped KV heads are not in
+(`sparse-float32`, `sparse-int8`); experts per token, the share of each MoE layer's routed
+experts a step is expected to read; skipped KV heads are not in
 the cost model's features yet (their saved KV reads are not predicted: a conservative
 prediction).
 
@@ -241,6 +245,10 @@ class Option:
     ffn_density: float = 1.0  # fraction of FFN weight rows a step reads
     skip_layers: tuple[int, ...] = ()
     skip_kv_heads: tuple[tuple[int, int], ...] = ()
+    experts_per_token: int | None = None  # routed experts a token runs (None: its top_k)
+
+
+ALL_EXPERTS = Option("", 0.0)
 
 
 class Planner:
@@ -264,6 +272,7 @@ class Planner:
         self.precisions = precision_options(variants)
         self.ffn_levels = ffn_options(sparsity, any(p.touches_ffn for p in self.precisions))
         self.head_losses = HeadLosses.of(sparsity)
+        self.expert_counts = expert_options(sparsity)
         self.depths = [Option("", 0.0)]
         if kv_paged:
             self.depths += self.head_losses.options()
@@ -283,21 +292,26 @@ class Planner:
         """The plan the model runs as loaded: the base precision, the default FFN level."""
         return self.plan_of(self.precisions[0], self.default_ffn, self.depths[0])
 
-    def plan_of(self, precision: Option, ffn: Option, depth: Option) -> ExecutionPlan:
-        extras = ()
+    def plan_of(
+        self, precision: Option, ffn: Option, depth: Option, experts: Option = ALL_EXPERTS
+    ) -> ExecutionPlan:
+        extras = []
         if ffn.ffn_level is not None:
             s_in, s_mid = ffn.ffn_level
-            extras = (("ffn_sparsity_in", f"{s_in:g}"), ("ffn_sparsity_mid", f"{s_mid:g}"))
+            extras += [("ffn_sparsity_in", f"{s_in:g}"), ("ffn_sparsity_mid", f"{s_mid:g}")]
             if ffn.ffn_weights != "fp32":
-                extras = tuple(sorted((*extras, ("ffn_weights", ffn.ffn_weights))))
-        name = ", ".join(o.label for o in (precision, ffn, depth) if o.label) or "as loaded"
+                extras.append(("ffn_weights", ffn.ffn_weights))
+        if experts.experts_per_token is not None:
+            extras.append(("experts_per_token", str(experts.experts_per_token)))
+        options = (precision, ffn, experts, depth)
+        name = ", ".join(o.label for o in options if o.label) or "as loaded"
         return ExecutionPlan(
             name=name,
             precision=precision.precision,
             ffn_density=ffn.ffn_density,
             skip_layers=depth.skip_layers,
             skip_kv_heads=depth.skip_kv_heads,
-            extras=extras,
+            extras=tuple(sorted(extras)),
         )
 
     def candidates(
@@ -308,17 +322,24 @@ class Planner:
         if key not in self._memo:
             depths = self.depths if depth is None else [depth]
             self._memo[key] = [
-                self._candidate(p, f, d, batch_size, context_len)
+                self._candidate(p, f, e, d, batch_size, context_len)
                 for p in self.precisions
                 for f in self.ffn_levels
+                for e in self.expert_counts
                 for d in depths
             ]
         return self._memo[key]
 
     def _candidate(
-        self, precision: Option, ffn: Option, depth: Option, batch_size: int, context_len: int
+        self,
+        precision: Option,
+        ffn: Option,
+        experts: Option,
+        depth: Option,
+        batch_size: int,
+        context_len: int,
     ) -> Candidate:
-        plan = self.plan_of(precision, ffn, depth)
+        plan = self.plan_of(precision, ffn, depth, experts)
         ms = None
         if self.cost is not None:
             try:
@@ -335,7 +356,7 @@ class Planner:
                 raise ValidationError(
                     f"the cost model cannot predict plan {plan.name!r}: {e}"
                 ) from None
-        losses = [o.log_loss for o in (precision, ffn, depth)]
+        losses = [o.log_loss for o in (precision, ffn, experts, depth)]
         loss_pct = None if None in losses else 100 * math.expm1(sum(losses))
         return Candidate(plan, ms, loss_pct, self.kv_bytes(depth), modules=precision.modules)
 
@@ -566,6 +587,16 @@ class HeadLosses:
             Option(_heads_label(heads), loss, skip_kv_heads=heads)
             for heads, loss in sorted(self.together.items(), key=lambda kv: len(kv[0]))
         ]
+
+
+def expert_options(sparsity) -> list[Option]:
+    """All of each token's top_k routed experts first, then each count k calibration measured
+    (MoE models), at its measured loss."""
+    ratios = {} if sparsity is None else sparsity.expert_count_ratios
+    return [ALL_EXPERTS] + [
+        Option(f"{k} experts/token", max(0.0, math.log(ratio)), experts_per_token=k)
+        for k, ratio in sorted(ratios.items(), reverse=True)
+    ]
 
 
 def layer_options(router) -> list[Option]:

@@ -24,11 +24,21 @@ a walk over the experts' modules).
 Expert id -1 in `run_experts` is an assignment to an expert this layer does not hold (expert
 parallelism, zcode/distributed/layers.py: another rank's); every path skips it.
 
+A plan may run fewer routed experts per token than the router's top_k (`experts_per_token`,
+the plan's experts dimension, or per token inside `tokens_with_experts` when the rows of one
+forward run different plans; `expert_mass`: only as many as reach that share of the token's
+routing weight): `route` keeps each token's first experts in the router's order (its choice
+score, bias-corrected, highest first) and drops the others (id -1, which every path skips); a
+router that normalizes its top-k weights (GLM's norm_topk_prob) normalizes the kept ones. At k
+experts that is the router with top_k = k: what transformers, and llama.cpp with
+`expert_used_count` overridden, run.
+
 With expert offload (zcode/engine/expert_cache.py) a layer hands its routed expert ids to the
 op `zcode::expert_lookup` (defined there), which counts them into the layer's `expert_counts`
 [E] (compiled graphs too) and reads in the experts not resident; without, `expert_counts` is None.
 """
 
+import contextlib
 import itertools
 import operator
 import weakref
@@ -83,7 +93,8 @@ class TopkRouter(nn.Module):
             group_keep.scatter_(1, group_ids, True)
             expert_keep = group_keep.repeat_interleave(self.num_experts // self.num_groups, dim=1)
             choice = choice.masked_fill(~expert_keep, float("-inf"))
-        expert_ids = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        # sorted: the first k of a row are its top-k for any k (MoE.route's expert limits)
+        expert_ids = choice.topk(self.top_k, dim=-1, sorted=True).indices
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -119,6 +130,11 @@ class MoE(nn.Module):
         # attributes: DirectStep finds graph inputs among the model's tensors), else None.
         self.gguf_gate_stack = self.gguf_up_stack = self.gguf_down_stack = None
         self.register_buffer("expert_counts", None, persistent=False)
+        # Routed experts a token runs: the plan's (None: all top_k), or per token ([T] int64)
+        # inside tokens_with_experts; `expert_mass`: the plan's share of routing weight.
+        self.experts_per_token: int | None = None
+        self.token_experts: torch.Tensor | None = None
+        self.expert_mass: float | None = None
         self._register()
 
     def _register(self) -> None:
@@ -131,10 +147,20 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, D]
-        weights, expert_ids = self.gate(x)  # [T, top_k]
+        weights, expert_ids = self.route(x)  # [T, top_k]
         if self.expert_counts is not None:
             torch.ops.zcode.expert_lookup(self.expert_counts, expert_ids, x, self.layer_key)
         return self.run_experts(x, weights, expert_ids)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice under the plan's expert limit: x [T, D] -> weights, expert ids
+        [T, top_k] (a dropped expert: id -1, weight 0)."""
+        weights, expert_ids = self.gate(x)
+        count = self.token_experts if self.token_experts is not None else self.experts_per_token
+        if count is None and self.expert_mass is None:
+            return weights, expert_ids
+        renormalize = self.gate.norm_topk_prob
+        return limit_experts(weights, expert_ids, count, self.expert_mass, renormalize)
 
     def run_experts(
         self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor
@@ -291,6 +317,61 @@ class MoE(nn.Module):
             act = m.activation(gate_up[2 * i]) * gate_up[2 * i + 1]
             out.addcmul_(m.down_proj(act), gains[:, i : i + 1])
         return out
+
+
+def limit_experts(
+    weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    count: int | torch.Tensor | None = None,
+    mass: float | None = None,
+    renormalize: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed experts in the router's order of preference (first the one it prefers most): each
+    token keeps its first `count` (an int, or [T]), and of those only as many as reach `mass` of
+    its routing weight (at least one); the others get id -1 and weight 0. `renormalize`: the
+    kept weights are rescaled to the row's full total (a router that normalizes its top-k)."""
+    # weights: [T, K] >= 0, expert_ids: [T, K] -> both [T, K]
+    rank = torch.arange(weights.shape[-1], device=weights.device)
+    keep = torch.ones_like(weights, dtype=torch.bool)
+    if count is not None:
+        keep &= rank < torch.as_tensor(count, device=weights.device).reshape(-1, 1).clamp(min=1)
+    if mass is not None:
+        before = weights.cumsum(-1) - weights  # weight of the experts ranked above
+        keep &= (before < mass * weights.sum(-1, keepdim=True)) | (rank == 0)
+    kept = weights * keep
+    if renormalize:
+        total = weights.sum(-1, keepdim=True)
+        kept = kept * (total / kept.sum(-1, keepdim=True).clamp(min=1e-20))
+    return kept, expert_ids.masked_fill(~keep, -1)
+
+
+@contextlib.contextmanager
+def tokens_with_experts(moes: list["MoE"], counts: torch.Tensor):
+    """Inside, each of `moes` runs each token's own number of routed experts: counts [T] for
+    the next forward's T tokens (a count >= top_k runs all)."""
+    try:
+        for moe in moes:
+            moe.token_experts = counts
+        yield
+    finally:
+        for moe in moes:
+            moe.token_experts = None
+
+
+def set_experts_per_token(model: nn.Module, count: int | None, mass: float | None = None) -> None:
+    """Every MoE layer of `model` runs `count` routed experts per token (None: its router's
+    top_k), up to `mass` of each token's routing weight (None: all of them)."""
+    if count is not None and count < 1:
+        raise ValueError(f"experts per token must be >= 1, got {count}")
+    if mass is not None and not 0.0 < mass <= 1.0:
+        raise ValueError(f"expert mass must be in (0, 1], got {mass}")
+    for moe in moe_layers(model):
+        moe.experts_per_token = None if count is None or count >= moe.gate.top_k else count
+        moe.expert_mass = None if mass is None or mass >= 1.0 else mass
+
+
+def moe_layers(model: nn.Module) -> list["MoE"]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def _all_gated_mlps(mlps: tuple) -> bool:

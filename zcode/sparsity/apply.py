@@ -1,10 +1,10 @@
 """Turning a calibration artifact and an ExecutionPlan into swapped modules: SparseMLP for the
-FFNs, SkippedLayer for skipped layers, narrower Attention for pruned KV groups, AdaptiveMoE for
-MoE layers.
+FFNs, SkippedLayer for skipped layers, narrower Attention for pruned KV groups; and the MoE
+layers' expert limits.
 
-The plan carries the FFN levels, pruned heads and expert mass in `extras` (ffn_sparsity_in,
+The plan carries the FFN levels, pruned heads and expert limits in `extras` (ffn_sparsity_in,
 ffn_sparsity_mid, ffn_weights: the rows the sparse FFNs read when not the loaded ones, drop_heads
-as "layer:group,...", moe_mass). A plan that changes what the KV
+as "layer:group,...", experts_per_token, moe_mass). A plan that changes what the KV
 cache holds (skipped layers, pruned heads) is applied before the engine sizes its cache:
 `apply_to_llm` rebuilds the engine.
 """
@@ -15,9 +15,9 @@ from torch import nn
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.layers.mlp import GatedMLP
+from zcode.layers.moe import set_experts_per_token
 from zcode.llm import LLM
 from zcode.sparsity.artifact import SparsityArtifact
-from zcode.sparsity.expert_skip import set_expert_mass
 from zcode.sparsity.head_skip import prune_heads, prune_order
 from zcode.sparsity.layer_skip import SkippedLayer, restore_layers, skip_layers, skip_order
 from zcode.sparsity.predictor import PredictedMLP, load_predictors
@@ -32,9 +32,11 @@ def make_plan(
     num_drop_heads: int = 0,
     moe_mass: float | None = None,
     predictor_keep: float | None = None,
+    experts_per_token: int | None = None,
 ) -> ExecutionPlan:
     """A plan from the artifact's rankings: the least influential layers and KV groups go;
-    `moe_mass` runs each token's routed experts only up to that share of its routing weight;
+    `experts_per_token` runs that many of each token's routed experts (its highest-weighted),
+    `moe_mass` only as many as reach that share of its routing weight;
     `predictor_keep` runs the FFNs on the neuron blocks the trained predictors pick (that
     fraction of them) instead of thresholds."""
     level = artifact.level(sparsity_in, sparsity_mid)
@@ -45,6 +47,8 @@ def make_plan(
         extras.append(("drop_heads", ",".join(f"{i}:{g}" for i, g in sorted(drop))))
     if moe_mass is not None:
         extras.append(("moe_mass", str(moe_mass)))
+    if experts_per_token is not None:
+        extras.append(("experts_per_token", str(experts_per_token)))
     density = max(1.0 - level.flops_skipped, 1e-3)
     name = f"ffn{sparsity_in:g}/{sparsity_mid:g}-skip{num_skip_layers}-heads{num_drop_heads}"
     if predictor_keep is not None:
@@ -67,6 +71,13 @@ def _extras(plan: ExecutionPlan) -> dict[str, str]:
     return dict(plan.extras)
 
 
+def expert_limits(plan: ExecutionPlan) -> tuple[int | None, float | None]:
+    """(routed experts per token, share of routing weight) the plan's MoE layers run; None: all."""
+    extras = _extras(plan)
+    count, mass = extras.get("experts_per_token"), extras.get("moe_mass")
+    return (None if count is None else int(count)), (None if mass is None else float(mass))
+
+
 def drop_heads_of(plan: ExecutionPlan) -> list[tuple[int, int]]:
     text = _extras(plan).get("drop_heads", "")
     return [tuple(int(v) for v in pair.split(":")) for pair in text.split(",") if pair]
@@ -87,8 +98,7 @@ def apply_plan(model: nn.Module, artifact: SparsityArtifact, plan: ExecutionPlan
             if i in predictors and type(layer.mlp) is GatedMLP:
                 layer.mlp = PredictedMLP(layer.mlp, predictors[i], float(keep))
     prune_heads(model, drop_heads_of(plan))
-    if "moe_mass" in extras:
-        set_expert_mass(model, float(extras["moe_mass"]))
+    set_experts_per_token(model, *expert_limits(plan))
     skip_layers(model, list(plan.skip_layers))
 
 
@@ -142,7 +152,7 @@ def _has_level(mlp: nn.Module) -> bool:
 def remove_sparsity(model: nn.Module) -> None:
     """Back to the dense FFNs and all layers (pruned heads stay pruned: their weights are gone)."""
     restore_layers(model)
-    set_expert_mass(model, None)
+    set_experts_per_token(model, None)
     for layer in model.model.layers:
         if isinstance(getattr(layer, "mlp", None), SparseMLP):
             layer.mlp = layer.mlp.to_dense()

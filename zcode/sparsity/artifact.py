@@ -1,6 +1,7 @@
 """The calibration artifact `zcode calibrate` writes and generate/ppl/serve load: thresholds,
 layer and head importance, the candidate plans' measured quality, the FFN block predictors, the
-routing predictor (zcode.harness.router) and the precision sensitivity profile
+routing predictor (zcode.harness.router), the quality of fewer routed experts per token (MoE
+models) and the precision sensitivity profile
 (zcode.quant.sensitivity), for one model. Latency is the hardware cost
 model's (zcode.hardware.cost_model): an older artifact's "latency" fit is ignored.
 
@@ -44,6 +45,10 @@ class SparsityArtifact:
     # {k: perplexity ratio with the k least important groups removed together}; empty in an
     # artifact written before it was measured
     head_count_ratios: dict[int, float] = field(default_factory=dict)
+    # {k: perplexity ratio with every MoE layer running each token's k highest-weighted routed
+    # experts of its top_k}; empty for a dense model or an artifact written before it was
+    # measured
+    expert_count_ratios: dict[int, float] = field(default_factory=dict)
     predictor: dict | None = None  # FFNPredictor.state() and its held-out metrics
     notes: dict = field(default_factory=dict)
     # zcode.harness.router.Router.state(); None when calibration ran without per-request depth
@@ -82,6 +87,7 @@ class SparsityArtifact:
             "layer_scores": self.layer_scores,
             "head_scores": self.head_scores,
             "head_count_ratios": self.head_count_ratios,
+            "expert_count_ratios": self.expert_count_ratios,
             "predictor": self.predictor,
             "notes": self.notes,
             "router": self.router,
@@ -108,6 +114,7 @@ class SparsityArtifact:
             layer_scores=blob["layer_scores"],
             head_scores=blob["head_scores"],
             head_count_ratios=blob.get("head_count_ratios", {}),
+            expert_count_ratios=blob.get("expert_count_ratios", {}),
             predictor=blob["predictor"],
             notes=blob["notes"],
             router=blob.get("router"),

@@ -1,12 +1,12 @@
 """`zcode calibrate`: one pass over calibration text records activation thresholds and layer
-importance, then KV-group importance (by ablation: each group alone) and every candidate FFN
-level (on the float rows and on int8 rows) are scored on a separate calibration slice, and the
-least important groups removed together on the recording slice (not the slice that ranked
-them); with an engine keeping KV per head (per_request_depth), the routing predictor is fitted on
-the recording slice's windows too (zcode.harness.router). Last, each unit outside the leveled
-FFNs (attention projections, lm_head) is profiled in each weight format
-(zcode.quant.sensitivity), what precision variants are built from. The result is one
-SparsityArtifact.
+importance, then KV-group importance (by ablation: each group alone), every candidate FFN level
+(on the float rows and on int8 rows) and, for a MoE model, every candidate count of routed
+experts per token are scored on a separate calibration slice, and the least important groups
+removed together on the recording slice (not the slice that ranked them); with an engine
+keeping KV per head (per_request_depth), the routing predictor is fitted on the recording
+slice's windows too (zcode.harness.router). Last, each unit outside the leveled FFNs (attention
+projections, lm_head) is profiled in each weight format (zcode.quant.sensitivity), what
+precision variants are built from. The result is one SparsityArtifact.
 (Latency is the hardware cost model's: `zcode hw --fit-cost`.)
 
 Held-out text is never touched here: quality claims are made on it by the bench.
@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from zcode.calibration import corpus_tokens
 from zcode.harness.router import fit_router
+from zcode.layers.moe import moe_layers, set_experts_per_token
 from zcode.llm import LLM
 from zcode.ppl import perplexity
 from zcode.quant.sensitivity import DEFAULT_FORMATS, profile_sensitivity
@@ -53,6 +54,17 @@ ROUTER_WINDOW = 128  # tokens of each window the router is fitted on (a prompt's
 PREDICTOR_KEEPS = (0.75, 0.5)  # fractions of FFN neuron blocks the trained predictors keep
 PREDICTOR_RANK = 4  # 30 layers x (576 x 4 + 4 x 25) = 72,720 parameters for SmolLM2-135M
 PROFILE_TOKENS = 512  # of the recording slice, one sequence (zcode profile's default)
+EXPERT_SHARES = (0.75, 0.5, 0.25)  # of the router's top_k: the expert counts calibrated
+
+
+def expert_counts(model) -> list[int]:
+    """Routed experts per token to calibrate, fewest last: shares of the MoE layers' top_k (none
+    for a dense model)."""
+    top_ks = {moe.gate.top_k for moe in moe_layers(model)}
+    if not top_ks:
+        return []
+    top_k = min(top_ks)
+    return sorted({max(1, round(top_k * share)) for share in EXPERT_SHARES} - {top_k}, reverse=True)
 
 
 def flops_skipped(sparsity_in: float, sparsity_mid: float) -> float:
@@ -83,12 +95,14 @@ def calibrate(
     windows = [record[i : i + WINDOW] for i in range(0, len(record) - 1, WINDOW)]
     num_groups = sum(a.num_kv_heads for a in gqa_attentions(model).values())
     routes = llm.engine.runner.pages is not None  # skipped layers are per request there
+    counts = expert_counts(model)
     bar = tqdm(
         total=len(windows)
         + num_groups
         + len(HEAD_COUNTS)
         + len(levels) * len(WEIGHT_FORMATS)
         + len(PREDICTOR_KEEPS)
+        + len(counts)
         + routes,
         desc="calibrate",
         disable=not progress,
@@ -134,6 +148,12 @@ def calibrate(
         level = FFNLevel(s_in, s_mid, flops_skipped(s_in, s_mid), ratios.pop("fp32"), ratios)
         artifact.levels.append(level)
     set_ffn_level(model, artifact, 0.0, 0.0)
+    for count in counts:
+        set_experts_per_token(model, count)
+        ppl = perplexity(llm, evaluate, WINDOW, WINDOW).perplexity
+        artifact.expert_count_ratios[count] = ppl / dense_ppl
+        bar.update()
+    set_experts_per_token(model, None)
     if routes:
         prompts = [record[i : i + ROUTER_WINDOW] for i in range(0, len(record), ROUTER_WINDOW)]
         artifact.router = fit_router(llm, [p for p in prompts if len(p) > 1]).state()
