@@ -33,6 +33,7 @@ OPTIONS = {
         "--dtype", "--stream", "--tensor-parallel-size", "--collective-timeout-s",
         "--expert-parallel", "--pipeline-parallel-size",
         "--max-latency-ms", "--max-quality-loss", "--quality", "--max-kv-bytes",
+        "--experts-per-token",
     ],
     "chat": [
         "--model", "--system", "--max-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
@@ -43,7 +44,8 @@ OPTIONS = {
     "hw": ["--refresh", "--json", "--fit-cost", "--compiled"],
     "plan": [
         "MODEL", "--sparsity", "--budget", "--max-latency-ms", "--max-quality-loss",
-        "--quality", "--max-kv-bytes", "--per-request-depth", "--batch-size", "--context-len",
+        "--quality", "--max-kv-bytes", "--experts-per-token", "--per-request-depth",
+        "--batch-size", "--context-len",
     ],
 }  # fmt: skip
 
@@ -80,6 +82,7 @@ def test_help_explains_every_option(command, capsys):
         (["generate", "hi", "--max-tokens", "many"], "invalid int value: 'many'"),
         (["generate", "hi", "--dtype", "int3"], "invalid choice: 'int3'"),
         (["generate", "hi", "--thinking"], "add --chat"),
+        (["generate", "hi", "--experts-per-token", "0"], "experts_per_token must be an int >= 1"),
         (["generate", "hi", "--tensor-parallel-size", "0"], "must be a positive integer"),
         (["generate", "hi", "--expert-parallel"], "set tensor_parallel_size to 2 or more"),
         (["generate", "hi", "--pipeline-parallel-size", "-1"], "must be a positive integer"),

@@ -228,3 +228,25 @@ def test_calibration_measures_fewer_experts(tiny_checkpoint):
 
     want = torch.tensor(nll(_oracle_with_top_k(path, 1)) - nll(tiny_checkpoint("glm4_moe").oracle))
     assert artifact.expert_count_ratios[1] == pytest.approx(want.exp().item(), rel=1e-4)
+
+
+def test_generate_with_an_explicit_expert_count(tiny_checkpoint):
+    """No calibration: `experts_per_token` per prompt runs that count (transformers with
+    num_experts_per_tok=1 is the oracle of the first prompt; the second runs all experts, in the
+    same batch), its predicted quality loss unknown; bad counts fail clearly."""
+    ckpt = tiny_checkpoint("glm4_moe")
+    llm = LLM(ckpt.path, dtype="float32", kv_cache_bytes=4 << 20)
+    outs = llm.generate(PROMPTS[:2], GREEDY, experts_per_token=[1, None])
+    for prompt, oracle, out in zip(PROMPTS, (_oracle_with_top_k(ckpt.path, 1), ckpt.oracle), outs):
+        ids = torch.tensor([prompt])
+        want = oracle.generate(ids, max_new_tokens=GREEDY.max_tokens, do_sample=False)
+        assert out.token_ids == want[0, len(prompt) :].tolist()
+    assert outs[0].plan.plan == "1 experts/token" and outs[1].plan.plan == "as loaded"
+    assert outs[0].plan.predicted_quality_loss_pct is None
+    with pytest.raises(ValidationError, match="experts_per_token must be an int >= 1"):
+        llm.generate(PROMPTS[0], GREEDY, experts_per_token=0)
+    with pytest.raises(ValidationError, match="in the plan or as experts_per_token"):
+        llm.generate(PROMPTS[0], GREEDY, experts_per_token=1, plan=ExecutionPlan())
+    dense = LLM(tiny_checkpoint("llama").path, dtype="float32", kv_cache_bytes=1 << 20)
+    with pytest.raises(ValidationError, match="no MoE layers"):
+        dense.generate(PROMPTS[0], GREEDY, experts_per_token=1)

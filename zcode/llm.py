@@ -23,6 +23,7 @@ from zcode.harness.plan import ExecutionPlan
 from zcode.harness.planner import Hints, Planner, Speculation
 from zcode.harness.report import DecodeSteps, PlanReport, plan_report
 from zcode.kernels.cpp_build import build_all
+from zcode.layers.moe import moe_layers
 from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
 from zcode.spec.policy import engine_acceptance
@@ -105,7 +106,7 @@ class LLM:
             from zcode.harness.router import Router
 
             self.router = Router.from_state(self.sparsity.router)
-        if self.sparsity is not None:
+        if self.sparsity is not None or moe_layers(net):  # a MoE's experts per token are a plan's
             self.declare_default_plan()
 
     def planner(self) -> Planner:
@@ -182,6 +183,7 @@ class LLM:
         quality: str | None | Sequence[str | None] = None,
         max_kv_bytes: int | None | Sequence[int | None] = None,
         plan: ExecutionPlan | None | Sequence[ExecutionPlan | None] = None,
+        experts_per_token: int | None | Sequence[int | None] = None,
         skip_layers: Sequence[int] = (),
         skip_kv_heads: Sequence[tuple[int, int]] = (),
     ) -> list[RequestOutput]:
@@ -192,8 +194,10 @@ class LLM:
         step, by the hardware cost model), `max_quality_loss` (predicted perplexity increase,
         %), `quality` ("max", "balanced", "fast": shorthand for quality-loss budgets),
         `max_kv_bytes` (KV cache bytes per token), `plan` (an explicit ExecutionPlan: an
-        override). Each of these is one value for every prompt or a list of one per prompt:
-        requests with different plans share each step, every one running its own plan.
+        override), `experts_per_token` (a MoE model's routed experts per token, its router's
+        first ones: fixed, the other dimensions still planned). Each of these is one value for
+        every prompt or a list of one per prompt: requests with different plans share each
+        step, every one running its own plan.
         `skip_layers` and `skip_kv_heads` (need `per_request_depth=True`) fix the decoder
         layers and (layer, KV head) pairs all these requests never run and keep no KV for; the
         other dimensions are still planned. With any hint, each output's `plan` is a
@@ -209,6 +213,7 @@ class LLM:
             quality=quality,
             max_kv_bytes=max_kv_bytes,
             plan=plan,
+            experts_per_token=experts_per_token,
         )
         layers, heads = _skips(skip_layers, skip_kv_heads)
         hints = [Hints(**fields, skip_layers=layers, skip_kv_heads=heads) for fields in per_prompt]

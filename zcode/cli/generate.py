@@ -88,6 +88,9 @@ def _generate(args: argparse.Namespace) -> None:
         raise ValidationError("--thinking/--no-thinking apply to the chat template: add --chat")
     skips = skip_args(args)
     hints = hint_args(args)
+    from zcode.harness.planner import Hints  # torch: after parsing
+
+    Hints(**hints)  # a bad hint fails before loading
     if args.stream and hints:
         raise ValidationError("--stream cannot be combined with planning hints yet")
     check_quality_options(args)

@@ -44,11 +44,18 @@ def add_hint_options(parser: argparse.ArgumentParser) -> None:
         help="a quality-loss budget preset: max 0.5%%, balanced 2%%, fast 10%%",
     )
     hints.add_argument("--max-kv-bytes", type=int, metavar="N", help="KV cache bytes per token")
+    hints.add_argument(
+        "--experts-per-token",
+        type=int,
+        metavar="K",
+        help="a MoE model's routed experts per token: each token's first K of its router's "
+        "top_k (the other dimensions still planned)",
+    )
 
 
 def hint_args(args: argparse.Namespace) -> dict:
     """The hints given, as LLM.generate / Hints take them."""
-    names = ("max_latency_ms", "max_quality_loss", "quality", "max_kv_bytes")
+    names = ("max_latency_ms", "max_quality_loss", "quality", "max_kv_bytes", "experts_per_token")
     return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 

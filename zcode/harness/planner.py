@@ -70,6 +70,7 @@ from torch import nn
 
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
+from zcode.layers.moe import moe_layers
 
 # quality= presets as budgets of predicted perplexity increase, %.
 QUALITY_BUDGETS_PCT = {"max": 0.5, "balanced": 2.0, "fast": 10.0}
@@ -86,9 +87,11 @@ class Hints:
     quality: str | None = None  # shorthand for a max_quality_loss (QUALITY_BUDGETS_PCT)
     max_kv_bytes: int | None = None  # KV cache bytes per token
     plan: ExecutionPlan | None = None  # an explicit plan: runs as given, targets only reported
-    # Explicit depth: the other dimensions are still searched (or `plan` runs with it).
+    # Explicit depth and routed experts per token (MoE; at or above the router's top_k: all):
+    # the other dimensions are still searched (or `plan` runs with them).
     skip_layers: tuple[int, ...] = ()
     skip_kv_heads: tuple[tuple[int, int], ...] = ()
+    experts_per_token: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_latency_ms", "max_quality_loss"):
@@ -107,6 +110,13 @@ class Hints:
             )
         if self.plan is not None and not isinstance(self.plan, ExecutionPlan):
             raise ValidationError(f"plan must be an ExecutionPlan, got {type(self.plan).__name__}")
+        count = self.experts_per_token
+        if count is not None and not (isinstance(count, int) and not isinstance(count, bool)):
+            raise ValidationError(f"experts_per_token must be an int >= 1, got {count!r}")
+        if count is not None and count < 1:
+            raise ValidationError(f"experts_per_token must be an int >= 1, got {count!r}")
+        if self.plan is not None and count is not None:
+            raise ValidationError("pass experts per token in the plan or as experts_per_token")
         plan_skips = self.plan is not None and (self.plan.skip_layers or self.plan.skip_kv_heads)
         if plan_skips and (self.skip_layers or self.skip_kv_heads):
             raise ValidationError(
@@ -273,6 +283,7 @@ class Planner:
         self.ffn_levels = ffn_options(sparsity, any(p.touches_ffn for p in self.precisions))
         self.head_losses = HeadLosses.of(sparsity)
         self.expert_counts = expert_options(sparsity)
+        self.top_k = min((moe.gate.top_k for moe in moe_layers(model)), default=None)
         self.depths = [Option("", 0.0)]
         if kv_paged:
             self.depths += self.head_losses.options()
@@ -315,17 +326,23 @@ class Planner:
         )
 
     def candidates(
-        self, depth: Option | None = None, batch_size: int = 1, context_len: int = 512
+        self,
+        depth: Option | None = None,
+        batch_size: int = 1,
+        context_len: int = 512,
+        experts: Option | None = None,
     ) -> list[Candidate]:
-        """Every plan of the product of dimensions (with `depth` fixed when given)."""
-        key = (depth, batch_size, context_len)
+        """Every plan of the product of dimensions (with `depth` and `experts` fixed when
+        given)."""
+        key = (depth, batch_size, context_len, experts)
         if key not in self._memo:
             depths = self.depths if depth is None else [depth]
+            counts = self.expert_counts if experts is None else [experts]
             self._memo[key] = [
                 self._candidate(p, f, e, d, batch_size, context_len)
                 for p in self.precisions
                 for f in self.ffn_levels
-                for e in self.expert_counts
+                for e in counts
                 for d in depths
             ]
         return self._memo[key]
@@ -412,14 +429,16 @@ class Planner:
         depth = None
         if hints.skip_layers or hints.skip_kv_heads:
             depth = self.explicit_depth(hints.skip_layers, hints.skip_kv_heads)
-        candidates = self.candidates(depth, batch_size, context_len)
+        experts = None
+        if hints.experts_per_token is not None:
+            experts = self.explicit_experts(hints.experts_per_token)
+        candidates = self.candidates(depth, batch_size, context_len, experts)
         if routed is not None and depth is None:
             candidates = self._routed(candidates, routed)
         candidates = self._speculating(candidates, batch_size, context_len)
         if not hints.limits():
-            default = self.default_plan()
-            if depth is not None:
-                default = self.plan_of(self.precisions[0], self.default_ffn, depth)
+            depth, experts = depth or self.depths[0], experts or ALL_EXPERTS
+            default = self.plan_of(self.precisions[0], self.default_ffn, depth, experts)
             found = next(c for c in candidates if c.plan.signature() == default.signature())
             return _choice(found, "none", True)
         return search(candidates, hints)
@@ -455,12 +474,29 @@ class Planner:
             ", ".join(filter(None, labels)), log_loss, skip_layers=layers, skip_kv_heads=heads
         )
 
+    def explicit_experts(self, count: int) -> Option:
+        """An experts option for a count the caller names (all of them at or above the router's
+        top_k); its loss is known where calibration measured that count."""
+        if self.top_k is None:
+            raise ValidationError("experts per token: this model has no MoE layers")
+        if count < 1:
+            raise ValidationError(f"experts_per_token must be an int >= 1, got {count}")
+        if count >= self.top_k:
+            return ALL_EXPERTS
+        known = {o.experts_per_token: o for o in self.expert_counts}
+        return known.get(count) or Option(f"{count} experts/token", None, experts_per_token=count)
+
     def _override(self, hints: Hints, batch_size: int, context_len: int) -> PlanChoice:
         plan = hints.plan
         if hints.skip_layers or hints.skip_kv_heads:
             plan = replace(plan, skip_layers=hints.skip_layers, skip_kv_heads=hints.skip_kv_heads)
         depth = self.explicit_depth(plan.skip_layers, plan.skip_kv_heads)
-        candidates = self.candidates(depth, batch_size, context_len)
+        experts = None
+        if (count := dict(plan.extras).get("experts_per_token")) is not None:
+            if not count.isdigit():
+                raise ValidationError(f"the plan's experts_per_token {count!r} is not an int >= 1")
+            experts = self.explicit_experts(int(count))
+        candidates = self.candidates(depth, batch_size, context_len, experts)
         found = next((c for c in candidates if c.plan.kv_signature() == plan.kv_signature()), None)
         if found is None:
             known = sorted(c.plan.name for c in candidates)
