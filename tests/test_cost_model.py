@@ -82,6 +82,28 @@ def test_plan_as_data_counts_what_the_quantized_model_reads(llama, fmt):
     assert measured[f"{kind}:calls"] == len(replaced)
 
 
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_a_moe_layers_routed_experts_cost_one_call_per_projection_where_fused(tiny_checkpoint, fmt):
+    """fp32 experts (moe_fused) and GGUF ones (ggml_moe) run a layer's routed experts in one
+    call: a call per projection and layer, whatever the experts; int8 experts run each expert's
+    own module: a call per expert the step is expected to touch (top_k / E at one token)."""
+    from zcode.layers.moe import moe_layers
+    from zcode.loader import load_model
+
+    net, _ = load_model(tiny_checkpoint("glm4_moe").path)
+    plan = None if fmt is None else {n: fmt for n in quantizable_modules(net) if ".experts." in n}
+    features = step_features(net, plan, 1, 10)
+    moes = moe_layers(net)
+    expert_linears = [n for n in quantizable_modules(net) if ".experts." in n]
+    others = [n for n in quantizable_modules(net) if ".experts." not in n]
+    if fmt is None:
+        want = {"dense-float32:calls": len(others) + 3 * len(moes)}
+    else:
+        share = moes[0].gate.top_k / moes[0].gate.num_experts
+        want = {"dense-float32:calls": len(others), "int8:calls": share * len(expert_linears)}
+    assert {k: v for k, v in features.items() if k.endswith(":calls")} == pytest.approx(want)
+
+
 def test_dense_features_count_parameter_bytes_and_flops(llama):
     names = quantizable_modules(llama)
     linears = [llama.get_submodule(n) for n in names]

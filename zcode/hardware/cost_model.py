@@ -118,6 +118,11 @@ def kernel_kind(module: nn.Module, fmt: str | None = None) -> str:
     return fmt.split("-g")[0]  # int4-g64 -> int4, w4a8-g128 -> w4a8
 
 
+def module_format(module: nn.Module) -> str:
+    """A linear's weight format: a QuantizedLinear's, "fp32" (as loaded) for nn.Linear."""
+    return module.format if isinstance(module, QuantizedLinear) else "fp32"
+
+
 def gguf_proxy_kind(fmt: str) -> str:
     """The fitted kind a ggml block format is predicted with. The fit measures ZCode's own
     formats only; a ggml format does the work of the kind with the same operands: a float GEMV
@@ -204,11 +209,15 @@ def step_features(
             num_bytes = module.weight.numel() * module.weight.element_size()
         share = exec_plan.ffn_density if ".mlp." in name else 1.0
         rows = (logits_rows or num_seqs) if name == "lm_head" else num_tokens
-        touched = 1.0  # the expected share of steps' weights read: a routed expert's is less
+        touched = calls = 1.0  # the share of steps reading the weights: a routed expert's is less
         if (match := _EXPERT_NAME.match(name)) and match.group(1) in routed:
-            touched, rows = routed[match.group(1)]
+            touched, rows, num_experts = routed[match.group(1)]
+            # A layer's routed experts in one fused call (ggml_moe, moe_fused) cost a call per
+            # projection, not one per expert; other formats run each expert's own module.
+            fused = kind.startswith("dense-") or (fmt or module_format(module)).startswith("gguf-")
+            calls = 1 / num_experts if fused else touched
         add(f"{kind}:MB", share * touched * num_bytes / 1e6)
-        add(f"{kind}:calls", touched)
+        add(f"{kind}:calls", calls)
         # Arithmetic past the first row: one row's cost is in the bytes term (decode at batch 1
         # streams the weight once), so the two terms are not collinear at batch 1.
         rows_past_first = max(0.0, rows - touched - 1e-9)  # 1 - (1 - p) rounds off p
@@ -265,10 +274,10 @@ def _ffn_linears(mlp) -> list[tuple[str, nn.Linear]]:
 
 def _routed_experts(
     model: nn.Module, num_tokens: int, experts_per_token: str | None = None
-) -> dict[str, tuple[float, float]]:
+) -> dict[str, tuple[float, float, int]]:
     """{MoE layer's `experts` name: (expected share of its experts a step touches, expected
-    rows per expert)} for `num_tokens` tokens routed uniformly, each to top_k experts (or the
-    plan's `experts_per_token`, when fewer)."""
+    rows per expert, experts)} for `num_tokens` tokens routed uniformly, each to top_k experts
+    (or the plan's `experts_per_token`, when fewer)."""
     from zcode.layers.moe import MoE
 
     out = {}
@@ -278,7 +287,8 @@ def _routed_experts(
             if experts_per_token is not None:
                 k = min(k, int(experts_per_token))
             p = k / module.gate.num_experts
-            out[f"{name}.experts"] = (1 - (1 - p) ** num_tokens, num_tokens * p)
+            num_experts = module.gate.num_experts
+            out[f"{name}.experts"] = (1 - (1 - p) ** num_tokens, num_tokens * p, num_experts)
     return out
 
 
