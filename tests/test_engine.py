@@ -317,3 +317,20 @@ def test_engine_freezes_what_is_alive_once_ready(tiny):
     _run(engine, [_prompt(5, seed=2)], GREEDY)  # no compile: nothing frozen again
     gc.collect()
     assert alive() is None
+
+
+def test_an_engine_dropped_in_a_cycle_is_freed_by_the_next_freeze(tiny):
+    """A frozen engine kept only by a reference cycle is freed when the next engine freezes the
+    heap (it unfreezes and collects first): a process that loads model after model does not
+    keep them all."""
+    import gc
+    import weakref
+
+    first = _engine(tiny[0])
+    first.me = first  # a cycle: reference counts never free it
+    gone = weakref.ref(first)
+    del first
+    gc.collect()  # the frozen cycle is not walked
+    assert gone() is not None
+    _engine(tiny[0])
+    assert gone() is None

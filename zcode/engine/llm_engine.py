@@ -114,9 +114,11 @@ class LLMEngine:
         compiled graphs (its own or its drafter's). Objects that die later are freed as ever
         (reference counts); only a reference cycle among frozen objects stays, until exit (they
         are unfrozen then, so the interpreter's last collection frees them: extension types
-        report leaks otherwise)."""
+        report leaks otherwise), or until the next freeze: it first unfreezes and collects, so an
+        engine dropped since (another LLM's) is freed then."""
         compiles = self.num_compiles
         if compiles != self._frozen_at_compiles:
+            gc.unfreeze()
             gc.collect()
             gc.freeze()
             self._frozen_at_compiles = compiles
