@@ -263,7 +263,7 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"best": max(values), "median": statistics.median(values)}
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -417,7 +417,7 @@ def main() -> None:
             } | {"prefill": r["prefill"]["median"] / hf["prefill"]["median"]}
     reference = outputs_b1.get("zcode-fp32")
     parity = (
-        {name: _common_prefix(ids, reference) for name, ids in outputs_b1.items()}
+        {name: common_prefix(ids, reference) for name, ids in outputs_b1.items()}
         if reference
         else {}
     )
