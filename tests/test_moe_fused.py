@@ -243,6 +243,23 @@ def test_gguf_experts_match_reference(num_tokens, with_shared):
         torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 9, 40, 65])
+def test_float_gguf_experts_match_reference(num_tokens):
+    """F32 / F16 / BF16 experts (a bf16 GGUF file's) in one ggml_moe call, up to ~32 tokens a
+    routed expert and 65 for the shared one (whose module takes its GEMM path past 64 rows):
+    what the loop over the same modules computes."""
+    from gguf import GGMLQuantizationType as Q
+
+    moe = gguf_moe(
+        {"gate_proj": [Q.BF16, Q.F16], "up_proj": [Q.BF16, Q.F32], "down_proj": [Q.BF16, Q.F16]},
+        with_shared=True,
+    )
+    x = torch.randn(num_tokens, HIDDEN, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        assert moe.gguf_weights(x) is not None
+        torch.testing.assert_close(moe(x), reference_moe(moe, x), rtol=0, atol=1e-4)
+
+
 def test_gguf_experts_of_one_stacked_tensor_pass_as_one_stack():
     """Experts lying in one stacked tensor go to ggml_moe as one [E, N, row_bytes] view per
     projection (what a compiled step passes), with the result of the list of E matrices; a
