@@ -250,3 +250,34 @@ def test_generate_with_an_explicit_expert_count(tiny_checkpoint):
     dense = LLM(tiny_checkpoint("llama").path, dtype="float32", kv_cache_bytes=1 << 20)
     with pytest.raises(ValidationError, match="no MoE layers"):
         dense.generate(PROMPTS[0], GREEDY, experts_per_token=1)
+
+
+def test_the_server_takes_experts_per_token(tiny_checkpoint):
+    """A MoE server without an artifact plans `experts_per_token` and reports the plan; the
+    tokens are generate()'s at the same count; a dense model's server refuses the field."""
+    import openai
+    from remote_server import InThreadServer
+
+    from zcode.server.app import build_app
+    from zcode.server.launch import build_state
+
+    path = tiny_checkpoint("glm4_moe").path
+    want = LLM(path, kv_cache_bytes=4 << 20).generate(PROMPTS[0], GREEDY, experts_per_token=1)
+    states = [build_state(str(p), "tiny", {}) for p in (path, tiny_checkpoint("llama").path)]
+    servers = [InThreadServer(build_app(state)) for state in states]
+    try:
+        moe, dense = (
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0) for s in servers
+        )
+        request = dict(model="tiny", prompt=PROMPTS[0], max_tokens=GREEDY.max_tokens)
+        request |= dict(temperature=0, logprobs=0, extra_body={"experts_per_token": 1})
+        choice = moe.completions.create(**request).choices[0]
+        assert [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens] == (
+            want[0].token_ids
+        )
+        assert choice.model_extra["zcode_plan"]["plan"] == "1 experts/token"
+        with pytest.raises(openai.BadRequestError, match="experts_per_token needs a MoE model"):
+            dense.completions.create(**request)
+    finally:
+        for served in servers:
+            served.stop()

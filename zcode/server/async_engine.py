@@ -94,7 +94,7 @@ class AsyncEngine:
             target=self._run, name="zcode-engine", daemon=True
         )
         self._running = False
-        self.plans = None  # harness.request_plans.RequestPlans when serving with --sparsity
+        self.plans = None  # harness.request_plans.RequestPlans: with --sparsity, or for a MoE
 
     @property
     def is_alive(self) -> bool:

@@ -66,7 +66,7 @@ def build_state(
         llm.tokenizer.chat_template = chat_template
     name = served_model_name or default_model_name(model)
     engine = AsyncEngine(llm.engine, Metrics(name))
-    if llm.sparsity is not None:
+    if llm.engine.executor is not None:  # an artifact, or a MoE (experts per token)
         from zcode.harness.request_plans import RequestPlans
 
         engine.plans = RequestPlans.for_llm(llm)

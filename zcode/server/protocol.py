@@ -106,6 +106,9 @@ class _GenerateRequest(_Body):
     # for (needs --per-request-depth)
     skip_layers: list[StrictInt] | None = Field(None, max_length=1024)
     skip_kv_heads: list[tuple[StrictInt, StrictInt]] | None = Field(None, max_length=65536)
+    # zcode: a MoE model's routed experts per token (its router's first ones; the other
+    # dimensions still planned)
+    experts_per_token: StrictInt | None = Field(None, ge=1)
 
     def hints(self) -> Hints:
         """The request's planning hints; its skips fix its depth."""
@@ -116,6 +119,7 @@ class _GenerateRequest(_Body):
             max_kv_bytes=self.max_kv_bytes,
             skip_layers=tuple(self.skip_layers or ()),
             skip_kv_heads=tuple(tuple(p) for p in self.skip_kv_heads or ()),
+            experts_per_token=self.experts_per_token,
         )
 
     def skips(self) -> dict:

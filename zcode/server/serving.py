@@ -22,7 +22,7 @@ from zcode.server.protocol import ApiError
 logger = logging.getLogger(__name__)
 
 
-PLAN_FIELDS = ("max_latency_ms", "max_quality_loss", "quality", "max_kv_bytes")
+PLAN_FIELDS = ("max_latency_ms", "max_quality_loss", "quality", "max_kv_bytes", "experts_per_token")
 
 
 @dataclass
@@ -57,14 +57,16 @@ class ServerState:
         """The plan for a request's planning hints (a harness.request_plans.Planned), None
         without any: it then runs the default plan with its own skips."""
         hints = req.hints()
-        if not hints.limits():
+        if not hints.limits() and hints.experts_per_token is None:
             return None
         param = next(name for name in PLAN_FIELDS if getattr(req, name) is not None)
         if self.engine.plans is None:
-            raise ApiError(
-                f"{param} needs a server started with --sparsity ARTIFACT (zcode calibrate)",
-                param=param,
+            need = (
+                "a MoE model"
+                if param == "experts_per_token"
+                else "a server started with --sparsity ARTIFACT (zcode calibrate)"
             )
+            raise ApiError(f"{param} needs {need}", param=param)
         try:
             return self.engine.plans.plan(hints)
         except ValidationError as e:
