@@ -181,14 +181,20 @@ def test_accounting_matches_the_routed_ids(budget, name, tiny_checkpoint, tmp_pa
     _assert_residency_is_real(llm)
 
 
-@pytest.mark.parametrize("name", MOE_NAMES)
-def test_prefetch_reads_the_next_routers_choice(name, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("name, count", [(n, None) for n in MOE_NAMES] + [("glm4_moe", 1)])
+def test_prefetch_reads_the_next_routers_choice(name, count, tiny_checkpoint, tmp_path):
     """With nothing resident (budget 0) every routed expert is a miss; the cache reads ahead,
-    per step and layer, the experts the next layer's router picks for this layer's input, and
-    counts as prefetch hits the misses among them. The oracle replays that from hooks."""
+    per step and layer, the experts the next layer's router picks for this layer's input (under
+    the plan's experts per token: one of two with count 1), and counts as prefetch hits the
+    misses among them. The oracle replays that from hooks."""
     path = _fresh_copy(tiny_checkpoint(name).path, tmp_path / name)
     llm = LLM(path, kv_cache_bytes=1 << 20, expert_cache_gb=0)
+    set_experts_per_token(llm.model, count)
     layers = [m for m in llm.model.modules() if isinstance(m, MoE)]
+
+    def chosen(layer: MoE, x: torch.Tensor) -> set[int]:
+        return {e for e in layer.route(x)[1].flatten().tolist() if e >= 0}
+
     inputs: dict[int, torch.Tensor] = {}
     handles = [
         layer.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0]))
@@ -199,11 +205,9 @@ def test_prefetch_reads_the_next_routers_choice(name, tiny_checkpoint, tmp_path)
     while llm.engine.has_unfinished():
         (out,) = llm.engine.step()
         with torch.inference_mode():  # the step's inputs are inference tensors
-            routed = [
-                set(layer.gate(inputs[i])[1].flatten().tolist()) for i, layer in enumerate(layers)
-            ]
+            routed = [chosen(layer, inputs[i]) for i, layer in enumerate(layers)]
             for i in range(len(layers) - 1):
-                ahead = set(layers[i + 1].gate(inputs[i])[1].flatten().tolist())
+                ahead = chosen(layers[i + 1], inputs[i])
                 prefetched += len(ahead)
                 hits += len(ahead & routed[i + 1])
     for h in handles:
@@ -213,6 +217,7 @@ def test_prefetch_reads_the_next_routers_choice(name, tiny_checkpoint, tmp_path)
     assert stats["expert_cache_prefetch_hits"] == hits
     _assert_residency_is_real(llm)  # experts read ahead and not kept are dropped
     no_prefetch = LLM(path, kv_cache_bytes=1 << 20, expert_cache_gb=0, expert_cache_prefetch=False)
+    set_experts_per_token(no_prefetch.model, count)
     assert _tokens(no_prefetch, PROMPTS[:1]) == [out.token_ids]
     assert no_prefetch.engine.stats()["expert_cache_prefetched"] == 0
 

@@ -222,10 +222,9 @@ class ExpertCache:
         self.num_prefetch_hits += int((missing & self.read_ahead[layer]).sum())
         self._read_in(layer, missing & ~self.read_ahead[layer])
         if self.prefetch and layer + 1 < len(self.layers):
-            # .forward, not a module call: hooks that watch routing must not see a guess
-            _, predicted = self.layers[layer + 1].gate.forward(x)  # [T, top_k]
+            _, predicted = self.layers[layer + 1].route(x, hooks=False)  # [T, top_k]
             ahead = torch.zeros_like(missing)
-            ahead[predicted.flatten()] = True
+            ahead[predicted[predicted >= 0]] = True  # -1: dropped by the plan's expert limit
             ahead &= ~self.resident[layer + 1] & ~self.read_ahead[layer + 1]
             self.num_prefetched += int(ahead.sum())
             self.read_ahead[layer + 1] |= ahead

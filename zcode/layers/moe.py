@@ -152,10 +152,11 @@ class MoE(nn.Module):
             torch.ops.zcode.expert_lookup(self.expert_counts, expert_ids, x, self.layer_key)
         return self.run_experts(x, weights, expert_ids)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, hooks: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The router's choice under the plan's expert limit: x [T, D] -> weights, expert ids
-        [T, top_k] (a dropped expert: id -1, weight 0)."""
-        weights, expert_ids = self.gate(x)
+        [T, top_k] (a dropped expert: id -1, weight 0). `hooks=False`: a guess (the expert
+        cache's read-ahead), which hooks that watch routing must not see."""
+        weights, expert_ids = self.gate(x) if hooks else self.gate.forward(x)
         count = self.token_experts if self.token_experts is not None else self.experts_per_token
         if count is None and self.expert_mass is None:
             return weights, expert_ids
