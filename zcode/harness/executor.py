@@ -88,7 +88,9 @@ class PlanExecutor:
             per_level = {lv: ffn_thresholds(model, self.sparsity, *lv) for lv in set(levels)}
             settings.sparse_ffns = mlps
             settings.ffn_thresholds = torch.stack([per_level[lv] for lv in levels])
-        counts = [_experts_per_token(plan) for plan in plans]
+        from zcode.sparsity.apply import expert_limits
+
+        counts = [expert_limits(plan)[0] for plan in plans]
         if len(set(counts)) > 1:
             from zcode.layers.moe import moe_layers
 
@@ -175,11 +177,6 @@ class PlanExecutor:
 
 def _names_ffn_level(plan: ExecutionPlan) -> bool:
     return any(name in (*FFN_LEVEL, FFN_WEIGHTS) for name, _ in plan.extras)
-
-
-def _experts_per_token(plan: ExecutionPlan) -> int | None:
-    count = dict(plan.extras).get(EXPERTS)
-    return None if count is None else int(count)
 
 
 def _ffn_level(plan: ExecutionPlan) -> tuple[float, float]:
