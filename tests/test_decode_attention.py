@@ -1,5 +1,5 @@
-"""decode_attention (the attention of compiled decode and verifying steps) against SDPA via
-padded_attention."""
+"""decode_attention (compiled decode and verifying steps without the C++ kernel, e.g. over KV
+paged per head) against SDPA via padded_attention."""
 
 import pytest
 import torch

@@ -1,14 +1,24 @@
 // Decode attention over the paged KV cache in one call: one query per sequence reads its context
-// straight from the cache's slots (no gathered copy), for any CPU (plain loops gcc vectorizes).
+// straight from the cache's slots (no gathered copy).
 //
 // At decode a layer's attention is a few thousand multiply-adds per head: in eager PyTorch the
 // gather of the context and SDPA's set-up cost ~75 us a layer (SmolLM2, 150 positions), ~25x
 // the arithmetic. Same math as zcode.layers.attention.padded_attention, in fp32:
 //   scores_l = scale q . k_l for the allowed positions l, p = softmax(scores), out = sum_l p_l v_l.
+//
+// AVX-512 F/BW/VL (fp32 and bf16 caches, head dims of 16 lanes' multiples): a task is one
+// sequence's chunk of positions for every head (whole slots streamed, the next ones prefetched),
+// so one sequence's context spreads over the threads too (flash-decoding); a task keeps its
+// chunk's max score, exp-sum and unnormalized output per query head, merged after. Scores, a
+// polynomial exp (simd.h) and the value sums are 16-lane vectors. SmolLM2's shapes at 128
+// positions, 2 threads, warm caches: 6.7 us a layer against 13.5 us for the portable loops (scalar
+// exp, one task per sequence and KV head), which every other CPU and head dim runs.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
@@ -79,7 +89,7 @@ void attend(const T* q, const T* cache, const int64_t* slots, const bool* allowe
 }
 
 template <typename T>
-void attend_all(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
+void attend_all_portable(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
                 const bool* allowed, float scale, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = cache.size(3);
   const int64_t L = slots.size(1), G = H / KVH;
@@ -100,6 +110,184 @@ void attend_all(const torch::Tensor& q, const torch::Tensor& cache, const torch:
     }
   });
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+
+constexpr int64_t MAX_CHUNK = 256;  // positions a task reads at most
+constexpr int64_t PREFETCH_AHEAD = 4;  // slots
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32: the bits move up 16
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// One task's partial softmax per query head: max score, exp-sum and unnormalized output.
+struct Partial {
+  float* best;  // [H]
+  float* total;  // [H]
+  float* acc;  // [H, D]
+};
+
+// Positions [l0, l1) of one sequence, every head: qf [H, D] fp32 queries (H = KVH * G, query
+// head kvh * G + g reads KV head kvh), D = 16 * VECS. A slot's keys (then values) of all KV heads
+// are adjacent, so a task streams whole slots.
+template <int VECS, typename T>
+void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const bool* allowed,
+                  int64_t l0, int64_t l1, int64_t KVH, int64_t G, float scale, float* scores,
+                  Partial part) {
+  // scores: scratch [H, MAX_CHUNK]
+  constexpr int64_t D = 16 * VECS;
+  const int64_t H = KVH * G, n = l1 - l0, slot_stride = 2 * KVH * D;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t l = l0 + i;
+    if (allowed && !allowed[l]) {
+      for (int64_t h = 0; h < H; ++h) scores[h * MAX_CHUNK + i] = neg_inf;
+      continue;
+    }
+    if (i + PREFETCH_AHEAD < n) {  // the context is cold (written steps ago): fetch ahead
+      const char* ahead =
+          reinterpret_cast<const char*>(cache + slots[l + PREFETCH_AHEAD] * slot_stride);
+      for (int64_t byte = 0; byte < slot_stride * static_cast<int64_t>(sizeof(T)); byte += 64)
+        _mm_prefetch(ahead + byte, _MM_HINT_T0);
+    }
+    const T* k = cache + slots[l] * slot_stride;
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      __m512 key[VECS];
+      for (int v = 0; v < VECS; ++v) key[v] = load16(k + kvh * D + 16 * v);
+      for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + h * D), key[0]);
+        for (int v = 1; v < VECS; ++v)
+          acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + 16 * v), key[v], acc);
+        scores[h * MAX_CHUNK + i] = _mm512_reduce_add_ps(acc) * scale;
+      }
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* row = scores + h * MAX_CHUNK;
+    float best = neg_inf;
+    for (int64_t i = 0; i < n; ++i) best = std::max(best, row[i]);
+    part.best[h] = best;
+    __m512 total = _mm512_setzero_ps();
+    if (best != neg_inf) {  // else no allowed position in this chunk: total 0, it adds nothing
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(m, row + i);
+        const __mmask16 live = _mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
+        const __m512 e = zcode_simd::exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(best)));
+        const __m512 p = _mm512_maskz_mov_ps(live, e);
+        _mm512_mask_storeu_ps(row + i, m, p);
+        total = _mm512_add_ps(total, p);
+      }
+    }
+    part.total[h] = _mm512_reduce_add_ps(total);
+  }
+  // acc[h] = sum_i p[h][i] v_i, up to 8 vectors of a head's D in registers at once
+  constexpr int BLOCK = VECS <= 8 ? VECS : (VECS % 8 == 0 ? 8 : 4);
+  static_assert(VECS % BLOCK == 0, "the blocks of a head's vectors tile it");
+  for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+    for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
+      if (part.total[h] == 0.f) continue;  // the merge weighs this chunk 0
+      const float* row = scores + h * MAX_CHUNK;
+      for (int v0 = 0; v0 < VECS; v0 += BLOCK) {
+        __m512 a[BLOCK];
+        for (int j = 0; j < BLOCK; ++j) a[j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; ++i) {
+          if (row[i] == 0.f) continue;  // masked out (or underflowed): adds nothing
+          const T* val = cache + slots[l0 + i] * slot_stride + (KVH + kvh) * D + 16 * v0;
+          const __m512 p = _mm512_set1_ps(row[i]);
+          for (int j = 0; j < BLOCK; ++j) a[j] = _mm512_fmadd_ps(p, load16(val + 16 * j), a[j]);
+        }
+        for (int j = 0; j < BLOCK; ++j) _mm512_storeu_ps(part.acc + h * D + 16 * (v0 + j), a[j]);
+      }
+    }
+  }
+}
+
+template <int VECS, typename T>
+void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
+                    const bool* allowed, float scale, torch::Tensor& out) {
+  constexpr int64_t D = 16 * VECS;
+  const int64_t B = q.size(0), H = q.size(1), KVH = cache.size(3);
+  const int64_t L = slots.size(1), G = H / KVH;
+  // Chunks of 16 positions at least, enough of them to give every thread two tasks.
+  const int64_t threads = at::get_num_threads();
+  const int64_t want = (L * B + 2 * threads - 1) / (2 * threads);
+  const int64_t chunk = std::clamp<int64_t>((want + 15) / 16 * 16, 16, MAX_CHUNK);
+  const int64_t chunks = std::max<int64_t>(1, (L + chunk - 1) / chunk);
+  const int64_t tasks = B * chunks, part_floats = H * (2 + D);
+  const int64_t chunk_bytes = std::min(L, chunk) * 2 * KVH * D * static_cast<int64_t>(sizeof(T));
+  const T* q_data = q.data_ptr<T>();
+  const T* cache_data = cache.data_ptr<T>();
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  std::vector<float> parts(tasks * part_floats);
+  auto part_of = [&](int64_t t) {
+    float* p = parts.data() + t * part_floats;
+    return Partial{p, p + H, p + 2 * H};
+  };
+  at::parallel_for(0, tasks, std::max<int64_t>(1, GRAIN_BYTES / chunk_bytes),
+                   [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(H * D), scores(H * MAX_CHUNK);
+    int64_t loaded = -1;  // the sequence whose queries qf holds
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / chunks, c = t % chunks;
+      if (b != loaded) {
+        const T* qs = q_data + b * H * D;
+        for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(qs[i]);
+        loaded = b;
+      }
+      attend_chunk<VECS>(qf.data(), cache_data, slot_data + b * L,
+                         allowed ? allowed + b * L : nullptr, c * chunk,
+                         std::min(L, (c + 1) * chunk), KVH, G, scale, scores.data(), part_of(t));
+    }
+  });
+  // Merge each sequence's chunks per query head: rescale to the largest max, normalize.
+  T* out_data = out.data_ptr<T>();
+  at::parallel_for(0, B * H, std::max<int64_t>(1, 4096 / (chunks * D)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> weight(chunks);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / H, h = r % H;
+      float best = -std::numeric_limits<float>::infinity(), total = 0.f;
+      for (int64_t c = 0; c < chunks; ++c) best = std::max(best, part_of(b * chunks + c).best[h]);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const Partial p = part_of(b * chunks + c);
+        weight[c] = p.total[h] > 0.f ? std::exp(p.best[h] - best) : 0.f;
+        total += weight[c] * p.total[h];
+      }
+      // A sequence with no allowed position attends to nothing: zeros (SDPA would give NaN).
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        float sum = 0.f;
+        for (int64_t c = 0; c < chunks; ++c) sum += weight[c] * part_of(b * chunks + c).acc[h * D + d];
+        out_data[r * D + d] = static_cast<T>(sum * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void attend_all(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
+                const bool* allowed, float scale, torch::Tensor& out) {
+  switch (q.size(2)) {  // head dims of 16 lanes' multiples up to 256; others the portable loops
+#define ZCODE_HEAD_DIM(VECS) \
+    case 16 * VECS: return attend_vectors<VECS, T>(q, cache, slots, allowed, scale, out);
+    ZCODE_HEAD_DIM(1) ZCODE_HEAD_DIM(2) ZCODE_HEAD_DIM(3) ZCODE_HEAD_DIM(4) ZCODE_HEAD_DIM(5)
+    ZCODE_HEAD_DIM(6) ZCODE_HEAD_DIM(7) ZCODE_HEAD_DIM(8) ZCODE_HEAD_DIM(12) ZCODE_HEAD_DIM(16)
+#undef ZCODE_HEAD_DIM
+    default: return attend_all_portable<T>(q, cache, slots, allowed, scale, out);
+  }
+}
+
+#else
+
+template <typename T>
+void attend_all(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
+                const bool* allowed, float scale, torch::Tensor& out) {
+  attend_all_portable<T>(q, cache, slots, allowed, scale, out);
+}
+
+#endif
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                      const torch::Tensor& context_slots,

@@ -12,6 +12,7 @@ as zcode.layers.mla.MLAttention does it. CPU variants:
   attention runs in the latent space, so the context is never expanded to H heads.
 """
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -65,20 +66,29 @@ def _tolerance(q: torch.Tensor, *args) -> tuple[float, float]:
 
 
 def attention_cases() -> list:
-    def case(query_lens, context_lens, heads, kv_heads, dim, dtype):
+    def case(query_lens, context_lens, heads, kv_heads, dim, dtype, window=None):
         def make(generator: torch.Generator):
             batch, num_blocks = random_batch(query_lens, context_lens, generator)
+            if window is not None:  # a sliding window (Gemma 3's): early positions masked
+                batch = dataclasses.replace(batch, attn_mask=batch.window_mask(window))
             q = torch.randn(sum(query_lens), heads, dim, generator=generator).to(dtype)
             cache = torch.randn(num_blocks, BLOCK_SIZE, 2, kv_heads, dim, generator=generator)
             return q, cache.to(dtype), batch, dim**-0.5
 
         name = f"{_shape_name(query_lens, context_lens)}-H{heads}-KV{kv_heads}-D{dim}-{dtype}"
-        return name, make
+        return name + (f"-window{window}" if window else ""), make
 
     cases = [case(q, c, 6, 2, 16, torch.float32) for q, c in BATCH_SHAPES]
     return cases + [
         case([1, 1], [9, 9], 9, 3, 64, torch.bfloat16),
         case([1], [5], 3, 3, 7, torch.float32),
+        # contexts of several chunks (the C++ kernel splits a sequence's positions over tasks
+        # and merges them): decode and verifying rows, head dims 128 and 256
+        case([1, 1], [600, 150], 8, 2, 128, torch.float32),
+        case([4, 1], [300, 41], 6, 2, 64, torch.float32),
+        case([1], [300], 4, 1, 256, torch.bfloat16),
+        # a window that masks whole chunks of a row's context
+        case([3, 1], [600, 20], 4, 2, 64, torch.float32, window=100),
     ]
 
 

@@ -48,7 +48,8 @@ def code_version() -> str:
     variant since fixed, a reference since changed) is not reused."""
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for path in sorted([*(root / "kernels").rglob("*.cpp"), *(root / "kernels").rglob("*.py")]):
+    kernels = root / "kernels"
+    for path in sorted([*kernels.rglob("*.cpp"), *kernels.rglob("*.h"), *kernels.rglob("*.py")]):
         digest.update(path.read_bytes())
     for path in sorted((root / "quant").glob("*.py")):
         digest.update(path.read_bytes())

@@ -11,7 +11,7 @@ any CPU (and on aarch64), fast where the ISA exists:
 - gemv.cpp: fp32 on AVX-512 F/BW/VL, bf16 with AVX512_BF16, W4A8 / W8A8 with AVX512_VNNI; each
   op without its features takes its portable loops.
 - moe.cpp: AVX-512 F/BW/VL + BF16; otherwise portable loops (fp32 and bf16).
-- attention.cpp: portable loops only (decode attention is a small part of a step).
+- attention.cpp: AVX-512 F/BW/VL (fp32 and bf16 caches); otherwise portable loops.
 The portable loops do the same integer dot products exactly and sum fp32 in another order.
 
 `python -m zcode.kernels` builds every source now (`make install` runs it), so neither
@@ -37,24 +37,27 @@ def build_ops(name: str, source: Path, what: str, extra_cflags: tuple[str, ...] 
     """True when `source` built and loaded (its ops are then in torch.ops); False, with a
     warning naming `what` falls back, where the compiler or the ISA is missing.
 
-    The build is filed under `name` and a digest of the source and flags, and compiles a copy
-    of the source kept in its build directory: ninja rebuilds whenever a source's path changes,
-    so two checkouts (a test clone beside a working tree) building from their own paths would
-    rebuild each other's kernels at every start, while changed sources never share a build."""
+    The build is filed under `name` and a digest of the source, the shared headers beside it
+    (simd.h) and the flags, and compiles copies of them kept in its build directory: ninja
+    rebuilds whenever a source's path changes, so two checkouts (a test clone beside a working
+    tree) building from their own paths would rebuild each other's kernels at every start,
+    while changed sources never share a build."""
     from torch.utils.cpp_extension import load
 
     cflags = ["-O3", "-march=native", "-fopenmp", *extra_cflags]
     code = source.read_bytes()
-    digest = hashlib.sha256(code + "\0".join(cflags).encode()).hexdigest()[:12]
-    name = f"{name}_{digest}"
+    headers = {path.name: path.read_bytes() for path in sorted(source.parent.glob("*.h"))}
+    digest = hashlib.sha256(code + b"".join(headers.values()) + "\0".join(cflags).encode())
+    name = f"{name}_{digest.hexdigest()[:12]}"
     try:
         with build_lock(name) as build_dir:
-            copy = build_dir / source.name
-            if not copy.exists() or copy.read_bytes() != code:
-                copy.write_bytes(code)
+            for file_name, text in [(source.name, code), *headers.items()]:
+                copy = build_dir / file_name  # headers beside the copy: #include "simd.h"
+                if not copy.exists() or copy.read_bytes() != text:
+                    copy.write_bytes(text)
             load(
                 name=name,
-                sources=[str(copy)],
+                sources=[str(build_dir / source.name)],
                 extra_cflags=cflags,
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,

@@ -21,6 +21,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "simd.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -78,18 +80,7 @@ struct F32 {
   static void store16(T* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
 };
 
-// exp(x) to ~1e-7 relative: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p Taylor of degree 7.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
+using zcode_simd::exp_ps;
 
 // sums[r][m] = w[r] . x[m] for R adjacent weight rows w[r] = w + r * K: the rows share each
 // activation load. Only the tail of K loads masked (as gemv.cpp's dot_rows: a masked load in

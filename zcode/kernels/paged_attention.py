@@ -25,9 +25,14 @@ MAX_GROUP = 64  # query heads per KV head the kernel holds
 MAX_QUERY_WIDTH = 8  # queries a sequence decode_batch takes (a token and its drafts)
 
 
-@functools.cache
+@torch.compiler.assume_constant_result  # a compiled step asks too: a constant of its graph
 def available() -> bool:
     """True when the kernel builds and loads here (built on first call)."""
+    return _built()
+
+
+@functools.cache
+def _built() -> bool:
     if not build_ops("zcode_attention", SOURCE, "using gather + SDPA"):
         return False
 

@@ -1,0 +1,26 @@
+// Vector helpers shared by the C++ kernel sources (cpp_build puts this directory on the include
+// path and keys each build by this header too).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace zcode_simd {
+
+// exp(x) to ~1e-7 relative: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p Taylor of degree 7.
+// Inputs are clamped to [-88, 88]: exp(-inf) is 2^-127, not 0 (callers mask what must be 0).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace zcode_simd
+
+#endif
