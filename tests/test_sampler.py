@@ -1,6 +1,8 @@
 """The sampler against hand-computed distributions: filters, temperature, seeds, penalties,
 log-probabilities."""
 
+import math
+
 import pytest
 import torch
 
@@ -189,19 +191,35 @@ def test_a_burst_of_improbable_tokens_is_caught_within_its_length():
     assert _run(Sampler(guard), _seqs(1, temperature=1.0, seed=0)[0], peaked, 40) == [None] * 40
 
 
+@pytest.mark.parametrize("sum_of_exps,caught", [(9_000, False), (11_000, True)])
+def test_greedy_tokens_count_as_improbable_by_their_exact_probability(sum_of_exps, caught):
+    """A greedy row's argmax has probability 1 / sum(exp(logit - max)); the guard's limit 1e-4
+    sits between these two rows (probabilities 1.1e-4 and 9.1e-5), each with every logit close
+    to the max, so no bound settles them without the sum."""
+    guard = AnomalyGuard(burst_len=8, burst_prob=1e-4)
+    vocab = 50_000
+    logits = torch.full((vocab,), math.log((sum_of_exps - 1) / (vocab - 1)))
+    logits[7] = 0.0
+    seen = _run(Sampler(guard), _seqs(1, temperature=0)[0], logits, 8)
+    assert seen == [None] * 7 + (["improbable_burst"] if caught else [None])
+    peaked = torch.full((vocab,), -20.0)
+    peaked[:3] = 0.0  # settled by the count: 3 logits near the max
+    assert _run(Sampler(guard), _seqs(1, temperature=0)[0], peaked, 40) == [None] * 40
+
+
 def test_a_repetition_loop_is_caught_and_varied_text_is_not():
     guard = AnomalyGuard(repeat_window=32, max_period=8, repeat_check_every=4)
     seq = _seqs(1, token_ids=[0])[0]
     seq.token_ids += [1, 2, 3] * 20  # a period-3 loop, 60 tokens so far
     sampler = Sampler(guard)
-    sampler._watch(seq, 1, 0.9, False)  # the 61st token does not complete a check step
+    sampler._watch(seq, 1, False, False)  # the 61st token does not complete a check step
     assert sampler.anomaly(seq) is None
     seq.token_ids += [1, 2, 3]
-    sampler._watch(seq, 1, 0.9, False)  # 64 tokens: checked
+    sampler._watch(seq, 1, False, False)  # 64 tokens: checked
     assert sampler.anomaly(seq) == "repetition"
     varied = _seqs(1, token_ids=[0])[0]
     varied.token_ids += [
         int(t) for t in torch.randint(0, 1000, (63,), generator=torch.Generator().manual_seed(0))
     ]  # noqa: E501
-    sampler._watch(varied, 5, 0.9, False)
+    sampler._watch(varied, 5, False, False)
     assert sampler.anomaly(varied) is None
