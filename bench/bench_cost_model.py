@@ -38,7 +38,7 @@ def main() -> None:
     key = fingerprint(info)
     start = time.perf_counter()
     if args.refit or (cost := CostModel.load(cache_path(key))) is None:
-        cost, fitted = fit_smollm2(key)
+        cost, fitted = fit_smollm2(key, info.read_bandwidth_gbps)
         cost.save(cache_path(key))
         print(f"fitted on {len(fitted)} measurements in {time.perf_counter() - start:.0f} s")
         _print_results("fit (in-sample)", [(m, _predict(cost, m)) for m in fitted])

@@ -10,6 +10,7 @@ from zcode.hardware.cost_model import (
     format_weight_bytes,
     predict,
     step_features,
+    weight_byte_floors,
 )
 from zcode.harness.plan import ExecutionPlan
 from zcode.quant import apply_precision, quantizable_modules
@@ -50,6 +51,28 @@ def test_fit_with_noise_stays_close_and_non_negative():
     assert fitted["a:calls"] == 0.0
     assert fitted["a:MB"] == pytest.approx(0.05, rel=0.05)
     assert fitted["step"] > 0
+
+
+def test_fit_keeps_each_floor_and_fits_the_rest():
+    rng = np.random.default_rng(2)
+    truth = {"step": 1.0, "a:MB": 0.02, "a:calls": 0.05}
+    rows = [
+        {"step": 1.0, "a:MB": rng.uniform(10, 500), "a:calls": rng.integers(1, 300)}
+        for _ in range(30)
+    ]
+    times = [sum(truth[n] * row[n] for n in truth) for row in rows]
+    fitted = fit_coefficients(rows, times, floors={"a:MB": 0.02})
+    for name, value in truth.items():
+        assert fitted[name] == pytest.approx(value, abs=1e-9)
+    # A floor above the truth binds: the bytes cost exactly it, the others absorb the rest.
+    raised = fit_coefficients(rows, times, floors={"a:MB": 0.03})
+    assert raised["a:MB"] == pytest.approx(0.03, abs=1e-12)
+    assert raised["a:calls"] < truth["a:calls"] or raised["step"] < truth["step"]
+
+
+def test_weight_bytes_cost_at_least_the_read_bandwidth():
+    rows = [{"step": 1.0, "int8:MB": 5.0, "int8:calls": 3.0}, {"bf16:MB": 2.0, "kv:MB": 1.0}]
+    assert weight_byte_floors(rows, read_gbps=80.0) == {"int8:MB": 1 / 80, "bf16:MB": 1 / 80}
 
 
 def test_predict_refuses_an_unfitted_kind():
@@ -239,17 +262,19 @@ def test_a_compiled_fit_is_added_to_the_cached_one(tmp_path, monkeypatch):
     from zcode.hardware.probe import HardwareInfo
 
     info = HardwareInfo.__new__(HardwareInfo)
+    object.__setattr__(info, "read_bandwidth_gbps", 50.0)
     monkeypatch.setattr("zcode.hardware.cost_model.cost_key", lambda info=None: "k")
     eager = CostModel({"step": 1.0}, {"step": 2.0}, "k")
     eager.save(cache_path("k", tmp_path))
     fits = []
 
-    def fit_compiled(cost):
+    def fit_compiled(cost, read_gbps):
+        assert read_gbps == 50.0  # the floor of its weight bytes
         fits.append(cost)
         return dataclasses.replace(cost, compiled_decode={"step": 0.5}), []
 
     monkeypatch.setattr(cost_fit, "fit_compiled", fit_compiled)
-    monkeypatch.setattr(cost_fit, "fit_smollm2", lambda key: pytest.fail("refit the eager cost"))
+    monkeypatch.setattr(cost_fit, "fit_smollm2", lambda *args: pytest.fail("refit the eager cost"))
     for _ in range(2):
         cost = CostModel.load_or_fit(info, cache_dir=tmp_path, compiled=True)
         assert cost == dataclasses.replace(eager, compiled_decode={"step": 0.5})
@@ -261,7 +286,7 @@ def test_a_fit_on_a_busy_machine_is_recorded_and_reported(tmp_path, monkeypatch)
     from zcode.hardware.cost_model import format_cost
 
     monkeypatch.setattr(cost_fit, "measure_plans", lambda plans, settings: [])
-    monkeypatch.setattr(cost_fit, "fit_coefficients", lambda features, ms: {"step": 1.0})
+    monkeypatch.setattr(cost_fit, "fit_coefficients", lambda features, ms, floors: {"step": 1.0})
     monkeypatch.setattr(cost_fit.os, "cpu_count", lambda: 2)
     for load, busy in ((0.2, False), (3.0, True)):  # cores other processes kept busy
         monkeypatch.setattr(cost_fit, "measure_other_load", lambda fn, load=load: (fn(), load))

@@ -27,6 +27,7 @@ from zcode.hardware.cost_model import (
     fit_coefficients,
     predict,
     step_features,
+    weight_byte_floors,
 )
 from zcode.hardware.load import BUSY_LOAD_PER_CORE, measure_other_load
 from zcode.harness.plan import ExecutionPlan
@@ -145,9 +146,12 @@ class Measurement:
     measured_ms: float
 
 
-def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
+def fit_smollm2(
+    fingerprint: str, read_gbps: float | None = None
+) -> tuple[CostModel, list[Measurement]]:
     """Measures FIT_PLANS at FIT_SETTINGS (and SPARSE_FIT_PLANS at SPARSE_FIT_SETTINGS) on this
-    machine and fits a CostModel to them; returns it with the measurements it was fitted to."""
+    machine and fits a CostModel to them; returns it with the measurements it was fitted to.
+    `read_gbps`: the measured read bandwidth, the floor of every weight kind's cost per byte."""
     measurements, other_load = measure_other_load(
         lambda: (
             measure_plans(FIT_PLANS, FIT_SETTINGS)
@@ -155,10 +159,7 @@ def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
         )
     )
     coefficients = {
-        mode: fit_coefficients(
-            [m.features for m in measurements if m.mode == mode],
-            [m.measured_ms for m in measurements if m.mode == mode],
-        )
+        mode: _fit([m for m in measurements if m.mode == mode], read_gbps)
         for mode in (DECODE, PREFILL)
     }
     cost = CostModel(
@@ -171,13 +172,21 @@ def fit_smollm2(fingerprint: str) -> tuple[CostModel, list[Measurement]]:
     return cost, measurements
 
 
+def _fit(measurements: list[Measurement], read_gbps: float | None) -> dict[str, float]:
+    rows = [m.features for m in measurements]
+    floors = None if read_gbps is None else weight_byte_floors(rows, read_gbps)
+    return fit_coefficients(rows, [m.measured_ms for m in measurements], floors)
+
+
 def fit_compiled(
     cost: CostModel,
+    read_gbps: float | None = None,
     plans: tuple[PlanSpec, ...] = COMPILED_FIT_PLANS,
     settings=COMPILED_FIT_SETTINGS,
 ) -> tuple[CostModel, list[Measurement]]:
     """`cost` with decode coefficients of compiled steps fitted to `plans` measured compiled at
-    `settings` on this machine; and the measurements."""
+    `settings` on this machine (weight bytes no faster than `read_gbps`); and the
+    measurements."""
     measurements, other_load = measure_other_load(
         lambda: measure_plans(plans, settings, compiled=True)
     )
@@ -187,10 +196,7 @@ def fit_compiled(
             "predicts slower than idle (refit: zcode hw --fit-cost --compiled --refresh)",
             other_load,
         )
-    coefficients = fit_coefficients(
-        [m.features for m in measurements], [m.measured_ms for m in measurements]
-    )
-    return dataclasses.replace(cost, compiled_decode=coefficients), measurements
+    return dataclasses.replace(cost, compiled_decode=_fit(measurements, read_gbps)), measurements
 
 
 def check_smollm2(

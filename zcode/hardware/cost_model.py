@@ -312,16 +312,38 @@ def _attention_sizes(model: nn.Module, skip_layers: tuple[int, ...]) -> tuple[fl
 # --- fitting ---------------------------------------------------------------------------------
 
 
-def fit_coefficients(rows: list[dict[str, float]], measured_ms: list[float]) -> dict[str, float]:
+def fit_coefficients(
+    rows: list[dict[str, float]],
+    measured_ms: list[float],
+    floors: Mapping[str, float] | None = None,
+) -> dict[str, float]:
     """Non-negative least squares on relative error: each row is divided by its measured time,
-    so a 5 ms step weighs as much as a 50 ms one. Returns {feature: ms per unit}."""
+    so a 5 ms step weighs as much as a 50 ms one. `floors`: {feature: least ms per unit}, each
+    such coefficient fitted as its floor plus a non-negative rest. Returns {feature: ms per
+    unit}."""
     if len(rows) != len(measured_ms) or not rows:
         raise ValueError("need one measured time per feature row, and at least one row")
     names = sorted({name for row in rows for name in row})
     x = np.array([[row.get(name, 0.0) for name in names] for row in rows])
     y = np.asarray(measured_ms, dtype=float)
-    coefficients, _ = nnls(x / y[:, None], np.ones_like(y))
-    return dict(zip(names, coefficients.tolist()))
+    floor = np.array([(floors or {}).get(name, 0.0) for name in names])
+    rest, _ = nnls(x / y[:, None], 1.0 - (x @ floor) / y)
+    return dict(zip(names, (floor + rest).tolist()))
+
+
+def weight_byte_floors(rows: list[dict[str, float]], read_gbps: float) -> dict[str, float]:
+    """{<kind>:MB: ms per MB at the measured read bandwidth} for the weight kinds in `rows`: no
+    kernel streams a weight faster than memory delivers it. The decode fit on SmolLM2 alone
+    cannot tell a small model's per-call costs from its bytes and gave some kinds bytes for
+    free (bf16 GGUF, w4a8), which mispredicted large models of those kinds by 2x. KV bytes get
+    no floor: a short context's stay in cache."""
+    ms_per_mb = 1.0 / read_gbps  # 1e6 bytes / (read_gbps * 1e9 bytes/s) in ms
+    return {
+        name: ms_per_mb
+        for row in rows
+        for name in row
+        if name.endswith(":MB") and not name.startswith("kv")
+    }
 
 
 def predict(coefficients: Mapping[str, float], features: Mapping[str, float]) -> float:
@@ -371,12 +393,12 @@ class CostModel:
         key = cost_key(info)
         model = None if refresh else cls.cached(info, cache_dir)
         if model is None:
-            model, _ = fit_smollm2(key)
+            model, _ = fit_smollm2(key, info.read_bandwidth_gbps)
             if model.fitted_under_load:
                 logger.warning(stale_note(model))
             model.save(cache_path(key, cache_dir))
         if compiled and model.compiled_decode is None:
-            model, _ = fit_compiled(model)
+            model, _ = fit_compiled(model, info.read_bandwidth_gbps)
             model.save(cache_path(key, cache_dir))
         return model
 
