@@ -36,3 +36,24 @@ def test_matches_sdpa(dtype, num_heads, num_kv_heads, query_lens, query_width):
         kv[2, 0, 1].float().repeat_interleave(num_heads // num_kv_heads, dim=0),
         atol=tol,
     )
+
+
+@pytest.mark.parametrize("head_dim", [64, 7])  # the AVX-512 path and the portable loops
+def test_paged_kernel_passes_a_corrupted_position_on_as_nan(head_dim):
+    """One NaN key deep in a long context (another chunk than the first, where the C++ kernel
+    splits a sequence over tasks): that sequence's output is NaN, as SDPA's would be, so the
+    engine's anomaly guard sees the corruption; the sequence beside it is untouched."""
+    from zcode.kernels import paged_attention
+    from zcode.kernels.paged import random_batch
+
+    if not paged_attention.available():
+        pytest.fail("the C++ attention kernel does not build here")
+    generator = torch.Generator().manual_seed(0)
+    batch, num_blocks = random_batch([1, 1], [600, 40], generator)
+    cache = torch.randn(num_blocks, 16, 2, 2, head_dim, generator=generator)
+    slot = int(batch.context_slots[0, 450])
+    cache.view(-1, 2, 2, head_dim)[slot, 0, 1] = float("nan")  # a key of KV head 1
+    q = torch.randn(2, 4, head_dim, generator=generator)
+    out = paged_attention.decode_batch(q, cache, batch, batch.attn_mask, head_dim**-0.5)
+    assert out[0, 2:].isnan().all()  # the query heads reading KV head 1
+    assert not out[0, :2].isnan().any() and not out[1].isnan().any()

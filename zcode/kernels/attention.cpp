@@ -122,6 +122,10 @@ inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32: the bits move up
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// max(a, b), NaN if either is: a NaN score (corrupted KV) must reach the output, as it does
+// through the portable loops and SDPA, so the engine's anomaly guard sees it.
+inline float nan_max(float a, float b) { return (a > b || std::isnan(a)) ? a : b; }
+
 // One task's partial softmax per query head: max score, exp-sum and unnormalized output.
 struct Partial {
   float* best;  // [H]
@@ -167,14 +171,14 @@ void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const b
   for (int64_t h = 0; h < H; ++h) {
     float* row = scores + h * MAX_CHUNK;
     float best = neg_inf;
-    for (int64_t i = 0; i < n; ++i) best = std::max(best, row[i]);
+    for (int64_t i = 0; i < n; ++i) best = nan_max(best, row[i]);
     part.best[h] = best;
     __m512 total = _mm512_setzero_ps();
     if (best != neg_inf) {  // else no allowed position in this chunk: total 0, it adds nothing
       for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
         const __m512 x = _mm512_maskz_loadu_ps(m, row + i);
-        const __mmask16 live = _mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
+        const __mmask16 live = _mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(neg_inf), _CMP_NEQ_UQ);
         const __m512 e = zcode_simd::exp_ps(_mm512_sub_ps(x, _mm512_set1_ps(best)));
         const __m512 p = _mm512_maskz_mov_ps(live, e);
         _mm512_mask_storeu_ps(row + i, m, p);
@@ -249,14 +253,14 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / H, h = r % H;
       float best = -std::numeric_limits<float>::infinity(), total = 0.f;
-      for (int64_t c = 0; c < chunks; ++c) best = std::max(best, part_of(b * chunks + c).best[h]);
+      for (int64_t c = 0; c < chunks; ++c) best = nan_max(best, part_of(b * chunks + c).best[h]);
       for (int64_t c = 0; c < chunks; ++c) {
         const Partial p = part_of(b * chunks + c);
-        weight[c] = p.total[h] > 0.f ? std::exp(p.best[h] - best) : 0.f;
+        weight[c] = p.total[h] == 0.f ? 0.f : std::exp(p.best[h] - best);  // NaN stays NaN
         total += weight[c] * p.total[h];
       }
       // A sequence with no allowed position attends to nothing: zeros (SDPA would give NaN).
-      const float inv = total > 0.f ? 1.f / total : 0.f;
+      const float inv = total == 0.f ? 0.f : 1.f / total;
       for (int64_t d = 0; d < D; ++d) {
         float sum = 0.f;
         for (int64_t c = 0; c < chunks; ++c) sum += weight[c] * part_of(b * chunks + c).acc[h * D + d];

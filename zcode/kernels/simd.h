@@ -8,9 +8,11 @@
 namespace zcode_simd {
 
 // exp(x) to ~1e-7 relative: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p Taylor of degree 7.
-// Inputs are clamped to [-88, 88]: exp(-inf) is 2^-127, not 0 (callers mask what must be 0).
+// Inputs are clamped to [-88, 88]: exp(-inf) is 2^-127, not 0 (callers mask what must be 0). A NaN
+// stays NaN (vminps / vmaxps return their second operand when one is NaN): corrupted inputs
+// must show, not turn into numbers.
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  x = _mm512_max_ps(_mm512_set1_ps(-88.f), _mm512_min_ps(_mm512_set1_ps(88.f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
