@@ -118,9 +118,9 @@ class Sampler:
     def _argmax_improbable(self, row: np.ndarray, row_max: float) -> bool:
         """Whether the argmax of logits `row` has probability 1 / sum(exp(row - max)) below the
         guard's burst_prob. Most rows are settled by a count: a logit within _MARGIN of the max
-        adds at most 1 to the sum, any other less than exp(-_MARGIN). The exp of every logit
-        (262144 for Gemma 3, with its temporaries ~0.9 ms a step) only where that bound does not
-        decide."""
+        adds at most 1 to the sum, any other less than exp(-_MARGIN). Only where that bound does
+        not decide is every logit exponentiated (Gemma 3's 262144, with the temporaries: ~0.9 ms
+        a step)."""
         limit = 1.0 / self.guard.burst_prob
         near = int(np.count_nonzero(row > row_max - _MARGIN))
         if near + (row.size - near) * math.exp(-_MARGIN) < limit:

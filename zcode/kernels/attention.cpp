@@ -225,7 +225,7 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
   const T* q_data = q.data_ptr<T>();
   const T* cache_data = cache.data_ptr<T>();
   const int64_t* slot_data = slots.data_ptr<int64_t>();
-  std::vector<float> parts(tasks * part_floats);
+  std::vector<float> parts(tasks * part_floats);  // zeros: a chunk weighed 0 skips its acc
   auto part_of = [&](int64_t t) {
     float* p = parts.data() + t * part_floats;
     return Partial{p, p + H, p + 2 * H};
