@@ -50,8 +50,13 @@ def _in_features(ggml_type: int, num_blocks: int) -> int:
 
 def _quantized_activations(x: torch.Tensor, ggml_type: int) -> np.ndarray:
     """x [M, K] fp32 as the GEMV sees it, float64: per block scale = amax / 127 (fp32), codes =
-    round half to even of x / scale; x itself for the float types."""
+    round half to even of x / scale; for BF16 weights x rounded to bf16 (half to even on its
+    fp32 bits, as llama.cpp); x itself for F32 and F16."""
     xs = x.float().numpy()
+    if ggml_type == GGMLQuantizationType.BF16:
+        bits = xs.view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+        return rounded.view(np.float32).astype(np.float64)
     block = ACTIVATION_BLOCK.get(ggml_type)
     if block is None:
         return xs.astype(np.float64)
@@ -83,7 +88,10 @@ def _check_gemv(got: torch.Tensor, x: torch.Tensor, weights: list[GgufWeight]) -
 
 
 def _half_steps(x: torch.Tensor, w: GgufWeight) -> np.ndarray:
-    """Half the activation rounding step of every element of x [M, K], float64 (0: float rows)."""
+    """Half the activation rounding step of every element of x [M, K], float64 (bf16: 2^-9
+    relative; 0 for F32 and F16 rows)."""
+    if w.ggml_type == GGMLQuantizationType.BF16:
+        return np.abs(x.double().numpy()) * 2.0**-9
     block = ACTIVATION_BLOCK.get(w.ggml_type)
     if block is None:
         return np.zeros(x.shape)
@@ -151,8 +159,9 @@ def test_gemm_path_matches_reference(ggml_type):
     w = GgufWeight.random(ggml_type, 37, num_in, generator)
     x = torch.randn(GEMV_MAX_ROWS + 1, num_in, generator=generator) * 3
     x[0, :7] = 0.0
-    got = w.linear_fast(x)  # past the GEMV's rows: dequantize + fp32 GEMM
-    assert got.equal(w.mm_dequantized(x))
+    got = w.linear_fast(x)  # past the GEMV's rows: dequantize + fp32 GEMM (BF16: the GEMV's tiles)
+    expected_path = w.mm_gemv if ggml_type == GGMLQuantizationType.BF16 else w.mm_dequantized
+    assert got.equal(expected_path(x))
     # x quantized as the GEMV quantizes it: the same references, and a prompt token gets what
     # it would get decoded, up to fp32 summation order.
     _check_gemv(got, x, [w])
@@ -311,3 +320,15 @@ def test_interleaved_layout_needs_groups_of_16_rows():
         torch.ops.zcode.ggml_gemv(torch.randn(1, 64), [w.data], [w.ggml_type | INTERLEAVED])
     with pytest.raises(RuntimeError, match="no interleaved layout"):
         torch.ops.zcode.ggml_interleave(torch.zeros(16, 128, dtype=torch.uint8), f16, 64)
+
+
+@pytest.mark.parametrize("num_in", [37, 100, 4096])
+def test_bf16_rows_at_prefill_row_counts(num_in):
+    """BF16 rows run as a GEMM at any row count (tiles of 4 x rows by 4 weight rows, 32 k a
+    step): K not a multiple of 32, x and weight rows that leave partial tiles, and at K = 4096
+    (32 x rows per L2 block) several blocks of x rows."""
+    w = GgufWeight.random(GGMLQuantizationType.BF16, 10, num_in, _generator(num_in))
+    assert w.gemv_max_rows > 512
+    for rows in (5, 66, 70):
+        x = torch.randn(rows, num_in, generator=_generator(num_in, rows))
+        _check_gemv(w.linear_fast(x), x, [w])

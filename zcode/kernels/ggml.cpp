@@ -29,8 +29,9 @@
 // are fp32 amax / 127 and codes round half to even. Every weight block's codes are unsigned (Q8_0:
 // |q|, the sign moved onto the activation), so vpdpbusd sums 4 products per int32 lane exactly;
 // the offsets (-8 d, m, -dmin m_i, -32 d sc_i) multiply the activation sums, and the blocks'
-// partial sums are scaled and added in fp32. Float rows multiply fp32 activations (fp16 and
-// bf16 widened exactly to fp32). The op takes a list of weights sharing x, each of its own type
+// partial sums are scaled and added in fp32. F32 and F16 rows multiply fp32 activations (fp16
+// widened exactly); BF16 rows multiply x rounded to bf16 as llama.cpp does, in tiles that make
+// them a GEMM at any row count ("BF16 rows" below). The op takes a list of weights sharing x, each of its own type
 // (Q4_K_M files mix Q4_K and Q6_K in one q/k/v group), returns [M, N_0 + N_1 + ...] fp32, and
 // quantizes x once per activation format the group needs. The dot products take up to MAX_ROWS
 // (8) rows of x at a time; more rows are chunks of 8, run on each tile of weight rows in turn so
@@ -46,6 +47,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "simd.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -1354,6 +1357,141 @@ void dequantize_row_float(const uint8_t* row, int64_t K, float* out) {
 
 #endif
 
+// ---- BF16 rows: x rounded to bf16, as llama.cpp rounds the activations of a BF16 weight (its
+// vec_dot_type) and gemv.cpp those of a bf16 nn.Linear; each product of two bf16 is exact in fp32,
+// so only the order of the fp32 sums differs between paths. A weight of BF16 rows against M rows
+// of x is a GEMM (a prompt's prefill, a MoE expert's tokens) as much as a GEMV: tiles of 4 x
+// rows by 4 weight rows, 16 sums in registers, the x rows blocked to stay in L2 while each
+// quadruple of weight rows, read from memory once per block, stays in L1.
+
+// x [n] fp32 -> bf16 bits, round to nearest even; NaN stays NaN (quieted), as ggml rounds.
+std::vector<uint16_t> round_to_bf16(const float* x, int64_t n) {
+  std::vector<uint16_t> out(n);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, 4);
+    out[i] = (u & 0x7FFFFFFF) > 0x7F800000 ? (u >> 16) | 0x40 : (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+  }
+  return out;
+}
+
+constexpr int64_t BF16_TILE = 4;                  // x rows and weight rows per tile
+constexpr int64_t BF16_X_BLOCK_BYTES = 256 << 10;  // x rows kept in L2 per pass over the weights
+
+#if defined(ZCODE_GGML_AVX512) && defined(__AVX512BF16__)
+#define ZCODE_GGML_AVX512_BF16 1
+
+// v[16] -> one vector whose lane i is the sum of v[i]'s lanes: 15 adds and 30 shuffles instead of
+// 16 horizontal reductions (each ~4 adds, 4 shuffles and a dependency chain).
+inline __m512 lane_sums(const __m512 (&v)[16]) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit quarter: v[2i], v[2i + 1] partials alternating
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per quarter: v[4i..4i + 3]'s partials
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // quarters: u[2i] halves 0, 1, u[2i + 1] halves 0, 1
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// out[i * N + j] = x[i] . w[j] for MR x rows (row stride K) and 4 weight rows (w[j] pointers; a
+// tile past the last row repeats it), storing the first `nr`; vdpbf16ps sums 32 products a step.
+template <int MR, bool PREFETCH>
+void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[BF16_TILE], int64_t nr,
+               float* out, int64_t N) {
+  __m512 acc[MR][BF16_TILE];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < BF16_TILE; ++j) acc[i][j] = _mm512_setzero_ps();
+  // Whole vectors load unmasked, only the K tail masked (a masked load costs more, gemv.cpp).
+  const auto step = [&](int64_t k, auto load) {
+    __m512bh xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = load(x + i * K + k);
+    for (int j = 0; j < BF16_TILE; ++j) {
+      if constexpr (PREFETCH) prefetch_l2(reinterpret_cast<const uint8_t*>(w[j] + k));
+      const __m512bh wv = load(w[j] + k);
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[i]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) step(k, [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); });
+  if (const __mmask32 tail = (__mmask32{1} << (K - k)) - 1; k < K)
+    step(k, [tail](const uint16_t* p) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, p); });
+  __m512 v[16];
+  for (int i = 0; i < BF16_TILE; ++i)
+    for (int j = 0; j < BF16_TILE; ++j)
+      v[i * BF16_TILE + j] = i < MR ? acc[i][j] : _mm512_setzero_ps();
+  alignas(64) float sums[16];
+  _mm512_store_ps(sums, lane_sums(v));
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < nr; ++j) out[i * N + j] = sums[i * BF16_TILE + j];
+}
+#else
+// Portable: both operands widened exactly to fp32, BF16_LANES partial sums per output.
+constexpr int BF16_LANES = 16;
+template <int MR, bool PREFETCH>
+void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[BF16_TILE], int64_t nr,
+               float* out, int64_t N) {
+  const auto widen = [](uint16_t h) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  };
+  for (int j = 0; j < nr; ++j)
+    for (int i = 0; i < MR; ++i) {
+      float acc[BF16_LANES] = {};
+      int64_t k = 0;
+      for (; k + BF16_LANES <= K; k += BF16_LANES)
+        for (int l = 0; l < BF16_LANES; ++l) acc[l] += widen(w[j][k + l]) * widen(x[i * K + k + l]);
+      for (; k < K; ++k) acc[0] += widen(w[j][k]) * widen(x[i * K + k]);
+      float sum = 0.f;
+      for (int l = 0; l < BF16_LANES; ++l) sum += acc[l];
+      out[i * N + j] = sum;
+    }
+}
+#endif
+
+// Weight rows r0..r1 (BF16, row stride `stride` bytes) against all M rows of x (bf16 bits
+// [M, K]) -> out[m * N + r].
+void bf16_rows(const uint8_t* w, int64_t stride, int64_t r0, int64_t r1, const uint16_t* x,
+               int64_t M, int64_t K, float* out, int64_t N) {
+  const int64_t x_block = std::max(BF16_TILE, BF16_X_BLOCK_BYTES / (2 * K) / BF16_TILE * BF16_TILE);
+  for (int64_t m0 = 0; m0 < M; m0 += x_block) {
+    const int64_t m1 = std::min(M, m0 + x_block);
+    for (int64_t r = r0; r < r1; r += BF16_TILE) {
+      const int64_t nr = std::min(BF16_TILE, r1 - r);
+      const uint16_t* rows[BF16_TILE];
+      for (int64_t j = 0; j < BF16_TILE; ++j)
+        rows[j] = reinterpret_cast<const uint16_t*>(w + (r + std::min(j, nr - 1)) * stride);
+      // The first tile of a block streams the weight rows from memory: it prefetches them.
+      const auto tile = [&](auto rows_of_x, int64_t m, auto prefetch) {
+        bf16_tile<decltype(rows_of_x)::value, decltype(prefetch)::value>(
+            x + m * K, K, rows, nr, out + m * N + r, N);
+      };
+      using First = std::true_type;
+      using Later = std::false_type;
+      int64_t m = m0;
+      switch (std::min(BF16_TILE, m1 - m)) {
+        case 1: tile(std::integral_constant<int, 1>{}, m, First{}); break;
+        case 2: tile(std::integral_constant<int, 2>{}, m, First{}); break;
+        case 3: tile(std::integral_constant<int, 3>{}, m, First{}); break;
+        default: tile(std::integral_constant<int, 4>{}, m, First{}); break;
+      }
+      for (m += BF16_TILE; m + BF16_TILE <= m1; m += BF16_TILE)
+        tile(std::integral_constant<int, 4>{}, m, Later{});
+      switch (m1 - m) {
+        case 1: tile(std::integral_constant<int, 1>{}, m, Later{}); break;
+        case 2: tile(std::integral_constant<int, 2>{}, m, Later{}); break;
+        case 3: tile(std::integral_constant<int, 3>{}, m, Later{}); break;
+      }
+    }
+  }
+}
+
 // ---- Dispatch.
 
 struct Input {
@@ -1440,7 +1578,6 @@ void rows_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64_t
     case Q6_K: return each([&](auto p, auto o) { dot_row_k<BQ6_K, M>(p, *in.act256, o, N); });
     case F32: return each([&](auto p, auto o) { dot_row_float<RowF32, M>(p, in.x, in.K, o, N); });
     case F16: return each([&](auto p, auto o) { dot_row_float<RowF16, M>(p, in.x, in.K, o, N); });
-    case BF16: return each([&](auto p, auto o) { dot_row_float<RowBF16, M>(p, in.x, in.K, o, N); });
   }
   TORCH_CHECK(false, "ggml type ", type, " has no kernel");
 }
@@ -1490,14 +1627,18 @@ bool is_k_quant(int64_t type) {
 bool is_block32(int64_t type) { return block_shape(type).first == QK; }
 
 // x [M, K] fp32 (contiguous, any M) quantized once per block size its weights need, in chunks
-// of up to MAX_ROWS rows (chunk c: rows c * MAX_ROWS..), as `Input` reads each.
+// of up to MAX_ROWS rows (chunk c: rows c * MAX_ROWS..), as `Input` reads each; rounded to bf16
+// (all rows at once) where a weight has BF16 rows.
 struct QuantizedInput {
-  int64_t M;
+  int64_t M, K;
   std::vector<Activations> act32, act256;
   std::vector<Input> chunks;
-  QuantizedInput(const float* x, int64_t M, int64_t K, at::IntArrayRef types) : M(M) {
-    bool needs32 = false, needs256 = false;
-    for (const int64_t type : types) needs32 |= is_block32(type), needs256 |= is_k_quant(type);
+  std::vector<uint16_t> bf16;  // [M, K]
+  QuantizedInput(const float* x, int64_t M, int64_t K, at::IntArrayRef types) : M(M), K(K) {
+    bool needs32 = false, needs256 = false, needs_bf16 = false;
+    for (const int64_t type : types)
+      needs32 |= is_block32(type), needs256 |= is_k_quant(type), needs_bf16 |= type == BF16;
+    if (needs_bf16) bf16 = round_to_bf16(x, M * K);
     const int64_t num_chunks = (M + MAX_ROWS - 1) / MAX_ROWS;
     act32.resize(num_chunks), act256.resize(num_chunks);  // not resized again: Input points here
     for (int64_t c = 0; c < num_chunks; ++c) {
@@ -1542,6 +1683,9 @@ void chunk_rows(const Segment& s, int64_t c, int64_t r0, int64_t r1) {
 }
 
 void segment_rows(const Segment& s, int64_t r0, int64_t r1) {
+  if (s.type == BF16)
+    return bf16_rows(s.w.data, s.w.stride, r0, r1, s.in->bf16.data(), s.in->M, s.in->K, s.out,
+                     s.out_stride);
   const int64_t num_chunks = static_cast<int64_t>(s.in->chunks.size());
   const int64_t tile = num_chunks > 1 ? TILE_ROWS : r1 - r0;
   for (int64_t t0 = r0; t0 < r1; t0 += tile) {
@@ -1559,20 +1703,37 @@ void segment_rows(const Segment& s, int64_t r0, int64_t r1) {
   }
 }
 
-// Every segment's rows in one parallel region, split by weight bytes into units of 16 rows (an
-// interleaved weight's groups stay whole).
+// Every segment's rows in one parallel region, in units of 16 rows (an interleaved weight's
+// groups stay whole), each thread an equal share of the work: a unit's bytes times its rows of x,
+// at least MAX_ROWS (a few rows stream the weights: bytes take the time; many rows multiply them:
+// bytes x rows). By bytes alone, a prefill's shared expert, on every token, and the routed ones
+// on a few each left one of two threads waiting (a GLM-shaped layer of bf16 experts, 512 tokens:
+// 1.3x on 2 threads).
 void gemv_segments(const std::vector<Segment>& segments) {
   std::vector<int64_t> offsets{0};  // in units
-  int64_t total_bytes = 0;
+  std::vector<double> work{0.};     // before each segment
   for (const auto& s : segments) {
-    const bool runs = s.in->M > 0;
-    offsets.push_back(offsets.back() + (runs ? (s.w.rows + GROUP_ROWS - 1) / GROUP_ROWS : 0));
-    total_bytes += runs ? s.w.bytes : 0;
+    const int64_t units = s.in->M > 0 ? (s.w.rows + GROUP_ROWS - 1) / GROUP_ROWS : 0;
+    offsets.push_back(offsets.back() + units);
+    work.push_back(work.back() + (units ? static_cast<double>(s.w.bytes) * std::max(s.in->M, MAX_ROWS) : 0.));
   }
   const int64_t units = offsets.back();
   if (units == 0) return;
-  const int64_t grain = std::max<int64_t>(1, GRAIN_BYTES * units / std::max<int64_t>(1, total_bytes));
-  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+  // A task streams at least GRAIN_BYTES (at MAX_ROWS rows); one task per thread at most.
+  const double total = work.back();
+  const int64_t tasks = std::clamp<int64_t>(
+      static_cast<int64_t>(total / (static_cast<double>(GRAIN_BYTES) * MAX_ROWS)), 1,
+      at::get_num_threads());
+  const auto first_unit = [&](int64_t task) -> int64_t {  // of the task, by its share of work
+    if (task >= tasks) return units;
+    const double at = total * static_cast<double>(task) / static_cast<double>(tasks);
+    const size_t s = std::upper_bound(work.begin(), work.end(), at) - work.begin() - 1;
+    const int64_t n = offsets[s + 1] - offsets[s];
+    return offsets[s] + std::min<int64_t>(n, static_cast<int64_t>((at - work[s]) / (work[s + 1] - work[s]) * n));
+  };
+  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+    int64_t u0 = first_unit(t0);
+    const int64_t u1 = first_unit(t1);
     size_t s = std::upper_bound(offsets.begin(), offsets.end(), u0) - offsets.begin() - 1;
     for (; u0 < u1; ++s) {
       const int64_t end = std::min(u1, offsets[s + 1]), rows = segments[s].w.rows;
@@ -1608,7 +1769,25 @@ namespace {
 
 // out[i] = silu(gate[i]) * up[i], i < n.
 void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  int64_t i = 0;
+#if defined(ZCODE_GGML_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = zcode_simd::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                            _mm512_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// fn(i) for i in [0, n): on every thread where the step has many tokens (a prefill's gathers,
+// activations and sums, a few ms serial), inline at a decode step's few.
+template <typename Fn>
+void for_each_pass(int64_t n, bool parallel, const Fn& fn) {
+  at::parallel_for(0, n, parallel ? 1 : std::max<int64_t>(n, 1), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) fn(i);
+  });
 }
 
 // x [M, K] times weights ws of types `types`, checked by the caller -> out [M, sum N_s].
@@ -1745,6 +1924,7 @@ torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
   if (passes.empty()) return out;
   const auto xf = x.to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
+  const bool prefill = T >= 2 * MAX_ROWS;
   // A pass of every token (a shared expert; every pass of a one-token step) reads x quantized
   // once for all of them: rows quantize independently, so its codes are those of its own rows.
   std::unique_ptr<QuantizedInput> every_token;
@@ -1752,46 +1932,57 @@ torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
   for (const Pass& p : passes) x_types.push_back(G.type[p.e]), x_types.push_back(U.type[p.e]);
   if (std::any_of(passes.begin(), passes.end(), [T](const Pass& p) { return p.M == T; }))
     every_token = std::make_unique<QuantizedInput>(xp, T, D, x_types);
-  // One buffer for every pass's rows (a few hundred small vectors a step otherwise).
+  // One buffer for every pass's rows, kept between calls: a prefill's are tens of MB, which
+  // malloc maps fresh (and the kernel zeroes page by page) at every call otherwise.
   size_t floats = 0;
   for (const Pass& p : passes) floats += p.M * (2 * D + 3 * p.I);
-  std::vector<float> work(floats);
+  thread_local std::vector<float> work;
+  if (work.size() < floats) work.resize(floats);
   float* next = work.data();
   for (Pass& p : passes) {
     p.x = next, p.h = p.x + p.M * D, p.act = p.h + p.M * 2 * p.I, p.y = p.act + p.M * p.I;
     next = p.y + p.M * D;
   }
+  const int64_t num_passes = static_cast<int64_t>(passes.size());
   // Gate and up of every pass, each on its tokens' rows quantized once.
-  std::vector<Segment> segments;
-  for (Pass& p : passes) {
+  for_each_pass(num_passes, prefill, [&](int64_t i) {
+    Pass& p = passes[i];
     if (p.M == T) {
       p.x_in = every_token.get();
-    } else {
-      for (int64_t m = 0; m < p.M; ++m) std::copy_n(xp + p.tokens[m].first * D, D, p.x + m * D);
-      const int64_t types[] = {G.type[p.e], U.type[p.e]};
-      p.own_x_in = std::make_unique<QuantizedInput>(p.x, p.M, D, types);
-      p.x_in = p.own_x_in.get();
+      return;
     }
+    for (int64_t m = 0; m < p.M; ++m) std::copy_n(xp + p.tokens[m].first * D, D, p.x + m * D);
+    const int64_t types[] = {G.type[p.e], U.type[p.e]};
+    p.own_x_in = std::make_unique<QuantizedInput>(p.x, p.M, D, types);
+    p.x_in = p.own_x_in.get();
+  });
+  std::vector<Segment> segments;
+  for (Pass& p : passes) {
     segments.push_back({G.w[p.e], G.type[p.e], p.x_in, p.h, 2 * p.I});
     segments.push_back({U.w[p.e], U.type[p.e], p.x_in, p.h + p.I, 2 * p.I});
   }
   gemv_segments(segments);
   // silu(gate) * up, quantized for the down projection; every pass's down rows.
-  segments.clear();
-  for (Pass& p : passes) {
+  for_each_pass(num_passes, prefill, [&](int64_t i) {
+    Pass& p = passes[i];
     const int64_t I = p.I;
     for (int64_t m = 0; m < p.M; ++m) silu_mul(p.h + m * 2 * I, p.h + m * 2 * I + I, I, p.act + m * I);
     p.act_in = std::make_unique<QuantizedInput>(p.act, p.M, I, at::IntArrayRef(&Dn.type[p.e], 1));
-    segments.push_back({Dn.w[p.e], Dn.type[p.e], p.act_in.get(), p.y, D});
-  }
+  });
+  segments.clear();
+  for (Pass& p : passes) segments.push_back({Dn.w[p.e], Dn.type[p.e], p.act_in.get(), p.y, D});
   gemv_segments(segments);
-  // Each token's sum in pass order: routed experts by ascending id, then the shared ones.
+  // Each token's sum in pass order (routed experts by ascending id, then the shared ones), the
+  // columns split over threads.
   float* o = out.data_ptr<float>();
-  for (const Pass& p : passes)
-    for (int64_t m = 0; m < p.M; ++m) {
-      const auto [t, gain] = p.tokens[m];
-      for (int64_t d = 0; d < D; ++d) o[t * D + d] += gain * p.y[m * D + d];
-    }
+  const int64_t column_grain = prefill ? 64 : D;
+  at::parallel_for(0, D, column_grain, [&](int64_t d0, int64_t d1) {
+    for (const Pass& p : passes)
+      for (int64_t m = 0; m < p.M; ++m) {
+        const auto [t, gain] = p.tokens[m];
+        for (int64_t d = d0; d < d1; ++d) o[t * D + d] += gain * p.y[m * D + d];
+      }
+  });
   return out;
 }
 

@@ -8,16 +8,17 @@ Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it
   -> [M, N_0 + N_1 + ...] fp32. x is
   quantized to int8 inside the call as llama.cpp does (per 32 for the 32-block types, per 256
   with sums per 16 for the K-quants; fp32 scales amax / 127, round half to even), and each block
-  is an exact integer dot product (VNNI, or int8 loops the compiler vectorizes); float rows
-  multiply fp32 x.
+  is an exact integer dot product (VNNI, or int8 loops the compiler vectorizes); F32 and F16
+  rows multiply fp32 x, BF16 rows x rounded to bf16 (llama.cpp's activations for them) in
+  tiles of 4 x rows by 4 weight rows (vdpbf16ps): a GEMM at any M, the prefill path of BF16.
 - `torch.ops.zcode.ggml_moe(x, weights, expert_ids, gate, up, down, gate_types, up_types,
-  down_types, num_routed)`: a MoE layer's decode step (x [T, D]) over experts of GGUF weights
-  in one call: each routed expert of the step (ascending id) on its own tokens and the shared
-  ones (experts num_routed.. ) on every token (each list entry one expert's rows [N, row_bytes]
-  or a stack of experts [E, N, row_bytes], with one type per entry); gate and up
+  down_types, num_routed)`: a MoE layer's step (x [T, D]: decode or prefill) over experts of
+  GGUF weights in one call: each routed expert of the step (ascending id) on its own tokens and
+  the shared ones (experts num_routed.. ) on every token (each list entry one expert's rows
+  [N, row_bytes] or a stack of experts [E, N, row_bytes], with one type per entry); gate and up
   of all of them in one parallel region, SiLU * up, every down GEMV in a second, the
   routing-weighted sum -> [T, D] fp32; what the experts' modules compute, without a Python call
-  per expert;
+  per expert; the work split over threads by weight bytes x rows of x;
 - `torch.ops.zcode.ggml_dequantize(data, ggml_type, in_features, row_ids=None)`: rows
   [R, row_bytes] -> fp32 [R, K], or only rows row_ids [T] -> [T, K] (an embedding lookup, ~3 us),
   bit for bit the `gguf` package's dequantize (also the prefill path: row tiles dequantized, then

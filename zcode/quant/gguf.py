@@ -14,6 +14,7 @@ memory-mapped file: loading reads nothing, and a decode step reads each block on
 lm_head is a QuantizedLinear over the same GgufWeight.
 """
 
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -127,14 +128,19 @@ class GgufWeight(PackedWeight):
     that the weight dequantized to fp32 DEQUANT_TILE_ROWS rows at a time by the C++ dequantize,
     each tile one fp32 GEMM: a 512 x 576 x 1536 prefill, one thread, 14 ms in Q4_1 (26 ms with
     the package's dequantize; 17 ms for an fp32 F.linear over a weight dequantized in advance).
-    A bf16 GEMM over bf16 tiles takes half that, but rounds x and W past the fp32 reference.
+    BF16 rows take the C++ kernel at any row count (x rounded to bf16, as llama.cpp rounds it).
 
     `interleaved`: `data` holds the same bytes in ggml.cpp's interleaved layout (blocks of 16
     rows side by side), which its ops read as `kernel_type`; `file_rows()` gives them back in the
     file's order (the package's dequantize reads that).
     """
 
-    gemv_max_rows = GEMV_MAX_ROWS
+    @property
+    def gemv_max_rows(self) -> int:
+        """Rows up to which the C++ kernel runs (linear_fast, linear_group): BF16 rows at any
+        count, as ggml.cpp's tiles of vdpbf16ps products (a 512 x 1024 x 3584 prefill, 2 Zen 5
+        threads: ~700 GFLOP/s against ~210 for the fp32 GEMM over dequantized tiles)."""
+        return sys.maxsize if self.ggml_type == GGMLQuantizationType.BF16 else GEMV_MAX_ROWS
 
     def __init__(
         self, data: torch.Tensor, ggml_type: int, in_features: int, interleaved: bool = False
@@ -234,7 +240,7 @@ class GgufWeight(PackedWeight):
     def linear_fast(self, x: torch.Tensor) -> torch.Tensor:
         if not (ggml_available() and has_kernel(self.ggml_type)):
             return self.mm_package(x)
-        if x.shape[0] <= GEMV_MAX_ROWS:
+        if x.shape[0] <= self.gemv_max_rows:
             return self.mm_gemv(x)
         return self.mm_dequantized(x)
 
@@ -261,10 +267,13 @@ class GgufWeight(PackedWeight):
     def quantized_activations(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] as the GEMV multiplies it: int8 codes per activation block (llama.cpp's
         Q8_0 / Q8_1 / Q8_K; scale amax / 127, round half to even, as ggml.cpp) times their
-        scale, fp32; x itself for the float types. The GEMM paths multiply this, so a prompt
-        token gets the logits it would get decoded (and llama.cpp's, which quantizes both)."""
+        scale, fp32; x rounded to bf16 for BF16 weights (llama.cpp's activations for them);
+        x itself for F32 and F16. The GEMM paths multiply this, so a prompt token gets the
+        logits it would get decoded (and llama.cpp's, which quantizes both)."""
         block = ACTIVATION_BLOCK.get(GGMLQuantizationType(self.ggml_type))
         x = x.float()
+        if self.ggml_type == GGMLQuantizationType.BF16:
+            return x.bfloat16().float()
         if block is None:
             return x
         blocks = x.reshape(x.shape[0], -1, block)  # [M, K / block, block]
