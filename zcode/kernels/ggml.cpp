@@ -1398,19 +1398,19 @@ inline __m512 lane_sums(const __m512 (&v)[16]) {
                        _mm512_shuffle_f32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// out[i * N + j] = x[i] . w[j] for MR x rows (row stride K) and 4 weight rows (w[j] pointers; a
+// out[i * N + j] = x[i] . w[j] for MR x rows (row stride K) and NR weight rows (w[j] pointers; a
 // tile past the last row repeats it), storing the first `nr`; vdpbf16ps sums 32 products a step.
-template <int MR, bool PREFETCH>
-void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[BF16_TILE], int64_t nr,
+template <int MR, int NR, bool PREFETCH>
+void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[NR], int64_t nr,
                float* out, int64_t N) {
-  __m512 acc[MR][BF16_TILE];
+  __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < BF16_TILE; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   // Whole vectors load unmasked, only the K tail masked (a masked load costs more, gemv.cpp).
   const auto step = [&](int64_t k, auto load) {
     __m512bh xv[MR];
     for (int i = 0; i < MR; ++i) xv[i] = load(x + i * K + k);
-    for (int j = 0; j < BF16_TILE; ++j) {
+    for (int j = 0; j < NR; ++j) {
       if constexpr (PREFETCH) prefetch_l2(reinterpret_cast<const uint8_t*>(w[j] + k));
       const __m512bh wv = load(w[j] + k);
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv, xv[i]);
@@ -1420,20 +1420,24 @@ void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[BF16_TIL
   for (; k + 32 <= K; k += 32) step(k, [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); });
   if (const __mmask32 tail = (__mmask32{1} << (K - k)) - 1; k < K)
     step(k, [tail](const uint16_t* p) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, p); });
-  __m512 v[16];
-  for (int i = 0; i < BF16_TILE; ++i)
-    for (int j = 0; j < BF16_TILE; ++j)
-      v[i * BF16_TILE + j] = i < MR ? acc[i][j] : _mm512_setzero_ps();
-  alignas(64) float sums[16];
-  _mm512_store_ps(sums, lane_sums(v));
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < nr; ++j) out[i * N + j] = sums[i * BF16_TILE + j];
+  if constexpr (MR * NR == 16) {
+    __m512 v[16];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) v[i * NR + j] = acc[i][j];
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, lane_sums(v));
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < nr; ++j) out[i * N + j] = sums[i * NR + j];
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < nr; ++j) out[i * N + j] = _mm512_reduce_add_ps(acc[i][j]);
+  }
 }
 #else
 // Portable: both operands widened exactly to fp32, BF16_LANES partial sums per output.
 constexpr int BF16_LANES = 16;
-template <int MR, bool PREFETCH>
-void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[BF16_TILE], int64_t nr,
+template <int MR, int NR, bool PREFETCH>
+void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[NR], int64_t nr,
                float* out, int64_t N) {
   const auto widen = [](uint16_t h) {
     const uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -1459,17 +1463,33 @@ void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[BF16_TIL
 // [M, K]) -> out[m * N + r].
 void bf16_rows(const uint8_t* w, int64_t stride, int64_t r0, int64_t r1, const uint16_t* x,
                int64_t M, int64_t K, float* out, int64_t N) {
+  const auto row = [&](int64_t r) { return reinterpret_cast<const uint16_t*>(w + r * stride); };
+  if (M < BF16_TILE) {
+    // Decode: streaming the weights is the work, one row after another (a single stream, as
+    // the prefetchers like it; 4 rows at once: 42 against 50 GB/s, 2 threads).
+    const auto rows = [&](auto rows_of_x) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint16_t* one[1] = {row(r)};
+        bf16_tile<decltype(rows_of_x)::value, 1, true>(x, K, one, 1, out + r, N);
+      }
+    };
+    switch (M) {
+      case 1: return rows(std::integral_constant<int, 1>{});
+      case 2: return rows(std::integral_constant<int, 2>{});
+      case 3: return rows(std::integral_constant<int, 3>{});
+    }
+    return;
+  }
   const int64_t x_block = std::max(BF16_TILE, BF16_X_BLOCK_BYTES / (2 * K) / BF16_TILE * BF16_TILE);
   for (int64_t m0 = 0; m0 < M; m0 += x_block) {
     const int64_t m1 = std::min(M, m0 + x_block);
     for (int64_t r = r0; r < r1; r += BF16_TILE) {
       const int64_t nr = std::min(BF16_TILE, r1 - r);
       const uint16_t* rows[BF16_TILE];
-      for (int64_t j = 0; j < BF16_TILE; ++j)
-        rows[j] = reinterpret_cast<const uint16_t*>(w + (r + std::min(j, nr - 1)) * stride);
+      for (int64_t j = 0; j < BF16_TILE; ++j) rows[j] = row(r + std::min(j, nr - 1));
       // The first tile of a block streams the weight rows from memory: it prefetches them.
       const auto tile = [&](auto rows_of_x, int64_t m, auto prefetch) {
-        bf16_tile<decltype(rows_of_x)::value, decltype(prefetch)::value>(
+        bf16_tile<decltype(rows_of_x)::value, BF16_TILE, decltype(prefetch)::value>(
             x + m * K, K, rows, nr, out + m * N + r, N);
       };
       using First = std::true_type;
