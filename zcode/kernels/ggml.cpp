@@ -31,11 +31,11 @@
 // the offsets (-8 d, m, -dmin m_i, -32 d sc_i) multiply the activation sums, and the blocks'
 // partial sums are scaled and added in fp32. F32 and F16 rows multiply fp32 activations (fp16
 // widened exactly); BF16 rows multiply x rounded to bf16 as llama.cpp does, in tiles that make
-// them a GEMM at any row count ("BF16 rows" below). The op takes a list of weights sharing x, each of its own type
-// (Q4_K_M files mix Q4_K and Q6_K in one q/k/v group), returns [M, N_0 + N_1 + ...] fp32, and
-// quantizes x once per activation format the group needs. The dot products take up to MAX_ROWS
-// (8) rows of x at a time; more rows are chunks of 8, run on each tile of weight rows in turn so
-// the weights are read from memory once.
+// them a GEMM at any row count ("BF16 rows" below). The op takes a list of weights sharing x,
+// each of its own type (Q4_K_M files mix Q4_K and Q6_K in one q/k/v group), returns
+// [M, N_0 + N_1 + ...] fp32, and quantizes x once per activation format the group needs. The
+// dot products take up to MAX_ROWS (8) rows of x at a time; more rows are chunks of 8, run on
+// each tile of weight rows in turn so the weights are read from memory once.
 //
 // Every type above but the float ones also runs interleaved (ggml type | X16, see "The
 // interleaved layout"):
@@ -1379,7 +1379,6 @@ constexpr int64_t BF16_TILE = 4;                  // x rows and weight rows per 
 constexpr int64_t BF16_X_BLOCK_BYTES = 256 << 10;  // x rows kept in L2 per pass over the weights
 
 #if defined(ZCODE_GGML_AVX512) && defined(__AVX512BF16__)
-#define ZCODE_GGML_AVX512_BF16 1
 
 // v[16] -> one vector whose lane i is the sum of v[i]'s lanes: 15 adds and 30 shuffles instead of
 // 16 horizontal reductions (each ~4 adds, 4 shuffles and a dependency chain).
@@ -1417,7 +1416,8 @@ void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[NR], int
     }
   };
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) step(k, [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); });
+  const auto whole = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  for (; k + 32 <= K; k += 32) step(k, whole);
   if (const __mmask32 tail = (__mmask32{1} << (K - k)) - 1; k < K)
     step(k, [tail](const uint16_t* p) { return (__m512bh)_mm512_maskz_loadu_epi16(tail, p); });
   if constexpr (MR * NR == 16) {
