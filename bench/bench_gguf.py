@@ -271,11 +271,15 @@ def run_file(name: str, args) -> dict:
     runners = {"zcode": ZCodeRunner("auto", model=path)}
     if args.compile:
         runners["zcode-compiled"] = ZCodeRunner("auto", compile=True, model=path)
-    llama = LlamaCppRunner(path, logits_all=True)
-    runners["llama.cpp"] = llama
     tokenizer = runners["zcode"].llm.tokenizer
     result = {"path": str(path), **facts, "memory": memory}
-    result["quality"] = quality(name, path, runners["zcode"].llm, llama.llm)
+    # Perplexity needs every position's logits; timed with them, llama.cpp's prefill would also
+    # run its output layer on all 512 prompt tokens (Gemma 3: ~170 GFLOP) where ZCode's runs
+    # on the last: the timed runner computes what ZCode does.
+    scorer = LlamaCppRunner(path, logits_all=True)
+    result["quality"] = quality(name, path, runners["zcode"].llm, scorer.llm)
+    del scorer
+    runners["llama.cpp"] = LlamaCppRunner(path)
     long_ids: list[int] = []
     while len(long_ids) < args.prompt_len:
         long_ids += tokenizer.encode(LONG_TEXT, add_special_tokens=False)
