@@ -1459,6 +1459,18 @@ void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[NR], int
 }
 #endif
 
+// fn(std::integral_constant<int, n>) for 1 <= n <= BF16_TILE rows of x: a tile's row count as a
+// template argument.
+template <typename Fn>
+void with_tile_rows(int64_t n, const Fn& fn) {
+  switch (n) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+  }
+}
+
 // Weight rows r0..r1 (BF16, row stride `stride` bytes) against all M rows of x (bf16 bits
 // [M, K]) -> out[m * N + r].
 void bf16_rows(const uint8_t* w, int64_t stride, int64_t r0, int64_t r1, const uint16_t* x,
@@ -1467,18 +1479,12 @@ void bf16_rows(const uint8_t* w, int64_t stride, int64_t r0, int64_t r1, const u
   if (M < BF16_TILE) {
     // Decode: streaming the weights is the work, one row after another (a single stream, as
     // the prefetchers like it; 4 rows at once: 42 against 50 GB/s, 2 threads).
-    const auto rows = [&](auto rows_of_x) {
+    return with_tile_rows(M, [&](auto rows_of_x) {
       for (int64_t r = r0; r < r1; ++r) {
         const uint16_t* one[1] = {row(r)};
         bf16_tile<decltype(rows_of_x)::value, 1, true>(x, K, one, 1, out + r, N);
       }
-    };
-    switch (M) {
-      case 1: return rows(std::integral_constant<int, 1>{});
-      case 2: return rows(std::integral_constant<int, 2>{});
-      case 3: return rows(std::integral_constant<int, 3>{});
-    }
-    return;
+    });
   }
   const int64_t x_block = std::max(BF16_TILE, BF16_X_BLOCK_BYTES / (2 * K) / BF16_TILE * BF16_TILE);
   for (int64_t m0 = 0; m0 < M; m0 += x_block) {
@@ -1487,27 +1493,15 @@ void bf16_rows(const uint8_t* w, int64_t stride, int64_t r0, int64_t r1, const u
       const int64_t nr = std::min(BF16_TILE, r1 - r);
       const uint16_t* rows[BF16_TILE];
       for (int64_t j = 0; j < BF16_TILE; ++j) rows[j] = row(r + std::min(j, nr - 1));
-      // The first tile of a block streams the weight rows from memory: it prefetches them.
-      const auto tile = [&](auto rows_of_x, int64_t m, auto prefetch) {
-        bf16_tile<decltype(rows_of_x)::value, BF16_TILE, decltype(prefetch)::value>(
-            x + m * K, K, rows, nr, out + m * N + r, N);
-      };
-      using First = std::true_type;
-      using Later = std::false_type;
-      int64_t m = m0;
-      switch (std::min(BF16_TILE, m1 - m)) {
-        case 1: tile(std::integral_constant<int, 1>{}, m, First{}); break;
-        case 2: tile(std::integral_constant<int, 2>{}, m, First{}); break;
-        case 3: tile(std::integral_constant<int, 3>{}, m, First{}); break;
-        default: tile(std::integral_constant<int, 4>{}, m, First{}); break;
-      }
-      for (m += BF16_TILE; m + BF16_TILE <= m1; m += BF16_TILE)
-        tile(std::integral_constant<int, 4>{}, m, Later{});
-      switch (m1 - m) {
-        case 1: tile(std::integral_constant<int, 1>{}, m, Later{}); break;
-        case 2: tile(std::integral_constant<int, 2>{}, m, Later{}); break;
-        case 3: tile(std::integral_constant<int, 3>{}, m, Later{}); break;
-      }
+      for (int64_t m = m0; m < m1; m += BF16_TILE)
+        with_tile_rows(std::min(BF16_TILE, m1 - m), [&](auto rows_of_x) {
+          constexpr int MR = decltype(rows_of_x)::value;
+          // The first tile of a block streams the weight rows from memory: it prefetches them.
+          if (m == m0)
+            bf16_tile<MR, BF16_TILE, true>(x + m * K, K, rows, nr, out + m * N + r, N);
+          else
+            bf16_tile<MR, BF16_TILE, false>(x + m * K, K, rows, nr, out + m * N + r, N);
+        });
     }
   }
 }
