@@ -16,6 +16,8 @@ import pytest
 from test_spec_decode import prompts, run
 
 from zcode.engine.llm_engine import LLMEngine
+from zcode.engine.scheduler import ScheduledSeq
+from zcode.engine.sequence import Sequence
 from zcode.engine.step_times import MEASURED_RUNS
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
@@ -187,6 +189,45 @@ def test_graphs_the_engine_ran_are_priced_by_their_measured_time():
     assert policy.choose([geometric(0.9, 3)], [3], **one) == [0]
     # predictions and gains reported to users stay the fit's
     assert policy.predicted_gain(0.9, 3) > 1.0
+
+
+def test_a_plain_step_is_measured_before_drafts_are_weighed_against_a_measured_verifying_one():
+    """The fit prices the plain step at 10 ms, and the 2-wide graph, run from the first step,
+    measured 1.05 ms: against the fit's price one draft looks like a 10x gain. No drafts until
+    the plain step has a measured time (1 ms); then drafting at 0.9 pays, measured against
+    measured."""
+    cost = LinearCost(0.0, 1.0, compiled=LinearCost(10.0, 0.01))
+    measured = {(1, 2): 1.05}
+    policy = DraftPolicy(
+        cost, model=None, draft_plan=None, graph_buckets=[1, 2, 4],
+        measured_step_ms=lambda rows, width: measured.get((rows, width)),
+    )  # fmt: skip
+    one = dict(num_tokens=1, num_seqs=1, context_len=100, base_yield=1, compiled=True)
+    assert policy.choose([geometric(0.9, 3)], [3], **one) == [0]
+    measured[(1, 1)] = 1.0
+    assert policy.choose([geometric(0.9, 3)], [3], **one) == [3]
+
+
+def test_held_requests_probe_in_one_step():
+    """Four requests held at no drafts (drafts never pay at this acceptance and cost), their
+    idle counts staggered: a probe widens the whole compiled step, so they probe together,
+    one probe step every probe_every steps, and each of them in it."""
+    policy = DraftPolicy(LinearCost(0.0, 1.0), model=None, draft_plan=None)
+    totals = {"num_draft_trials": 100, "num_accepted_tokens": 0}
+    seqs = [Sequence([1, 2, 3], GREEDY, None) for _ in range(4)]
+    for i, seq in enumerate(seqs):
+        seq.num_computed_tokens = 2  # the prompt's last token is this step's
+        policy.steps_without_drafts[seq.seq_id] = 5 * i
+    every = policy.probe_every(num_seqs=4, context_len=3)
+    probe_steps = []
+    for _ in range(4 * every):
+        scheduled = [ScheduledSeq(seq, 1, 3) for seq in seqs]
+        drafts = [s.num_lookahead_tokens for s in policy.limit(scheduled, totals)]
+        assert set(drafts) <= {0, 1}
+        if any(drafts):
+            probe_steps.append(drafts)
+    assert probe_steps == [[1, 1, 1, 1]] * len(probe_steps)
+    assert len(probe_steps) == 4
 
 
 def test_probes_are_rarer_where_a_probe_costs_more():

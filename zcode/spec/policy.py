@@ -22,6 +22,8 @@ predicted, -4% measured; at batch 16 the fit priced a 4-wide graph at 69 ms, whi
 111-124, its 64 rows past the GEMV's 16 on oneDNN). A shape not run yet is priced by the fit,
 scaled by what the plain step of its rows measured over its price; if that flatters it, a few
 steps' drafting measure it.
+Where a verifying shape has run and the plain one not (an engine that drafted from its first
+step), steps run without drafts until the plain one is measured too.
 
 Drafts are added one at a time, the one that adds most expected tokens first (request i's
 next draft adds E_i(k_i + 1) - E_i(k_i)); the best rate seen along that path wins, so a draft
@@ -41,7 +43,9 @@ from a ~ 0.85 on, and a new engine knows 0.5), and the optimism fades as trials 
 A request held at no drafts still drafts one token every PROBE_EVERY steps, so its estimate can
 recover when its text turns predictable; less often where a probe costs more than PROBE_BUDGET
 of the plain steps between probes (at batch 16 a step verifying one draft a row costs ~2 plain
-steps, so probing every 16th step costs ~6% of the decode time).
+steps, so probing every 16th step costs ~6% of the decode time). The held requests probe
+together, in one step: a compiled step verifies every row at one width, so one request's probe
+widens the whole step, and 16 requests probing in 16 different steps cost 16 widened steps.
 """
 
 import heapq
@@ -95,6 +99,7 @@ class DraftPolicy:
         self.measured_step_ms = measured_step_ms or _not_measured
         self.measured_draft_ms = measured_draft_ms or _not_measured
         self.steps_without_drafts: dict[int, int] = {}  # seq_id -> steps since it last drafted
+        self.steps_since_probes = 0  # steps since the last step in which held requests probed
         self._ms: dict[tuple, float] = {}
         self._signatures: dict[int, tuple] = {}  # id(plan) -> (plan, its signature)
 
@@ -137,16 +142,21 @@ class DraftPolicy:
             fixed_drafts=fixed_drafts,
             compiled=compiled,
         )
-        out, probe_every = list(scheduled), None
+        self.steps_since_probes += 1
+        out, probing = list(scheduled), None
         for i, k in zip(adaptive, drafts):
             seq_id = scheduled[i].seq.seq_id
             idle = self.steps_without_drafts.get(seq_id, 0)
             if k == 0 and idle + 1 >= PROBE_EVERY:
-                probe_every = probe_every or self.probe_every(len(scheduled), context_len, compiled)
-                if idle + 1 >= probe_every:
+                if probing is None:  # is this the probe step?
+                    every = self.probe_every(len(scheduled), context_len, compiled)
+                    probing = self.steps_since_probes >= every
+                if probing:
                     k = 1  # a probe: without drafts, nothing would ever be measured again
             self.steps_without_drafts[seq_id] = 0 if k else idle + 1
             out[i] = ScheduledSeq(scheduled[i].seq, scheduled[i].num_new_tokens, k)
+        if probing:
+            self.steps_since_probes = 0
         return out
 
     def probe_every(self, num_seqs: int, context_len: int, compiled: bool = False) -> int:
@@ -186,6 +196,8 @@ class DraftPolicy:
         compiled = compiled and self.graph_buckets is not None
         context = _bucket(context_len)
         drafts = [0] * len(curves)
+        if compiled and not fixed_drafts and self._plain_step_unmeasured(num_seqs):
+            return drafts  # a plain step, measured, before drafts are weighed against it
         # rows[j]: the requests drafting a j-th token, which draft step j runs
         rows = [0] * max([*max_drafts, *fixed_drafts, 0])
         for k in fixed_drafts:
@@ -314,6 +326,17 @@ class DraftPolicy:
             * plain_ms
             / self._predict(self.plan, rows, rows, context_len, compiled=True)
         )
+
+    def _plain_step_unmeasured(self, num_seqs: int) -> bool:
+        """Whether a verifying graph of these rows has run and the plain one not: the verifying
+        step then costs its measured time and the plain one the fit's price, which are not
+        comparable (an engine that drafted from its first step, SmolLM2 bf16 at batch 16: the
+        plain step priced at 27 ms by a fit, verifying measured at 25 ms and run at every
+        step, though the plain step took 15.5)."""
+        rows = self._graph_rows(num_seqs)
+        if self.measured_step_ms(rows, 1) is not None:
+            return False
+        return any(self.measured_step_ms(rows, 1 << i) is not None for i in range(1, 4))
 
     def _graph_rows(self, num_seqs: int) -> int:
         """The batch bucket a compiled graph of `num_seqs` rows runs at (GraphCache.bucket)."""
