@@ -100,13 +100,17 @@ def decode_run(
 
 def warm_up(engine: LLMEngine, prompts: list[list[int]], args) -> None:
     """Untimed: compiles graphs, tunes kernels. A compiled adaptive engine verifies at any width
-    up to 1 + --num-draft-tokens, as its policy picks: those graphs are compiled first, with
-    every request drafting 1 and then the most (short runs; the acceptance totals its policy
-    learns from are left as they were), else a timed run could be the one that compiles."""
+    up to 1 + --num-draft-tokens, as its policy picks, and at every batch bucket below the
+    batch (requests that drafted more finish first, and the rest run as a smaller batch): those
+    graphs are compiled first, each bucket's requests drafting none, 1 and then the most (short
+    runs; the acceptance totals its policy learns from are left as they were), else a timed run
+    could be the one that compiles."""
     if engine.draft_policy is not None and engine.config.compile:
         totals = dict(engine.spec_totals)
-        for num_drafts in sorted({1, args.num_draft_tokens}):
-            decode_run(engine, prompts, 8, num_draft_tokens=num_drafts)
+        buckets = [b for b in engine.runner.graphs.buckets if b < len(prompts)]
+        for size in [*buckets, len(prompts)]:
+            for num_drafts in sorted({0, 1, args.num_draft_tokens}):
+                decode_run(engine, prompts[:size], 8, num_draft_tokens=num_drafts)
         engine.spec_totals.update(totals)
     decode_run(engine, prompts, args.num_new)
 
