@@ -336,7 +336,7 @@ class DraftPolicy:
         rows = self._graph_rows(num_seqs)
         if self.measured_step_ms(rows, 1) is not None:
             return False
-        return any(self.measured_step_ms(rows, 1 << i) is not None for i in range(1, 4))
+        return any(self.measured_step_ms(rows, width) is not None for width in (2, 4, 8))
 
     def _graph_rows(self, num_seqs: int) -> int:
         """The batch bucket a compiled graph of `num_seqs` rows runs at (GraphCache.bucket)."""
