@@ -170,23 +170,32 @@ def test_a_run_of_k_drafts_is_expected_to_keep_what_runs_of_k_kept():
     assert RunYields().expected(prior) == prior
 
 
+# One sequence's compiled step without drafts, for DraftPolicy.choose
+ONE_ROW = dict(num_tokens=1, num_seqs=1, context_len=100, base_yield=1, compiled=True)
+
+
+def compiled_policy(measured: dict) -> DraftPolicy:
+    """A compiled engine's policy under prices that make drafting pay (a step 10 ms plus 0.01
+    a token), its graphs' measured ms looked up in `measured` by (rows, width) as it changes."""
+    cost = LinearCost(0.0, 1.0, compiled=LinearCost(10.0, 0.01))
+    return DraftPolicy(
+        cost, model=None, draft_plan=None, graph_buckets=[1, 2, 4],
+        measured_step_ms=lambda rows, width: measured.get((rows, width)),
+    )  # fmt: skip
+
+
 def test_graphs_the_engine_ran_are_priced_by_their_measured_time():
     """Compiled prices that make drafting pay (a step 10 ms plus 0.01 a token), with plain steps
     measured at a tenth of their price: a verifying graph not run yet costs its price scaled
     alike, and three drafts at 0.9 pay; measured at 4 plain steps, the 4-wide graph stops paying
     and one draft (a 2-wide graph, scaled) does; measured too, no draft pays."""
-    cost = LinearCost(0.0, 1.0, compiled=LinearCost(10.0, 0.01))
     measured = {(1, 1): 1.0}
-    policy = DraftPolicy(
-        cost, model=None, draft_plan=None, graph_buckets=[1, 2, 4],
-        measured_step_ms=lambda rows, width: measured.get((rows, width)),
-    )  # fmt: skip
-    one = dict(num_tokens=1, num_seqs=1, context_len=100, base_yield=1, compiled=True)
-    assert policy.choose([geometric(0.9, 3)], [3], **one) == [3]
+    policy = compiled_policy(measured)
+    assert policy.choose([geometric(0.9, 3)], [3], **ONE_ROW) == [3]
     measured[(1, 4)] = 4.0
-    assert policy.choose([geometric(0.9, 3)], [3], **one) == [1]
+    assert policy.choose([geometric(0.9, 3)], [3], **ONE_ROW) == [1]
     measured[(1, 2)] = 2.5
-    assert policy.choose([geometric(0.9, 3)], [3], **one) == [0]
+    assert policy.choose([geometric(0.9, 3)], [3], **ONE_ROW) == [0]
     # predictions and gains reported to users stay the fit's
     assert policy.predicted_gain(0.9, 3) > 1.0
 
@@ -196,16 +205,11 @@ def test_a_plain_step_is_measured_before_drafts_are_weighed_against_a_measured_v
     measured 1.05 ms: against the fit's price one draft looks like a 10x gain. No drafts until
     the plain step has a measured time (1 ms); then drafting at 0.9 pays, measured against
     measured."""
-    cost = LinearCost(0.0, 1.0, compiled=LinearCost(10.0, 0.01))
     measured = {(1, 2): 1.05}
-    policy = DraftPolicy(
-        cost, model=None, draft_plan=None, graph_buckets=[1, 2, 4],
-        measured_step_ms=lambda rows, width: measured.get((rows, width)),
-    )  # fmt: skip
-    one = dict(num_tokens=1, num_seqs=1, context_len=100, base_yield=1, compiled=True)
-    assert policy.choose([geometric(0.9, 3)], [3], **one) == [0]
+    policy = compiled_policy(measured)
+    assert policy.choose([geometric(0.9, 3)], [3], **ONE_ROW) == [0]
     measured[(1, 1)] = 1.0
-    assert policy.choose([geometric(0.9, 3)], [3], **one) == [3]
+    assert policy.choose([geometric(0.9, 3)], [3], **ONE_ROW) == [3]
 
 
 def test_held_requests_probe_in_one_step():
