@@ -57,3 +57,32 @@ def test_paged_kernel_passes_a_corrupted_position_on_as_nan(head_dim):
     out = paged_attention.decode_batch(q, cache, batch, batch.attn_mask, head_dim**-0.5)
     assert out[0, 2:].isnan().all()  # the query heads reading KV head 1
     assert not out[0, :2].isnan().any() and not out[1].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 7])  # the AVX-512 path and the portable loops
+def test_paged_kernel_gives_a_query_the_same_bits_in_any_call(dtype, head_dim):
+    """A query's output does not depend on the rows beside it or on how far the call's context
+    reaches past its own mask: a verifying step's row (context padded with its drafts' slots and
+    masked) is bit for bit the decode step's at that position, so drafts cannot move a greedy
+    token off a near-tie. Lengths cross the kernel's chunks of positions."""
+    from zcode.kernels import paged_attention
+
+    if not paged_attention.available():
+        pytest.fail("the C++ attention kernel does not build here")
+    generator = torch.Generator().manual_seed(0)
+    num_blocks, block_size, num_kv_heads, num_heads = 40, 16, 3, 9
+    cache = torch.randn(num_blocks, block_size, 2, num_kv_heads, head_dim, generator=generator)
+    cache = cache.to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)
+    for position in (0, 31, 40, 147, 300, 500):
+        alone_len = position + 1
+        q = torch.randn(4, num_heads, head_dim, generator=generator).to(dtype)
+        alone = paged_attention.decode(q[:1], cache, slots[None, :alone_len], None, 0.125)
+        for extra in (1, 13, 40, 100):
+            context_len = alone_len + extra
+            mask = torch.ones(4, 1, 1, context_len, dtype=torch.bool)
+            mask[0, ..., alone_len:] = False  # row 0: the same query, its drafts' slots masked
+            context = slots[:context_len].expand(4, context_len).contiguous()
+            beside = paged_attention.decode(q, cache, context, mask, 0.125)
+            assert torch.equal(beside[0], alone[0]), (position, extra)

@@ -7,8 +7,9 @@
 //   scores_l = scale q . k_l for the allowed positions l, p = softmax(scores), out = sum_l p_l v_l.
 //
 // AVX-512 F/BW/VL (fp32 and bf16 caches, head dims of 16 lanes' multiples): a task is one
-// sequence's chunk of positions for every head (whole slots streamed, the next ones prefetched),
-// so one sequence's context spreads over the threads too (flash-decoding); a task keeps its
+// sequence's chunk of positions for every head (whole slots streamed, the next ones prefetched;
+// chunks on a fixed grid, so a query's result is the same in any call), so one sequence's
+// context spreads over the threads too (flash-decoding); a task keeps its
 // chunk's max score, exp-sum and unnormalized output per query head, merged after. Scores, a
 // polynomial exp (simd.h) and the value sums are 16-lane vectors. SmolLM2's shapes at 128
 // positions, 2 threads, warm caches: 6.7 us a layer against 13.5 us for the portable loops (scalar
@@ -113,7 +114,9 @@ void attend_all_portable(const torch::Tensor& q, const torch::Tensor& cache, con
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 
-constexpr int64_t MAX_CHUNK = 256;  // positions a task reads at most
+// Positions a task reads, on a fixed grid (0-127, 128-255, ...): one sequence of 1000 positions
+// is 8 tasks. (32: up to 2x slower at 16 sequences, the tasks' fixed costs.)
+constexpr int64_t CHUNK = 128;
 constexpr int64_t PREFETCH_AHEAD = 4;  // slots
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -140,14 +143,14 @@ template <int VECS, typename T>
 void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const bool* allowed,
                   int64_t l0, int64_t l1, int64_t KVH, int64_t G, float scale, float* scores,
                   Partial part) {
-  // scores: scratch [H, MAX_CHUNK]
+  // scores: scratch [H, CHUNK]
   constexpr int64_t D = 16 * VECS;
   const int64_t H = KVH * G, n = l1 - l0, slot_stride = 2 * KVH * D;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t i = 0; i < n; ++i) {
     const int64_t l = l0 + i;
     if (allowed && !allowed[l]) {
-      for (int64_t h = 0; h < H; ++h) scores[h * MAX_CHUNK + i] = neg_inf;
+      for (int64_t h = 0; h < H; ++h) scores[h * CHUNK + i] = neg_inf;
       continue;
     }
     if (i + PREFETCH_AHEAD < n) {  // the context is cold (written steps ago): fetch ahead
@@ -164,12 +167,12 @@ void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const b
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + h * D), key[0]);
         for (int v = 1; v < VECS; ++v)
           acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * D + 16 * v), key[v], acc);
-        scores[h * MAX_CHUNK + i] = _mm512_reduce_add_ps(acc) * scale;
+        scores[h * CHUNK + i] = _mm512_reduce_add_ps(acc) * scale;
       }
     }
   }
   for (int64_t h = 0; h < H; ++h) {
-    float* row = scores + h * MAX_CHUNK;
+    float* row = scores + h * CHUNK;
     float best = neg_inf;
     for (int64_t i = 0; i < n; ++i) best = nan_max(best, row[i]);
     part.best[h] = best;
@@ -193,7 +196,7 @@ void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const b
   for (int64_t kvh = 0; kvh < KVH; ++kvh) {
     for (int64_t h = kvh * G; h < (kvh + 1) * G; ++h) {
       if (part.total[h] == 0.f) continue;  // the merge weighs this chunk 0
-      const float* row = scores + h * MAX_CHUNK;
+      const float* row = scores + h * CHUNK;
       for (int v0 = 0; v0 < VECS; v0 += BLOCK) {
         __m512 a[BLOCK];
         for (int j = 0; j < BLOCK; ++j) a[j] = _mm512_setzero_ps();
@@ -215,13 +218,13 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
   constexpr int64_t D = 16 * VECS;
   const int64_t B = q.size(0), H = q.size(1), KVH = cache.size(3);
   const int64_t L = slots.size(1), G = H / KVH;
-  // Chunks of 16 positions at least, enough of them to give every thread two tasks.
-  const int64_t threads = at::get_num_threads();
-  const int64_t want = (L * B + 2 * threads - 1) / (2 * threads);
-  const int64_t chunk = std::clamp<int64_t>((want + 15) / 16 * 16, 16, MAX_CHUNK);
-  const int64_t chunks = std::max<int64_t>(1, (L + chunk - 1) / chunk);
+  // Chunks on a fixed grid of positions, whatever the rows, their longest context or the
+  // threads: a query's result is then that of the same query in any other call (a verifying
+  // step's row is the decode step's at its position, bit for bit: masked positions and empty
+  // chunks add exact zeros), so drafts leave greedy outputs as they are.
+  const int64_t chunks = std::max<int64_t>(1, (L + CHUNK - 1) / CHUNK);
   const int64_t tasks = B * chunks, part_floats = H * (2 + D);
-  const int64_t chunk_bytes = std::min(L, chunk) * 2 * KVH * D * static_cast<int64_t>(sizeof(T));
+  const int64_t chunk_bytes = std::min(L, CHUNK) * 2 * KVH * D * static_cast<int64_t>(sizeof(T));
   const T* q_data = q.data_ptr<T>();
   const T* cache_data = cache.data_ptr<T>();
   const int64_t* slot_data = slots.data_ptr<int64_t>();
@@ -232,7 +235,7 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
   };
   at::parallel_for(0, tasks, std::max<int64_t>(1, GRAIN_BYTES / chunk_bytes),
                    [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(H * D), scores(H * MAX_CHUNK);
+    std::vector<float> qf(H * D), scores(H * CHUNK);
     int64_t loaded = -1;  // the sequence whose queries qf holds
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / chunks, c = t % chunks;
@@ -242,8 +245,8 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
         loaded = b;
       }
       attend_chunk<VECS>(qf.data(), cache_data, slot_data + b * L,
-                         allowed ? allowed + b * L : nullptr, c * chunk,
-                         std::min(L, (c + 1) * chunk), KVH, G, scale, scores.data(), part_of(t));
+                         allowed ? allowed + b * L : nullptr, c * CHUNK,
+                         std::min(L, (c + 1) * CHUNK), KVH, G, scale, scores.data(), part_of(t));
     }
   });
   // Merge each sequence's chunks per query head: rescale to the largest max, normalize.

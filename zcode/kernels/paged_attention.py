@@ -33,7 +33,12 @@ def available() -> bool:
 
 @functools.cache
 def _built() -> bool:
-    if not build_ops("zcode_attention", SOURCE, "using gather + SDPA"):
+    # -ffp-contract=off: the compiler may vectorize a loop or not depending on where its buffers
+    # lie (a run-time overlap check); contracted to FMA in one version and not in the other,
+    # the same query's output would move by an ulp from call to call.
+    if not build_ops(
+        "zcode_attention", SOURCE, "using gather + SDPA", extra_cflags=("-ffp-contract=off",)
+    ):
         return False
 
     @torch.library.register_fake("zcode::paged_decode_attention")
