@@ -13,6 +13,7 @@ from zcode.engine.scheduler import ScheduledSeq
 from zcode.engine.sequence import Sequence
 from zcode.forward_batch import ForwardBatch
 from zcode.harness.plan import ExecutionPlan
+from zcode.layers.linear import gemv_row_limit
 from zcode.models.base import Backbone
 from zcode.sparsity.sparse_mlp import SparseMLP
 
@@ -80,6 +81,7 @@ class ModelRunner:
         self.compiles_plan = self.graphs is not None and not any(
             isinstance(m, SparseMLP) and not m.compilable for m in self.model.modules()
         )
+        self.gemv_row_limit = gemv_row_limit(self.model)
 
     @property
     def num_graph_compiles(self) -> int:
@@ -160,15 +162,26 @@ class ModelRunner:
         finally:
             hook.remove()
 
-    def runs_compiled(self, scheduled: list[ScheduledSeq]) -> bool:
+    def runs_compiled(self, scheduled: list[ScheduledSeq], drafting: bool | None = None) -> bool:
         """Whether this step is one compiled graph: every row computes its last known token
-        (and verifies its drafts), all under one plan."""
+        (and verifies its drafts), all under one plan. `drafting`: whether rows verify drafts
+        (default: whether they hold any)."""
         if not self.compiles_plan or not all(_is_decode_row(s) for s in scheduled):
             return False
         if len({_skips(s.seq) for s in scheduled}) != 1:  # one graph runs one plan
             return False
-        drafting = any(s.seq.spec_token_ids for s in scheduled)
+        if drafting is None:
+            drafting = any(s.seq.spec_token_ids for s in scheduled)
         return not drafting or self.compiles_drafts
+
+    def step_rows(self, scheduled: list[ScheduledSeq], max_drafts: int) -> int:
+        """Rows the step's linears see if each row verifies at most `max_drafts` of its drafts:
+        a compiled graph's padded rows x width, else the packed tokens."""
+        drafts = [min(len(s.seq.spec_token_ids), max_drafts) for s in scheduled]
+        if self.runs_compiled(scheduled, drafting=any(drafts)):
+            width = 1 << max(drafts).bit_length()  # _execute_compiled's: 1 + drafts, rounded up
+            return self.graphs.bucket(len(scheduled)) * width
+        return sum(s.num_new_tokens for s in scheduled) + sum(drafts)
 
     @property
     def compiles_drafts(self) -> bool:

@@ -65,6 +65,19 @@ def _gemv_group(x: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor |
     return None
 
 
+def gemv_row_limit(model: nn.Module) -> int | None:
+    """Rows up to which the model's bf16 and fp32 linears run the C++ GEMV, F.linear above
+    (None where none runs it). Each of the two gives a row the same bits at any row count, but
+    not the bits of the other: a verifying step whose rows cross the limit while the plain step
+    of the same sequences does not would move greedy tokens off near-ties (the engine cuts its
+    drafts instead)."""
+    float_gemv = any(
+        type(m) is Linear and m.weight.dtype in _GEMV and m.weight.device.type == "cpu"
+        for m in model.modules()
+    )
+    return FLOAT_GEMV_MAX_ROWS if float_gemv and gemv_available() else None
+
+
 def _takes_gemv(linear: nn.Linear, x: torch.Tensor) -> bool:
     w = linear.weight
     return (
