@@ -155,6 +155,35 @@ def test_block_table_never_exceeds_what_fits():
     assert outputs_of(seqs)[0] == outputs_of(seqs)[1] == outputs_of(seqs)[2]
 
 
+def test_drafts_take_what_prefill_leaves_and_none_in_a_step_that_prefills():
+    """A speculating sequence gets draft slots only in steps that prefill no prompt and from
+    the budget the step's known tokens leave: a prompt's chunks, and so the steps that mix them
+    with decode rows, are those of plain decoding (tests/test_spec_decode.py checks the
+    outputs)."""
+    bm = BlockManager(num_blocks=32, block_size=4)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=8)
+    drafting = Sequence([5] * 4, SamplingParams(max_tokens=20), detokenizer=None)
+    drafting.num_lookahead_tokens = 3
+    scheduler.add(drafting)
+    (first,) = scheduler.schedule()  # its prompt
+    drafting.num_computed_tokens += first.num_new_tokens
+    drafting.token_ids.append(7)
+    scheduler.add(Sequence([6] * 10, SamplingParams(max_tokens=2), detokenizer=None))
+    step = scheduler.schedule()  # its token and 7 of the prompt's 10: no drafts
+    assert [(s.num_new_tokens, s.num_lookahead_tokens) for s in step] == [(1, 0), (7, 0)]
+    drafting.num_computed_tokens += 1
+    drafting.token_ids.append(7)
+    step[1].seq.num_computed_tokens += 7
+    step = scheduler.schedule()  # the prompt's last 3 tokens still prefill: no drafts
+    assert [(s.num_new_tokens, s.num_lookahead_tokens) for s in step] == [(1, 0), (3, 0)]
+    drafting.num_computed_tokens += 1
+    drafting.token_ids.append(7)
+    step[1].seq.num_computed_tokens += 3
+    step[1].seq.token_ids.append(7)
+    step = scheduler.schedule()  # two decode rows: drafts from the 6 tokens they leave
+    assert [(s.num_new_tokens, s.num_lookahead_tokens) for s in step] == [(1, 3), (1, 0)]
+
+
 def test_scheduler_rejects_a_request_larger_than_the_cache():
     bm = BlockManager(num_blocks=4, block_size=4)
     scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)

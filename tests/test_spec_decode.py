@@ -329,12 +329,15 @@ def test_bf16_batch_of_16_verifying_3_drafts_matches_plain_decoding(default_mode
     where the plain step's 16 run the GEMV, and bf16 logits tie often enough that the other
     kernel's ulps change outputs here (checked with the cut disabled: the test fails). The
     engine cuts the drafts so the verifying step keeps the plain step's kernel (and the attention
-    kernel gives a query the same bits in any call): every output is plain decoding's."""
+    kernel gives a query the same bits in any call), and gives no drafts in steps that prefill
+    (their decode rows run the prefill's kernels): every output is plain decoding's."""
     import inspect
     import json.decoder
     import textwrap
 
-    path, args = default_model_path, dict(dtype="bfloat16", enable_prefix_caching=False)
+    # A token budget that splits the prompts over steps shared with decode rows.
+    args = dict(dtype="bfloat16", enable_prefix_caching=False, max_num_batched_tokens=512)
+    path = default_model_path
     spec = LLM(path, speculative="ngram", num_draft_tokens=3, draft_policy="fixed", **args)
     assert spec.engine.runner.gemv_row_limit == 32
     plain = LLM(path, **args)

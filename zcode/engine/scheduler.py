@@ -5,8 +5,9 @@ that fit the step's token budget, a decoding sequence asks for one token, and bo
 Running sequences go first; when KV blocks run out the newest running sequence is preempted
 (its blocks freed, to be recomputed later). A sequence admitted from the queue starts after the
 longest prefix of its tokens already in the prefix cache. A decoding sequence that speculates
-also gets room for up to `num_lookahead_tokens` drafted tokens, if the budget and the free
-blocks allow without preempting anyone.
+also gets room for up to `num_lookahead_tokens` drafted tokens in a step that prefills no
+prompt, if the budget and the free blocks left after the step's known tokens allow, without
+preempting anyone.
 """
 
 from collections import deque
@@ -69,10 +70,9 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self._make_room(seq, num_new):
                 continue
-            lookahead = self._lookahead(seq, budget - num_new)
-            self.block_manager.allocate(seq, num_new + lookahead)
-            scheduled.append(ScheduledSeq(seq, num_new, lookahead))
-            budget -= num_new + lookahead
+            self.block_manager.allocate(seq, num_new)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.block_manager.cached_prefix(seq)
@@ -85,6 +85,21 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        return self._with_lookahead(scheduled, budget)
+
+    def _with_lookahead(self, scheduled: list[ScheduledSeq], budget: int) -> list[ScheduledSeq]:
+        """Draft slots from what budget and blocks the step's known tokens left, none in a step
+        that prefills: prefill is never displaced by tokens that may be rejected, and the steps
+        that mix prompt chunks with decode rows (whose kernels are then the prefill's) are those
+        of plain decoding, so its outputs stay the same bits."""
+        if any(s.num_new_tokens != 1 or not s.completes_prompt for s in scheduled):
+            return scheduled
+        for i, s in enumerate(scheduled):
+            lookahead = self._lookahead(s.seq, budget)
+            if lookahead:
+                self.block_manager.allocate(s.seq, s.num_new_tokens + lookahead)
+                scheduled[i] = ScheduledSeq(s.seq, s.num_new_tokens, lookahead)
+                budget -= lookahead
         return scheduled
 
     def _lookahead(self, seq: Sequence, budget: int) -> int:
