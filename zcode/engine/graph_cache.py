@@ -40,6 +40,12 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return buckets
 
 
+def graph_width(max_query_len: int) -> int:
+    """A compiled step's query width: a row's longest query (1 + the most drafts of a row)
+    rounded up to a power of two, so few graphs cover every draft count."""
+    return 1 << (max_query_len - 1).bit_length()
+
+
 def _decode_step(model: nn.Module, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
     return model(input_ids, batch)
 

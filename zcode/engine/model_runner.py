@@ -6,7 +6,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from zcode.engine.graph_cache import GraphCache
+from zcode.engine.graph_cache import GraphCache, graph_width
 from zcode.engine.kv_cache import KVCache, page_layout
 from zcode.engine.page_pool import LayerPaging, PagePool
 from zcode.engine.scheduler import ScheduledSeq
@@ -166,7 +166,7 @@ class ModelRunner:
         """Whether this step is one compiled graph: every row computes its last known token
         (and verifies its drafts), all under one plan. `drafting`: whether rows verify drafts
         (default: whether they hold any)."""
-        if not self.compiles_plan or not all(_is_decode_row(s) for s in scheduled):
+        if not self.compiles_plan or not all(s.is_decode for s in scheduled):
             return False
         if len({_skips(s.seq) for s in scheduled}) != 1:  # one graph runs one plan
             return False
@@ -179,7 +179,7 @@ class ModelRunner:
         a compiled graph's padded rows x width, else the packed tokens."""
         drafts = [min(len(s.seq.spec_token_ids), max_drafts) for s in scheduled]
         if self.runs_compiled(scheduled, drafting=any(drafts)):
-            width = 1 << max(drafts).bit_length()  # _execute_compiled's: 1 + drafts, rounded up
+            width = graph_width(1 + max(drafts))
             return self.graphs.bucket(len(scheduled)) * width
         return sum(s.num_new_tokens for s in scheduled) + sum(drafts)
 
@@ -197,7 +197,7 @@ class ModelRunner:
         num_padded = self.graphs.bucket(num_seqs)
         drafts = [s.seq.spec_token_ids for s in scheduled]
         query_lens = [1 + len(d) for d in drafts]
-        width = 1 << (max(query_lens) - 1).bit_length()  # a power of two: few graphs
+        width = graph_width(max(query_lens))
         self.graph_shape = (num_padded, width)
         batch = ForwardBatch.build_decode(
             [s.seq.num_tokens + len(d) for s, d in zip(scheduled, drafts)],
@@ -241,8 +241,3 @@ class ModelRunner:
 
 def _skips(seq: Sequence) -> tuple[frozenset, frozenset]:
     return seq.skip_layers, seq.skip_kv_heads
-
-
-def _is_decode_row(s: ScheduledSeq) -> bool:
-    """The row computes its last known token (its drafts may follow)."""
-    return s.num_new_tokens == 1 and s.completes_prompt

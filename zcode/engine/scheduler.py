@@ -29,6 +29,11 @@ class ScheduledSeq:
         """After this step every known token is cached, so the sequence samples its next token."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """The row computes its last known token (its drafts may follow): no prompt chunk."""
+        return self.num_new_tokens == 1 and self.completes_prompt
+
 
 class Scheduler:
     def __init__(
@@ -92,7 +97,7 @@ class Scheduler:
         that prefills: prefill is never displaced by tokens that may be rejected, and the steps
         that mix prompt chunks with decode rows (whose kernels are then the prefill's) are those
         of plain decoding, so its outputs stay the same bits."""
-        if any(s.num_new_tokens != 1 or not s.completes_prompt for s in scheduled):
+        if not all(s.is_decode for s in scheduled):
             return scheduled
         for i, s in enumerate(scheduled):
             lookahead = self._lookahead(s.seq, budget)

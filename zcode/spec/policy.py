@@ -54,6 +54,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from zcode.engine.graph_cache import graph_width
 from zcode.engine.scheduler import ScheduledSeq
 from zcode.harness.plan import ExecutionPlan
 from zcode.spec.acceptance import RunYields, geometric
@@ -285,7 +286,7 @@ class DraftPolicy:
         a graph of the policy's plan at a shape the engine has run costs its measured time."""
         plan = plan or self.plan
         if width is not None:  # the graph's shape: rows in their bucket, a power-of-two width
-            rows, width = self._graph_rows(num_seqs), 1 << (width - 1).bit_length()
+            rows, width = self._graph_rows(num_seqs), graph_width(width)
             ms = self._predict(plan, rows * width, rows, context_len, modules, compiled=True)
             if not measured:
                 return ms
