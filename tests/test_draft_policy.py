@@ -485,3 +485,33 @@ def test_a_plan_caps_the_drafts_of_its_request(tiny):
     assert ExecutionPlan(num_draft_tokens=0).signature() == ExecutionPlan().signature()
     with pytest.raises(ValueError, match="num_draft_tokens must be >= 0"):
         ExecutionPlan(num_draft_tokens=-1)
+
+
+def test_drafts_the_step_would_cut_are_never_weighed_nor_drafted(tiny):
+    """A verifying step keeps its linears on the plain step's kernel (the float GEMV up to 32
+    rows here), so 16 rows verify one draft each at most. The cut comes before drafting: the
+    policy weighs, and a costly drafter is asked for, one draft a row, not the three each
+    request may have (weighed three, a step cut to one had been priced for the yield of
+    three: bench_spec drafted at a loss at batch 16)."""
+    loop = prompts()[-1]
+    no_drafts = dataclasses.replace(GREEDY, num_draft_tokens=0)
+    plain = run(engine(tiny, None, draft_policy="fixed"), [(loop, no_drafts)])[0].token_ids
+    spec = engine(tiny, LinearCost(10.0, 0.01))
+    assert spec.runner.gemv_row_limit == 32
+    spec.draft_policy.draft_plan = ExecutionPlan(name="draft")  # weighed before drafting
+    weighed, slots = [], []
+    limit, propose = spec.draft_policy.limit, spec.drafter.propose
+
+    def spy_limit(scheduled, *args):
+        weighed.extend(s.num_lookahead_tokens for s in scheduled)
+        return limit(scheduled, *args)
+
+    def spy_propose(seqs, max_num_tokens):
+        slots.extend(max_num_tokens)
+        return propose(seqs, max_num_tokens)
+
+    spec.draft_policy.limit, spec.drafter.propose = spy_limit, spy_propose
+    outs = run(spec, [(loop, GREEDY)] * 16)
+    assert [o.token_ids for o in outs] == [plain] * 16
+    assert max(weighed) == max(slots) == 1
+    assert spec.spec_totals["num_draft_tokens"] > 0

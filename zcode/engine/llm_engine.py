@@ -1,6 +1,7 @@
 """The engine: a request queue and a step loop of schedule -> run -> update."""
 
 import atexit
+import dataclasses
 import functools
 import gc
 import logging
@@ -405,26 +406,42 @@ class LLMEngine:
         return self.runner.execute(rows, settings)
 
     def _keep_decode_kernels(self, rows: list[ScheduledSeq]) -> None:
-        """Cuts the rows' drafts so that their verifying forward runs its linears on the kernel
-        the plain step of the same rows would (the float GEMV up to ModelRunner.gemv_row_limit
-        rows, F.linear above): each gives a row the same bits at any row count, so greedy tokens
-        stay those of plain decoding. Batch 16 of a bf16 model verifies one draft a row at most
-        (32 rows); 16 rows with 3 drafts each (64) had changed 9 of 16 outputs (SmolLM2 bf16,
+        """Cuts the rows' drafts to what `_kernel_keeping_drafts` allows, under the plan the
+        rows run (its linears set the limit)."""
+        most = self._kernel_keeping_drafts(rows, [len(s.seq.spec_token_ids) for s in rows])
+        for s in rows if most is not None else ():
+            del s.seq.spec_token_ids[most:]
+
+    def _kernel_keeping_drafts(self, rows: list[ScheduledSeq], drafts: list[int]) -> int | None:
+        """The most drafts a row may verify (row i would verify drafts[i]) for the verifying
+        forward to run its linears on the kernel the plain step of the same rows would (the
+        float GEMV up to ModelRunner.gemv_row_limit rows, F.linear above), None where any count
+        does: each kernel gives a row the same bits at any row count, so greedy tokens stay
+        those of plain decoding. Batch 16 of a bf16 model verifies one draft a row at most (32
+        rows); 16 rows with 3 drafts each (64) had changed 9 of 16 outputs (SmolLM2 bf16,
         bench_spec's prompts, 48 tokens)."""
         limit, runner = self.runner.gemv_row_limit, self.runner
-        most = max((len(s.seq.spec_token_ids) for s in rows), default=0)
-        if limit is None or most == 0 or runner.step_rows(rows, 0) > limit:
-            return
-        while most and runner.step_rows(rows, most) > limit:
+        most = max(drafts, default=0)
+        if limit is None or most == 0 or runner.step_rows(rows, [0] * len(rows)) > limit:
+            return None
+        while most and runner.step_rows(rows, [min(d, most) for d in drafts]) > limit:
             most -= 1
-        for s in rows:
-            del s.seq.spec_token_ids[most:]
+        return most
 
     def _draft(self, scheduled: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Drafts for the rows scheduled with room for them, as many as the draft policy finds
         pay; each row's lookahead slots cut to the drafts it verifies. Free drafts (n-gram
         lookup) are made first, so the policy prices the drafts a step would verify: a lookup
         finds a match or none, and a row without one costs the step nothing."""
+        # The slots a row may fill: no more than the verifying step keeps on the plain step's
+        # kernels (checked again per plan once the plan is applied), so neither the drafter
+        # nor the policy weighs drafts that would be cut.
+        most = self._kernel_keeping_drafts(scheduled, [s.num_lookahead_tokens for s in scheduled])
+        if most is not None:
+            scheduled = [
+                dataclasses.replace(s, num_lookahead_tokens=min(s.num_lookahead_tokens, most))
+                for s in scheduled
+            ]
         policy = self.draft_policy
         if policy is None:
             return self._propose_drafts(scheduled)

@@ -174,10 +174,9 @@ class ModelRunner:
             drafting = any(s.seq.spec_token_ids for s in scheduled)
         return not drafting or self.compiles_drafts
 
-    def step_rows(self, scheduled: list[ScheduledSeq], max_drafts: int) -> int:
-        """Rows the step's linears see if each row verifies at most `max_drafts` of its drafts:
-        a compiled graph's padded rows x width, else the packed tokens."""
-        drafts = [min(len(s.seq.spec_token_ids), max_drafts) for s in scheduled]
+    def step_rows(self, scheduled: list[ScheduledSeq], drafts: list[int]) -> int:
+        """Rows the step's linears see if row i verifies drafts[i] drafts: a compiled graph's
+        padded rows x width, else the packed tokens."""
         if self.runs_compiled(scheduled, drafting=any(drafts)):
             width = graph_width(1 + max(drafts))
             return self.graphs.bucket(len(scheduled)) * width
