@@ -175,6 +175,7 @@ def test_gguf_tokenizer_cache_gives_back_the_built_tokenizer(default_gguf, tmp_p
     assert cached.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
     assert cached.chat_template == built.chat_template and "<|im_start|>" in cached.chat_template
     assert cached.special_tokens_map == built.special_tokens_map
+    assert cached.added_tokens_decoder == built.added_tokens_decoder
     text = "Hello world, café 日本語 🤖\n<|im_start|>user"
     assert cached.encode(text) == built.encode(text)
     # A damaged entry is rebuilt, not trusted.
@@ -182,6 +183,23 @@ def test_gguf_tokenizer_cache_gives_back_the_built_tokenizer(default_gguf, tmp_p
     again = load_gguf_tokenizer(default_gguf, cache_dir=tmp_path)
     assert again.encode(text) == built.encode(text)
     assert again.backend_tokenizer.to_str() == built.backend_tokenizer.to_str()
+
+
+def test_a_cached_tokenizer_is_not_parsed_in_python(default_gguf, tmp_path, monkeypatch):
+    """The entry lists its added tokens, so transformers does not json.load the whole
+    tokenizer.json to find them (Gemma 3's 262k tokens: +250 MB of peak RSS); the Rust parse
+    is the only one."""
+    load_gguf_tokenizer(default_gguf, cache_dir=tmp_path)
+    parsed, load = [], json.load
+
+    def spy(file, *args, **kwargs):
+        parsed.append(Path(file.name).name)
+        return load(file, *args, **kwargs)
+
+    monkeypatch.setattr(json, "load", spy)
+    cached = load_gguf_tokenizer(default_gguf, cache_dir=tmp_path)
+    assert "tokenizer_config.json" in parsed and "tokenizer.json" not in parsed
+    assert cached.encode("<|im_start|>user", add_special_tokens=False)[0] == 1
 
 
 # The two below run transformers' own GGUF path, which parses the file with gguf.GGUFReader (~10 s).

@@ -79,7 +79,7 @@ def load_model(model: str | Path | None, dtype: torch.dtype | None = None):
         load_gguf_weights(path, net, contents)
         if dtype is not None:
             dequantize_model(net, dtype)
-        return net.eval(), load_gguf_tokenizer(path)
+        return net.eval(), load_gguf_tokenizer(path, contents=contents)
     from zcode.quant.artifact import load_quantized_modules
 
     net.to_empty(device="cpu")
