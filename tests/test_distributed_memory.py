@@ -50,7 +50,7 @@ def _measure(path: str, world_size: int, rank: int, queue) -> None:
     from zcode.distributed.shard import _tensors_of
     from zcode.loader import checkpoint
 
-    checkpoint.load_gguf_tokenizer = lambda path: None  # not weights (see the module's note)
+    checkpoint.load_gguf_tokenizer = lambda path, **_: None  # not weights (see the module's note)
     torch.set_num_threads(1)
     _load(path, world_size, rank)
     gc.collect()
