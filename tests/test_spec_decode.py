@@ -480,32 +480,29 @@ DEFAULT_PROMPTS = [
 ]
 
 
-@pytest.mark.slow  # ~300 forwards of SmolLM2 in float32, and compiling its graphs
-@pytest.mark.timeout(1800)  # 600 s was reached on the quiet machine once graphs were compiled
+@pytest.mark.slow  # ~250 forwards of SmolLM2 in float32 (~20 s)
 def test_default_model_greedy_outputs_are_those_of_plain_decoding(default_llm):
     """SmolLM2 in float32 (int8 activations would make logits depend on how tokens are split
-    into forwards): 64 tokens of 5 prompts with each drafter, eager and, for the quantized
-    self-draft, compiled, and a request that does not speculate in the same batch."""
+    into forwards): 64 tokens of 5 prompts with each drafter, beside a request that does not
+    speculate in the same batch. Eager: compiled drafts and verification are proven against
+    transformers on the tiny models (test_compiled_drafts_and_verification_give_transformers_
+    outputs) and compiled SmolLM2 steps against eager ones (test_graph_cache.py); here compiling
+    SmolLM2's graphs of each batch bucket and width, for the model and its draft, took ~9 min
+    from a cold inductor cache, most of the slow target on CI's machine."""
     ids = [default_llm.encode(p) for p in DEFAULT_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     want = [o.token_ids for o in default_llm.generate(ids, params)]
     plain = dataclasses.replace(params, num_draft_tokens=0)
-    runs = [("ngram", False), ("skip_layers", False), ("quantized", False)]
-    for method, compile in runs + [("quantized", True)]:
+    for method in ("ngram", "skip_layers", "quantized"):
         config = dataclasses.replace(
-            default_llm.config,
-            speculative=method,
-            num_draft_tokens=3,
-            draft_policy="fixed",
-            compile=compile,
+            default_llm.config, speculative=method, num_draft_tokens=3, draft_policy="fixed"
         )
         engine = LLMEngine(default_llm.model, default_llm.tokenizer, config)
         got = run(engine, [(p, params) for p in ids] + [(ids[0], plain)])
-        assert [o.token_ids for o in got] == want + want[:1], (method, compile)
+        assert [o.token_ids for o in got] == want + want[:1], method
         assert engine.spec_totals["num_draft_tokens"] > 0
-        assert not compile or engine.runner.num_graph_compiles > 0
         rates = [o.plan.speculative["acceptance_rate"] for o in got[:-1]]
-        print(f"SmolLM2 {method} compile={compile}: acceptance per prompt {rates}")
+        print(f"SmolLM2 {method}: acceptance per prompt {rates}")
 
 
 def test_server_requests_carry_num_draft_tokens():
