@@ -440,3 +440,14 @@ def test_calibration_measures_removed_groups_on_text_that_did_not_rank_them(
     assert read["ablation_scores"] == tokens[256:]
     assert read["joint_ablation_ratios"] == tokens[:256]
     assert artifact.head_count_ratios  # measured
+
+
+def test_calibrating_ffns_it_cannot_level_is_a_clear_error(tiny_checkpoint):
+    """GLM-4's dense FFN fuses gate and up (Glm4MLP): no thresholds to record, said so, before
+    any pass over the text (it was a RuntimeError from torch.stack deep in the thresholds)."""
+    from zcode.llm import LLM
+    from zcode.sparsity import calibrate as calibration
+
+    llm = LLM(tiny_checkpoint("glm4").path, dtype="float32")
+    with pytest.raises(NotImplementedError, match="FFN sparsity calibration of Glm4MLP FFNs"):
+        calibration.calibrate(llm, num_tokens=256, num_eval_tokens=128, tokens=[3] * 384)

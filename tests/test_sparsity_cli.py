@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,8 @@ from zcode import cli
         (["generate", "hi", "--budget", "4bits"], "add --sparsity ARTIFACT"),
         (["plan", "--sparsity", "p.pt", "--budget", "4bits"], "p.pt: no such sparsity artifact"),
         (["ppl", "f.txt", "--skip-kv-heads", "x:1"], "layer:head pairs"),
+        (["calibrate", "--formats", "int8,int3"], "--formats: unknown int3"),
+        (["calibrate", "--formats", ","], "--formats: unknown empty list"),
     ],
 )
 def test_user_mistakes_fail_before_loading(argv, message, capsys, monkeypatch, tmp_path):
@@ -89,27 +92,60 @@ def test_ppl_scores_with_the_skips_on_a_paged_engine(capsys, monkeypatch, tmp_pa
     }
 
 
-# ~800 s on a quiet 2-core machine (zcode calibrate on SmolLM2: 13 min with its precision profile):
-# the suite's 600 s hang guard would fail it
-@pytest.mark.slow
-@pytest.mark.timeout(2400)
-def test_calibrate_then_ppl_with_the_artifact(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_glm_with_a_tokenizer(tmp_path_factory) -> Path:
+    """A random Llama (two layers, hidden 64) over SmolLM2's tokenizer and vocabulary: what the
+    CLI needs to read calibration text, at a tiny model's cost (zcode calibrate on SmolLM2 itself
+    took 14 min on a quiet 2-core machine, most of the slow target; its quality is the bench's)."""
+    from tiny_models import _random_model, _with, configs
+
+    from zcode.loader.checkpoint import resolve_model_path
+    from zcode.loader.gguf_file import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(resolve_model_path(None))
+    path = tmp_path_factory.mktemp("tiny-llama-smollm2-vocab")
+    fields = {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": None,
+        "max_position_embeddings": 2048,  # calibration windows are 512 tokens and one more
+    }
+    model = _random_model(_with(configs()["llama"], **fields))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow  # three CLI processes
+def test_calibrate_then_ppl_with_the_artifact(tiny_glm_with_a_tokenizer, tmp_path):
+    model = str(tiny_glm_with_a_tokenizer)
     artifact = tmp_path / "s.pt"
     zcode = [sys.executable, "-m", "zcode.cli"]
     cal = subprocess.run(
-        [*zcode, "calibrate", "--out", str(artifact), "--tokens", "512"],
+        [*zcode, "calibrate", model, "--out", str(artifact), "--formats", "int8,w4a8"],
         capture_output=True,
         text=True,
         env={"ZCODE_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
     )
     assert cal.returncode == 0, cal.stderr
     assert artifact.is_file() and f"wrote {artifact}" in cal.stdout
+    assert "units outside the FFNs x int8, w4a8 (zcode generate --budget)" in cal.stdout
     text = tmp_path / "t.txt"
     text.write_text("def add(a, b):\n    return a + b\n" * 20)
     runs = {}
     for flags in ([], ["--sparsity", str(artifact)]):
         out = subprocess.run(
-            [*zcode, "ppl", str(text), *flags], capture_output=True, text=True, check=True
+            [*zcode, "ppl", model, str(text), *flags], capture_output=True, text=True, check=True
         )
         runs[bool(flags)] = float(out.stdout.split()[1])
     assert runs[True] == pytest.approx(runs[False], rel=0.05)
+
+
+def test_calibrate_profiles_the_sensitivity_profiles_default_formats():
+    """The CLI spells the default out (it parses without torch): it must be the library's."""
+    from zcode.quant.sensitivity import DEFAULT_FORMATS
+
+    for command in ("calibrate", "profile"):
+        args = cli.build_parser().parse_args([command, "--out", "x"])
+        assert cli.options.profile_formats(args) == list(DEFAULT_FORMATS), command

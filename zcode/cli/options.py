@@ -456,3 +456,27 @@ def apply_plan(llm: "LLM", plan: dict[str, str], **options) -> None:
 def write(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def add_formats_option(parser: argparse.ArgumentParser) -> None:
+    """--formats: the weight formats a sensitivity profile measures (zcode profile, calibrate);
+    the default is zcode.quant.sensitivity.DEFAULT_FORMATS, spelled out: the CLI parses its
+    arguments without importing torch."""
+    parser.add_argument(
+        "--formats",
+        default="int8,int4-g32,int4-g128,w8a8,w4a8",
+        metavar="F1,F2",
+        help="weight formats to profile each linear in (default: %(default)s)",
+    )
+
+
+def profile_formats(args: argparse.Namespace) -> list[str]:
+    from zcode.quant import FORMATS
+
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if not formats or unknown:
+        raise ValidationError(
+            f"--formats: unknown {', '.join(unknown) or 'empty list'}; known: {', '.join(FORMATS)}"
+        )
+    return formats

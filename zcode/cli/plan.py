@@ -10,12 +10,14 @@ from pathlib import Path
 from zcode.cli import options
 from zcode.cli.options import (
     add_dtype_option,
+    add_formats_option,
     add_model_argument,
     add_quality_options,
     add_sparsity_option,
     add_speculative_options,
     attach_precision,
     check_quality_options,
+    profile_formats,
     sparsity_args,
     speculative_args,
 )
@@ -86,6 +88,7 @@ def add_commands(commands) -> None:
         metavar="N",
         help="calibration tokens whose activations set the thresholds (default: %(default)s)",
     )
+    add_formats_option(calibrate)
     calibrate.set_defaults(run=_calibrate)
 
     plan = commands.add_parser(
@@ -122,6 +125,7 @@ def _calibrate(args: argparse.Namespace) -> None:
 
     if args.tokens < 512:
         raise ValidationError(f"--tokens must be at least 512, got {args.tokens}")
+    formats = profile_formats(args)
     # per_request_depth: the router is fitted on requests skipping layers as data
     llm = options.load_llm(
         args.model, "float32", enable_prefix_caching=False, per_request_depth=True
@@ -129,7 +133,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     if llm.tokenizer is None:
         raise ValidationError("calibration reads text: this checkpoint has no tokenizer")
     try:
-        artifact = calibrate(llm, num_tokens=args.tokens)
+        artifact = calibrate(llm, num_tokens=args.tokens, formats=formats)
     except ValueError as e:
         raise ValidationError(str(e)) from e
     out = Path(args.out) if args.out else default_path(llm.model)

@@ -8,8 +8,10 @@ from pathlib import Path
 from zcode.cli import options
 from zcode.cli.options import (
     add_dtype_option,
+    add_formats_option,
     add_model_argument,
     apply_plan,
+    profile_formats,
     read_plan,
     read_text,
 )
@@ -82,12 +84,7 @@ def add_commands(commands) -> None:
         metavar="N",
         help="calibration tokens, one sequence (default: %(default)s)",
     )
-    profile.add_argument(
-        "--formats",
-        default="int8,int4-g32,int4-g128,w8a8,w4a8",
-        metavar="F1,F2",
-        help="weight formats to measure (default: %(default)s)",
-    )
+    add_formats_option(profile)
     add_dtype_option(profile, default="float32")
     profile.set_defaults(run=_profile)
 
@@ -148,16 +145,10 @@ def _plan_for_budget(budget: str, profile_path: str | None) -> dict[str, str]:
 
 def _profile(args: argparse.Namespace) -> None:
     from zcode.calibration import corpus_tokens
-    from zcode.quant import FORMATS
     from zcode.quant.report import draw_heatmap
     from zcode.quant.sensitivity import profile_sensitivity
 
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
-    if not formats or unknown:
-        raise ValidationError(
-            f"--formats: unknown {', '.join(unknown) or 'empty list'}; known: {', '.join(FORMATS)}"
-        )
+    formats = profile_formats(args)
     if args.tokens < 2:
         raise ValidationError(f"--tokens must be at least 2, got {args.tokens}")
     out = Path(args.out)

@@ -12,6 +12,8 @@ precision variants are built from. The result is one SparsityArtifact.
 Held-out text is never touched here: quality claims are made on it by the bench.
 """
 
+from collections.abc import Sequence
+
 from tqdm import tqdm
 
 from zcode.calibration import corpus_tokens
@@ -32,7 +34,7 @@ from zcode.sparsity.head_skip import (
 from zcode.sparsity.layer_skip import BlockInfluence
 from zcode.sparsity.predictor import FFNInputRecorder, predictor_state, train_predictors
 from zcode.sparsity.sparse_mlp import WEIGHT_FORMATS
-from zcode.sparsity.thresholds import ActivationRecorder
+from zcode.sparsity.thresholds import ActivationRecorder, gated_mlps
 
 # (gate/up input sparsity, down input sparsity): down inputs tolerate more (see the bench).
 CANDIDATE_LEVELS = (
@@ -81,13 +83,22 @@ def calibrate(
     score: str = "teal",
     progress: bool = True,
     tokens: list[int] | None = None,
+    formats: Sequence[str] = DEFAULT_FORMATS,
 ) -> SparsityArtifact:
-    """`tokens`: the calibration token ids (default: the calibration split, tokenized)."""
+    """`tokens`: the calibration token ids (default: the calibration split, tokenized);
+    `formats`: the weight formats each unit outside the leveled FFNs is profiled in (what
+    precision levels are built from; each costs a pass per unit)."""
     if tokens is None:
         if llm.tokenizer is None:
             raise ValueError("calibration needs the model's tokenizer to read calibration text")
         tokens = corpus_tokens(llm.tokenizer, "calibration", num_tokens + num_eval_tokens)
     model = llm.model
+    if not gated_mlps(model):
+        kinds = sorted({type(layer.mlp).__name__ for layer in model.model.layers})
+        raise NotImplementedError(
+            f"FFN sparsity calibration of {', '.join(kinds)} FFNs (it levels SwiGLU FFNs with "
+            "separate gate_proj and up_proj, GatedMLP)"
+        )
     remove_sparsity(model)
     if len(tokens) < num_tokens + num_eval_tokens:
         raise ValueError(f"the calibration text has only {len(tokens)} tokens")
@@ -162,6 +173,6 @@ def calibrate(
     # With the FFNs as SparseMLPs (dense level) the profile's units are the other linears.
     sparse_ffns(model, artifact)
     artifact.sensitivity = profile_sensitivity(
-        model, record[:PROFILE_TOKENS], DEFAULT_FORMATS, progress=progress
+        model, record[:PROFILE_TOKENS], formats, progress=progress
     )
     return artifact
