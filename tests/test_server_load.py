@@ -141,11 +141,11 @@ def test_shared_system_prompt_is_reused():
         m = cached.metrics()
         hit_rate = m["zcode:prefix_cache_hits_total"] / m["zcode:prefix_cache_queries_total"]
     with RemoteServer(*args, "--no-prefix-caching") as uncached:
-        without_reuse = median_ttft_s(uncached, num_requests)
+        without_reuse = median_ttft_s(uncached, 4)  # each prefills the whole system prompt
         assert uncached.metrics()["zcode:prefix_cache_hits_total"] == 0
     print(
         f"{num_requests} requests sharing a {num_tokens}-token system prompt: prefix hit rate "
         f"{hit_rate:.2f}, median TTFT {with_reuse * 1e3:.0f} ms with reuse vs "
-        f"{without_reuse * 1e3:.0f} ms without"
+        f"{without_reuse * 1e3:.0f} ms without (4 requests)"
     )
     assert hit_rate > 0.8  # the TTFT saved is printed: a duration is no test's assertion

@@ -185,14 +185,15 @@ def test_compiled_drafts_and_verification_give_transformers_outputs(name, method
     """With compile, drafts are verified by compiled steps of a fixed query width (rows with
     fewer drafts padded: n-gram drafts 0 to 3 tokens per row) and a self-draft runs compiled
     graphs of its own module tree (an MoE one gathers its own quantized experts); tokens as
-    transformers', and the model itself never changes."""
+    transformers', and the model itself never changes. Two rows at a time (four prompts): each
+    batch bucket is graphs to compile, for the model and its draft."""
     checkpoint = tiny_checkpoint(name)
     llm = LLM(
         checkpoint.path,
         kv_cache_bytes=1 << 20,
         block_size=BLOCK,
         compile=True,
-        max_num_seqs=4,
+        max_num_seqs=2,
         speculative=method,
         num_draft_tokens=3,
         draft_policy="fixed",
