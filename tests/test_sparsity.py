@@ -451,3 +451,22 @@ def test_calibrating_ffns_it_cannot_level_is_a_clear_error(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("glm4").path, dtype="float32")
     with pytest.raises(NotImplementedError, match="FFN sparsity calibration of Glm4MLP FFNs"):
         calibration.calibrate(llm, num_tokens=256, num_eval_tokens=128, tokens=[3] * 384)
+
+
+def test_calibration_windows_fit_a_short_context(tiny_checkpoint):
+    """The tiny Llama holds 512 positions: calibration's 512-token windows, each run with one
+    generated token, shrink to fit (they failed with the engine's context-length error)."""
+    import random
+
+    from zcode.llm import LLM
+    from zcode.sparsity import calibrate as calibration
+
+    llm = LLM(tiny_checkpoint("llama").path, dtype="float32")
+    assert llm.engine.max_model_len == 512
+    rng = random.Random(2)
+    tokens = [rng.randrange(3, 256) for _ in range(1024 + 512)]
+    artifact = calibration.calibrate(
+        llm, num_tokens=1024, num_eval_tokens=512, levels=((0.0, 0.0),), progress=False,
+        tokens=tokens, formats=("int8",),
+    )  # fmt: skip
+    assert artifact.levels and artifact.sensitivity["formats"] == ["int8"]

@@ -103,7 +103,8 @@ def calibrate(
     if len(tokens) < num_tokens + num_eval_tokens:
         raise ValueError(f"the calibration text has only {len(tokens)} tokens")
     record, evaluate = tokens[:num_tokens], tokens[num_tokens:]
-    windows = [record[i : i + WINDOW] for i in range(0, len(record) - 1, WINDOW)]
+    window_len = min(WINDOW, llm.engine.max_model_len - 1)  # a window and one generated token
+    windows = [record[i : i + window_len] for i in range(0, len(record) - 1, window_len)]
     num_groups = sum(a.num_kv_heads for a in gqa_attentions(model).values())
     routes = llm.engine.runner.pages is not None  # skipped layers are per request there
     counts = expert_counts(model)
@@ -126,7 +127,7 @@ def calibrate(
                 bar.update()
     table = acts.table()
     inputs = ffn_inputs.stacked()
-    head_scores = ablation_scores(llm, evaluate, WINDOW, bar.update)
+    head_scores = ablation_scores(llm, evaluate, window_len, bar.update)
     artifact = SparsityArtifact(
         fingerprint=fingerprint(model),
         table=table,
@@ -137,7 +138,7 @@ def calibrate(
         # one slice, the groups picked were those that happened to cost nothing there
         # (SmolLM2-135M, 1024 tokens: the four least important together 0.999, held-out +9.4%).
         head_count_ratios=joint_ablation_ratios(
-            llm, record, WINDOW, head_scores, on_count=bar.update
+            llm, record, window_len, head_scores, on_count=bar.update
         ),
         notes={"calibration_tokens": num_tokens, "eval_tokens": num_eval_tokens},
     )
@@ -152,7 +153,7 @@ def calibrate(
         ratios = {}
         for weights in WEIGHT_FORMATS:  # "fp32" (as loaded) first
             set_ffn_level(model, artifact, s_in, s_mid, weights)
-            ppl = perplexity(llm, evaluate, WINDOW, WINDOW).perplexity
+            ppl = perplexity(llm, evaluate, window_len, window_len).perplexity
             dense_ppl = dense_ppl or ppl  # the first level is dense
             ratios[weights] = ppl / dense_ppl
             bar.update()
@@ -161,7 +162,7 @@ def calibrate(
     set_ffn_level(model, artifact, 0.0, 0.0)
     for count in counts:
         set_experts_per_token(model, count)
-        ppl = perplexity(llm, evaluate, WINDOW, WINDOW).perplexity
+        ppl = perplexity(llm, evaluate, window_len, window_len).perplexity
         artifact.expert_count_ratios[count] = ppl / dense_ppl
         bar.update()
     set_experts_per_token(model, None)
