@@ -98,6 +98,11 @@ def decode_run(
     return tokens_per_s, [s.output_token_ids for s in seqs], steps
 
 
+def progress(line: str) -> None:
+    """What the bench is doing before its cells print (a cold compiled run warms up for long)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def warm_up(engine: LLMEngine, prompts: list[list[int]], args) -> None:
     """Untimed: compiles graphs, tunes kernels. A compiled adaptive engine verifies at any width
     up to 1 + --num-draft-tokens, as its policy picks, and at every batch bucket below the
@@ -120,6 +125,8 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
     adaptive = any(policy == "adaptive" and name in args.methods for name, _, policy in METHODS)
     # The adaptive policy's cost model (fitted once per machine, ~8 min; its compiled steps
     # ~8 min more)
+    if adaptive:
+        progress("the adaptive policy's cost model: loaded, or fitted once on this machine")
     cost = CostModel.load_or_fit(compiled=args.compile) if adaptive else None
     engines = {}
     for name, method, policy in METHODS:
@@ -139,8 +146,11 @@ def zcode_cells(llm: LLM, workloads: dict, batches: list[int], args) -> list[dic
     for workload, prompts in workloads.items():
         for batch in batches:
             runs = {name: [] for name in engines}
-            for engine in engines.values():
+            for name, engine in engines.items():
+                progress(f"{workload} batch {batch}: warming up {name}")
                 warm_up(engine, prompts[:batch], args)
+                if args.compile:
+                    progress(f"  {engine.num_compiles} graphs compiled so far")
             # The cell's counts are differences: the adaptive policy learns the engine's
             # acceptance from these totals (its prior for new requests), as a server's does.
             before = {name: dict(engine.spec_totals) for name, engine in engines.items()}
