@@ -142,7 +142,7 @@ def test_calibrate_then_ppl_with_the_artifact(tiny_glm_with_a_tokenizer, tmp_pat
     assert runs[True] == pytest.approx(runs[False], rel=0.05)
 
 
-def test_calibrate_profiles_the_sensitivity_profiles_default_formats():
+def test_formats_default_to_the_sensitivity_profiles_formats():
     """The CLI spells the default out (it parses without torch): it must be the library's."""
     from zcode.quant.sensitivity import DEFAULT_FORMATS
 
