@@ -443,14 +443,59 @@ def test_calibration_measures_removed_groups_on_text_that_did_not_rank_them(
 
 
 def test_calibrating_ffns_it_cannot_level_is_a_clear_error(tiny_checkpoint):
-    """GLM-4's dense FFN fuses gate and up (Glm4MLP): no thresholds to record, said so, before
-    any pass over the text (it was a RuntimeError from torch.stack deep in the thresholds)."""
+    """Gemma-3's FFN is GELU-gated (GeluGatedMLP; the sparse kernels assume SiLU): no
+    thresholds to record, said so, before any pass over the text (GLM-4's fused FFN was a
+    RuntimeError from torch.stack deep in the thresholds)."""
     from zcode.llm import LLM
     from zcode.sparsity import calibrate as calibration
 
-    llm = LLM(tiny_checkpoint("glm4").path, dtype="float32")
-    with pytest.raises(NotImplementedError, match="FFN sparsity calibration of Glm4MLP FFNs"):
+    llm = LLM(tiny_checkpoint("gemma3_text").path, dtype="float32")
+    with pytest.raises(NotImplementedError, match="FFN sparsity calibration of GeluGatedMLP"):
         calibration.calibrate(llm, num_tokens=256, num_eval_tokens=128, tokens=[3] * 384)
+
+
+def test_glm4_ffn_levels_match_transformers_with_the_fused_ffn_inputs_masked(tiny_checkpoint):
+    """GLM-4 stores gate and up as one [2I, D] weight; ZCode runs its row halves as a GatedMLP,
+    so its FFNs take sparsity levels. Oracle: transformers' Glm4MLP (fused) with the inputs of
+    gate_up_proj and down_proj masked at the same thresholds (t_mid at each layer's median |h|,
+    so half the intermediate inputs drop)."""
+    from paged_runner import PagedRunner
+    from test_parity import PREFILL_LEN, oracle_logits, prompt_ids
+
+    from zcode.loader import load_model
+    from zcode.sparsity.thresholds import gated_mlps
+
+    ckpt = tiny_checkpoint("glm4")
+    oracle = _copy_oracle(ckpt)
+    ids = prompt_ids()
+    thresh_in, thresh_mid = 0.5, {}
+
+    def median_h(i):
+        def hook(_m, args):
+            thresh_mid.setdefault(i, float(args[0].abs().median()))
+
+        return hook
+
+    def mask(threshold):
+        return lambda _m, args: args[0] * (args[0].abs() > threshold)
+
+    mlps = [layer.mlp for layer in oracle.model.layers]
+    handles = [m.down_proj.register_forward_pre_hook(median_h(i)) for i, m in enumerate(mlps)]
+    dense, _ = oracle_logits(oracle, ids)
+    for h in handles:
+        h.remove()
+    for i, m in enumerate(mlps):
+        m.gate_up_proj.register_forward_pre_hook(mask(thresh_in))
+        m.down_proj.register_forward_pre_hook(mask(thresh_mid[i]))
+    want, _ = oracle_logits(oracle, ids)
+    assert (want - dense).abs().max() > 1e-2  # the masks change the outputs
+
+    net, _ = load_model(ckpt.path)
+    assert sorted(gated_mlps(net)) == list(range(len(mlps)))  # every FFN can be leveled
+    for i, layer in enumerate(net.model.layers):
+        layer.mlp = SparseMLP(layer.mlp, thresh_in, thresh_mid[i])
+    got = PagedRunner(net).prefill_then_decode("seq", ids, PREFILL_LEN)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_calibration_windows_fit_a_short_context(tiny_checkpoint):

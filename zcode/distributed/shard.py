@@ -42,7 +42,6 @@ from zcode.layers.mla import MLAttention
 from zcode.layers.mlp import GatedMLP, GeluGatedMLP
 from zcode.layers.moe import MoE
 from zcode.loader import pages
-from zcode.models.glm4 import Glm4MLP
 from zcode.quant.gguf import GgufEmbedding, GgufWeight, has_interleaved_layout, type_name
 from zcode.quant.linear import QuantizedLinear
 
@@ -195,11 +194,6 @@ def _slice_ffn_inputs(mlp: nn.Module, group: TPGroup, model_type: str) -> tuple[
         rows = torch.arange(start, stop)
         mlp.gate_proj = slice_rows(mlp.gate_proj, rows)
         mlp.up_proj = slice_rows(mlp.up_proj, rows)
-    elif type(mlp) is Glm4MLP:  # gate and up stacked in one weight: [2 * I, D]
-        size = mlp.down_proj.in_features
-        start, stop = _feature_range(size, mlp.down_proj, group)
-        rows = torch.arange(start, stop)
-        mlp.gate_up_proj = slice_rows(mlp.gate_up_proj, torch.cat([rows, size + rows]))
     else:
         raise NotImplementedError(
             f"tensor parallelism for {type(mlp).__name__} ({model_type}): no split for this "

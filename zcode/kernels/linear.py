@@ -118,7 +118,7 @@ TUNING_MAX_ROWS = 4096
 
 def tuning_args(packed: PackedWeight, x: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     if isinstance(packed, GgufWeight) and packed.out_features > TUNING_MAX_ROWS:
-        packed = packed.first_rows(TUNING_MAX_ROWS)
+        packed = packed.rows(0, TUNING_MAX_ROWS)
     return packed, x
 
 

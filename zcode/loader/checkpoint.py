@@ -85,12 +85,34 @@ def load_model(model: str | Path | None, dtype: torch.dtype | None = None):
     net.to_empty(device="cpu")
     files = shard_files(path)
     prebuilt = load_quantized_modules(net, files)
-    tensors = (t for t in iter_safetensors(files) if t[0] not in prebuilt)
+    tensors = (t for t in _split_fused(net, iter_safetensors(files)) if t[0] not in prebuilt)
     _load_weights(net, tensors, dtype, path, prebuilt)
     for module in net.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
     return net.eval(), _hf_tokenizer(path)
+
+
+def _split_fused(net: nn.Module, tensors):
+    """The checkpoint's (name, tensor, file), fused weights the model runs as separate modules
+    (`CausalLM.fused_modules`) given as those modules' rows (views, no copy)."""
+    for name, tensor, file in tensors:
+        module, _, leaf = name.rpartition(".")
+        stored = next(
+            (s for s in net.fused_modules if module == s or module.endswith(f".{s}")), None
+        )
+        if stored is None:
+            yield name, tensor, file
+            continue
+        parts = net.fused_modules[stored]
+        if tensor.shape[0] % len(parts):
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has {tensor.shape[0]} rows, not {len(parts)} equal "
+                f"parts for {', '.join(parts)}"
+            )
+        stem = module.removesuffix(stored)
+        for part, rows in zip(parts, tensor.chunk(len(parts))):
+            yield f"{stem}{part}.{leaf}", rows, file
 
 
 def _load_weights(

@@ -32,7 +32,13 @@ from zcode.loader import pages
 from zcode.loader.gguf_config import MODEL_TYPES
 from zcode.loader.gguf_file import GgufContents, GgufTensor
 from zcode.loader.interleaved import interleaved_file
-from zcode.quant.gguf import GgufEmbedding, GgufWeight, dequantize_rows, format_name
+from zcode.quant.gguf import (
+    INTERLEAVE_ROWS,
+    GgufEmbedding,
+    GgufWeight,
+    dequantize_rows,
+    format_name,
+)
 from zcode.quant.linear import QuantizedLinear
 
 # Model modules kept as fp32 nn.Linear (dequantized): small, and run in fp32 by the reference.
@@ -127,6 +133,19 @@ class _GgufFiller:
             raise CheckpointError(f"{self.path}: tensor {gguf_name!r} is not 2-D: {tensor.shape}")
         return GgufWeight(data, tensor.ggml_type, tensor.shape[-1], interleaved)
 
+    def _part(self, gguf_name: str, hf_name: str, index: int, num_parts: int) -> GgufWeight:
+        """Part `index` of `num_parts` equal row ranges of a fused tensor (GLM-4's ffn_up: gate
+        rows, then up rows), a view; in the file's row order where the interleaved layout's
+        16-row groups would straddle the cut."""
+        rows = self._tensor(gguf_name, hf_name).shape[0]
+        if rows % num_parts:
+            raise CheckpointError(
+                f"{self.path}: tensor {gguf_name!r} has {rows} rows, not {num_parts} equal parts"
+            )
+        size = rows // num_parts
+        packed = self._packed(gguf_name, hf_name, interleaved=size % INTERLEAVE_ROWS == 0)
+        return packed.rows(index * size, (index + 1) * size)
+
     def _float(self, gguf_name: str, hf_name: str) -> torch.Tensor:
         """fp32 [torch shape], owning its memory."""
         tensor = self._tensor(gguf_name, hf_name)
@@ -157,6 +176,10 @@ class _GgufFiller:
             prefix, expert, proj = m.groups()
             gguf_name = self._gguf_name(f"{prefix}.{proj}.weight")
             packed = self._packed(gguf_name, name, int(expert))
+        elif (fused := self.net.fused_source(name)) is not None:
+            stored, index, num_parts = fused
+            gguf_name = self._gguf_name(f"{stored}.weight")
+            packed = self._part(gguf_name, name, index, num_parts)
         else:
             gguf_name = self._gguf_name(f"{name}.weight")
             permuted = self.model_type == "llama" and name.endswith(("q_proj", "k_proj"))

@@ -68,6 +68,12 @@ class CausalLM(nn.Module):
     """Base class: subclasses build `self.model` (a Backbone) in __init__ before calling
     `_init_head`."""
 
+    # Modules the checkpoint stores as one fused weight that this model runs as separate
+    # modules: stored name (a suffix of module names) -> the modules taking its rows, in order,
+    # in equal parts. GLM-4 fuses gate and up ([2 * I, D]); as GatedMLP's two linears its FFN
+    # gets sparsity levels, and decode still runs them as one GEMV (linear_group).
+    fused_modules: dict[str, tuple[str, ...]] = {}
+
     def __init__(self, hf_config) -> None:
         super().__init__()
         self.config = hf_config
@@ -75,6 +81,15 @@ class CausalLM(nn.Module):
         # num_hidden_layers; the loader keeps them here, by checkpoint name, for speculative
         # decoding.
         self.mtp_weights: dict[str, torch.Tensor] = {}
+
+    def fused_source(self, module_name: str) -> tuple[str, int, int] | None:
+        """(stored module name, part index, number of parts) if `module_name`'s weight is rows
+        of a fused checkpoint weight, else None."""
+        for stored, parts in self.fused_modules.items():
+            for index, part in enumerate(parts):
+                if module_name == part or module_name.endswith(f".{part}"):
+                    return module_name.removesuffix(part) + stored, index, len(parts)
+        return None
 
     def _init_head(self) -> None:
         c = self.config

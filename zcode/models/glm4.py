@@ -1,12 +1,12 @@
-"""GLM-4-0414 dense: GQA with qkv bias, interleaved partial RoPE, sandwich norms, fused gate_up."""
+"""GLM-4-0414 dense: GQA with qkv bias, interleaved partial RoPE, sandwich norms; the checkpoint's
+fused gate_up_proj runs as a GatedMLP's gate_proj and up_proj (its row halves)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from zcode.forward_batch import ForwardBatch
 from zcode.layers.attention import Attention, head_dim_of
-from zcode.layers.linear import Linear
+from zcode.layers.mlp import GatedMLP
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import RotaryEmbedding
 from zcode.models.base import Backbone, CausalLM
@@ -17,22 +17,11 @@ def rotary_dim_of(c) -> int:
     return int(head_dim_of(c) * factor)
 
 
-class Glm4MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(up * F.silu(gate))
-
-
 class Glm4DecoderLayer(nn.Module):
     def __init__(self, c) -> None:
         super().__init__()
         self.self_attn = Attention.from_config(c, interleaved_rope=True)
-        self.mlp = Glm4MLP(c.hidden_size, c.intermediate_size)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -44,6 +33,8 @@ class Glm4DecoderLayer(nn.Module):
 
 
 class Glm4ForCausalLM(CausalLM):
+    fused_modules = {"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
     def __init__(self, hf_config) -> None:
         super().__init__(hf_config)
         c = hf_config

@@ -179,11 +179,12 @@ class GgufWeight(PackedWeight):
         data = torch.ops.zcode.ggml_interleave(self.data, self.ggml_type, self.in_features)
         return GgufWeight(data, self.ggml_type, self.in_features, interleaved=True)
 
-    def first_rows(self, num_rows: int) -> "GgufWeight":
-        """A view of rows 0..num_rows (a multiple of 16 if interleaved: whole groups)."""
-        if self.interleaved and num_rows % INTERLEAVE_ROWS:
+    def rows(self, start: int, stop: int) -> "GgufWeight":
+        """A view of rows start..stop (multiples of 16 if interleaved: whole groups)."""
+        if self.interleaved and (start % INTERLEAVE_ROWS or stop % INTERLEAVE_ROWS):
             raise ValueError(f"an interleaved weight splits at groups of {INTERLEAVE_ROWS} rows")
-        return GgufWeight(self.data[:num_rows], self.ggml_type, self.in_features, self.interleaved)
+        data = self.data[start:stop]
+        return GgufWeight(data, self.ggml_type, self.in_features, self.interleaved)
 
     def file_rows(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """uint8 [stop - start, row_bytes]: rows start..stop in the file's row order (if

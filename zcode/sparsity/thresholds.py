@@ -58,11 +58,12 @@ class ThresholdTable:
 
 
 def gated_mlps(model: nn.Module) -> dict[int, GatedMLP]:
-    """Decoder layer index -> its dense SwiGLU FFN (MoE layers are left out)."""
+    """Decoder layer index -> its dense SwiGLU FFN: the FFNs that take sparsity levels (MoE
+    layers and GELU-gated FFNs, a GatedMLP subclass the SiLU kernels do not run, are left out)."""
     return {
         i: layer.mlp
         for i, layer in enumerate(model.model.layers)
-        if isinstance(getattr(layer, "mlp", None), GatedMLP)
+        if type(getattr(layer, "mlp", None)) is GatedMLP
     }
 
 
