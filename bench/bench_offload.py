@@ -8,7 +8,9 @@ cache (no page is dropped: its experts stay in the page cache once read). Every 
 model afresh, so it starts cold (the cache drops every expert's pages when it attaches) and no
 other instance in the process maps pages the cache drops; budgets run round-robin within each
 repeat. One greedy request per run: decode tok/s = (N - 1) / (t_last - t_first) over its N new
-tokens. Disk MB/token: the bytes of the experts the cache missed (model) and the process's reads
+tokens (after `--warmup` tokens of an untimed request on another prompt, if given: the figures
+are then the budget's steady state, without the first reads every cold start pays). Disk
+MB/token: the bytes of the experts the cache missed (model) and the process's reads
 from storage by /proc/self/io (measured; readahead may read more), per token run (prompt and
 decode). Tokens must be identical at every budget. `--prefetch on,off` runs every budget with
 and without reading the next layer's predicted experts ahead; prefetch recall is the share of
@@ -29,6 +31,7 @@ from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
 
 PROMPT = "The history of the printing press begins in"
+WARMUP_PROMPT = "A short guide to the rivers of Europe, from the Danube"
 MB = 1e6
 
 
@@ -58,9 +61,15 @@ def run_once(
         model, kv_cache_bytes=64 << 20, compile=args.compile, max_num_seqs=1,
         expert_cache_policy=args.policy, **cache_args,
     )  # fmt: skip
-    ids = llm.encode(PROMPT) if llm.tokenizer is not None else list(range(3, 3 + args.prompt_len))
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     engine = llm.engine
+    if args.warmup:
+        params = SamplingParams(temperature=0, max_tokens=args.warmup, ignore_eos=True)
+        engine.add_request(prompt_ids(llm, WARMUP_PROMPT, args), params)
+        while engine.has_unfinished():
+            engine.step()
+    ids = prompt_ids(llm, PROMPT, args)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    stats_at_start = engine.stats()
     read_at_start = process_read_bytes()
     engine.add_request(ids, params)
     times, out = [], None
@@ -71,10 +80,14 @@ def run_once(
     num_tokens = len(ids) + args.max_tokens - 1
     measured = None if read_at_start is None else (read_at_end - read_at_start) / num_tokens
     stats = engine.stats()
-    report = out.expert_cache or {}
-    misses = stats.get("expert_cache_lookups", 0) - stats.get("expert_cache_hits", 0)
+    report = out.expert_cache or {}  # this request's
+
+    def counted(key: str) -> int:  # during the timed request
+        return stats.get(key, 0) - stats_at_start.get(key, 0)
+
+    misses = counted("expert_cache_lookups") - counted("expert_cache_hits")
     prefetched, prefetch_hits = (
-        stats.get(k, 0) for k in ("expert_cache_prefetched", "expert_cache_prefetch_hits")
+        counted(k) for k in ("expert_cache_prefetched", "expert_cache_prefetch_hits")
     )
     run = Run(
         decode_tok_s=(args.max_tokens - 1) / (times[-1] - times[0]),
@@ -92,6 +105,13 @@ def run_once(
     return run
 
 
+def prompt_ids(llm: LLM, text: str, args: argparse.Namespace) -> list[int]:
+    if llm.tokenizer is not None:
+        return llm.encode(text)
+    first = 3 + len(text) % 7  # without a tokenizer: distinct ids per prompt
+    return list(range(first, first + args.prompt_len))
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -103,6 +123,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=16, help="without a tokenizer")
+    parser.add_argument(
+        "--warmup", type=int, default=0,
+        help="new tokens of an untimed request on another prompt first (the cache then holds "
+        "what the budget keeps, not nothing: steady-state hit rate, first reads excluded)",
+    )  # fmt: skip
     parser.add_argument("--policy", default="lru", choices=["lru", "lfu"])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--compile", action="store_true", help="compiled decode steps")
@@ -144,7 +169,8 @@ def main() -> None:
     expert_gb = next(r.expert_bytes for rs in runs.values() for r in rs if r.expert_bytes)
     print(
         f"\n{args.model}: routed experts {expert_gb / 1e9:.3f} GB, policy {args.policy}, "
-        f"{args.threads} threads, {args.max_tokens} new tokens, {args.repeats} repeats"
+        f"{args.threads} threads, {args.max_tokens} new tokens after a warm-up of {args.warmup}, "
+        f"{args.repeats} repeats"
     )
     headers = ["budget", "prefetch", "MB", "tok/s min", "tok/s median", "hit rate",
                "disk MB/tok (model)", "disk MB/tok (measured)", "prefetch recall",

@@ -62,21 +62,26 @@ def _assert_residency_is_real(llm: LLM) -> None:
         if pinned
         for r in cache.ranges[i][e]
     )
-    assert _locked_bytes({os.readlink(f"/proc/self/fd/{r.fd}") for r in ranges}) == expected
+    paths = {os.readlink(f"/proc/self/fd/{r.fd}") for r in ranges}
+    assert _smaps_bytes(paths, "Locked:") == expected
+    # the file's pages themselves: locking a copy-on-write mapping must not copy them (a plain
+    # mlock populated it with write faults, one anonymous copy per page)
+    assert _smaps_bytes(paths, "Anonymous:") == 0
 
 
 def _expert_ids(cache) -> list[tuple[int, int]]:
     return [(i, e) for i in range(len(cache.ranges)) for e in range(len(cache.ranges[i]))]
 
 
-def _locked_bytes(paths: set[str]) -> int:
-    """Bytes the kernel counts as mlock'ed in this process's mappings of `paths` (smaps)."""
+def _smaps_bytes(paths: set[str], field: str) -> int:
+    """The kernel's count of `field` bytes ("Locked:", "Anonymous:") in this process's mappings
+    of `paths` (smaps)."""
     total, in_file = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         fields = line.split()
         if fields and "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
             in_file = len(fields) == 6 and fields[5] in paths
-        elif in_file and fields[0] == "Locked:":
+        elif in_file and fields[0] == field:
             total += int(fields[1]) * 1024
     return total
 

@@ -62,6 +62,7 @@ from zcode.loader.pages import (
     MADV_DONTNEED,
     MADV_RANDOM,
     MADV_WILLNEED,
+    MLOCK_ONFAULT,
     PAGE_BYTES,
     libc,
     madvise,
@@ -91,9 +92,15 @@ class FileRange:
         madvise(self.address, self.num_bytes, advice)
 
     def pin(self) -> bool:
-        """Locks the whole pages in RAM (reading them in); False where the OS refuses."""
+        """Locks the whole pages in RAM as they are mapped; False where the OS refuses.
+
+        MLOCK_ONFAULT: a plain mlock populates the range, and on a copy-on-write mapping (what
+        the loaders map) with write faults, so every page was copied into anonymous memory
+        (~2.4 ms per 1.8 MB projection: a 10 GB GLM-4.5-Air-shaped model at a 100% budget
+        decoded at 5.2 tok/s, 11.6 with this). The experts pinned have just run, so their
+        pages are mapped, and now stay the file's pages."""
         start, end = self._whole_pages()
-        return end <= start or libc.mlock(start, end - start) == 0
+        return end <= start or libc.mlock2(start, end - start, MLOCK_ONFAULT) == 0
 
     def unpin(self) -> None:
         start, end = self._whole_pages()

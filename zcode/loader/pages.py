@@ -17,10 +17,11 @@ import torch
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 MADV_RANDOM, MADV_WILLNEED, MADV_DONTNEED = 1, 3, 4  # <sys/mman.h> on Linux
+MLOCK_ONFAULT = 1
 libc = ctypes.CDLL(None, use_errno=True)
 libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mlock2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
 libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
