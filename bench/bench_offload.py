@@ -101,7 +101,8 @@ def run_once(
         prefetch_precision=prefetch_hits / prefetched if prefetched else None,
     )
     del llm, engine
-    gc.collect()  # unmaps the file before the next run drops pages
+    gc.unfreeze()  # the engine froze the heap (LLMEngine._freeze_heap): collect it too, so
+    gc.collect()  # the file is unmapped before the next run's cache drops its pages
     return run
 
 
