@@ -353,6 +353,38 @@ def test_bf16_batch_of_16_verifying_3_drafts_matches_plain_decoding(default_mode
     assert_drafts_were_tested(spec.engine)
 
 
+@pytest.mark.slow  # SmolLM2's graphs of 1 x 1 and 1 x 4 tokens, compiled (~1-2 min)
+def test_compiled_verifying_graph_gives_a_token_the_plain_graphs_bits(default_model_path):
+    """bf16, compiled: a verifying graph (1 row x 4 tokens) must give each token the bits the
+    plain step's graph (1 x 1) gives it. Inductor kept a fused kernel's 16-bit intermediates in
+    fp32, and which ops fuse depends on the graph's shape (SmolLM2 with drafts left plain
+    decoding's tokens at token 61; the tiny models' graphs fuse alike at both shapes). The
+    drafts are plain decoding's own next tokens, so every draft is accepted and every
+    log-probability equal, bit for bit, or the graphs differ."""
+    import inspect
+    import json.decoder
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    args = dict(dtype="bfloat16", compile=True, max_num_seqs=1, enable_prefix_caching=False)
+    plain_llm = LLM(default_model_path, **args)
+    prompt = plain_llm.tokenizer.encode(inspect.getsource(json.decoder))[:192]
+    plain = plain_llm.generate([prompt], params)[0]
+    spec = LLM(default_model_path, speculative="ngram", num_draft_tokens=3, draft_policy="fixed",
+               **args)  # fmt: skip
+
+    def plain_decodings_next_tokens(seqs, max_num_tokens):
+        done = [len(seq.token_ids) - len(prompt) for seq in seqs]
+        return [plain.token_ids[d : d + n] for d, n in zip(done, max_num_tokens)]
+
+    spec.engine.drafter.propose = plain_decodings_next_tokens
+    out = spec.generate([prompt], params)[0]
+    assert out.token_ids == plain.token_ids
+    assert out.logprobs == plain.logprobs
+    totals = spec.engine.spec_totals
+    assert totals["num_accepted_tokens"] == totals["num_draft_tokens"] > 0
+    assert 4 in {width for _, _, width in spec.engine.runner.graphs.graphs}
+
+
 def test_num_draft_tokens_is_validated(tiny_checkpoint):
     path = tiny_checkpoint("llama").path
     plain = LLM(path, kv_cache_bytes=1 << 20)
