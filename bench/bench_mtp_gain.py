@@ -28,6 +28,7 @@ from table_format import print_rows  # noqa: E402
 from zcode.configs import CONFIGS_DIR  # noqa: E402
 from zcode.hardware.cost_model import CostModel, format_cost  # noqa: E402
 from zcode.loader.checkpoint import build_model, read_config  # noqa: E402
+from zcode.spec.acceptance import geometric  # noqa: E402
 from zcode.spec.mtp import mtp_cost_plan  # noqa: E402
 from zcode.spec.policy import DraftPolicy  # noqa: E402
 
@@ -55,7 +56,8 @@ def main() -> None:
                 for k in DRAFTS
             ]
             chosen = policy.choose(
-                [acceptance] * batch, [max(DRAFTS)] * batch, num_tokens=batch, num_seqs=batch,
+                [geometric(acceptance, max(DRAFTS))] * batch, [max(DRAFTS)] * batch,
+                num_tokens=batch, num_seqs=batch,
                 context_len=args.context, base_yield=batch,
             )  # fmt: skip
             rows.append(
