@@ -98,21 +98,18 @@ def _split_fused(net: nn.Module, tensors):
     (`CausalLM.fused_modules`) given as those modules' rows (views, no copy)."""
     for name, tensor, file in tensors:
         module, _, leaf = name.rpartition(".")
-        stored = next(
-            (s for s in net.fused_modules if module == s or module.endswith(f".{s}")), None
-        )
-        if stored is None:
+        fused = net.fused_parts(module)
+        if fused is None:
             yield name, tensor, file
             continue
-        parts = net.fused_modules[stored]
+        prefix, parts = fused
         if tensor.shape[0] % len(parts):
             raise CheckpointError(
                 f"{file}: tensor {name!r} has {tensor.shape[0]} rows, not {len(parts)} equal "
                 f"parts for {', '.join(parts)}"
             )
-        stem = module.removesuffix(stored)
         for part, rows in zip(parts, tensor.chunk(len(parts))):
-            yield f"{stem}{part}.{leaf}", rows, file
+            yield f"{prefix}{part}.{leaf}", rows, file
 
 
 def _load_weights(

@@ -87,8 +87,16 @@ class CausalLM(nn.Module):
         of a fused checkpoint weight, else None."""
         for stored, parts in self.fused_modules.items():
             for index, part in enumerate(parts):
-                if module_name == part or module_name.endswith(f".{part}"):
+                if _names(module_name, part):
                     return module_name.removesuffix(part) + stored, index, len(parts)
+        return None
+
+    def fused_parts(self, stored_name: str) -> tuple[str, tuple[str, ...]] | None:
+        """(prefix, the modules taking its rows) if the checkpoint's `stored_name` is a fused
+        weight this model runs as separate modules (each named prefix + part), else None."""
+        for stored, parts in self.fused_modules.items():
+            if _names(stored_name, stored):
+                return stored_name.removesuffix(stored), parts
         return None
 
     def _init_head(self) -> None:
@@ -105,3 +113,9 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         """The modules that own KV cache, in layer order (each has cache_spec() and .cache)."""
         return [layer.self_attn for layer in self.model.layers]
+
+
+def _names(module_name: str, suffix: str) -> bool:
+    """Whether `module_name` is `suffix` or ends in it at a dot ("mlp.up_proj", not
+    "shared_mlp.up_proj")."""
+    return module_name == suffix or module_name.endswith(f".{suffix}")
