@@ -13,6 +13,7 @@ check should run on the same, idle one.
 """
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -21,8 +22,7 @@ from table_format import print_rows
 
 from zcode.hardware import probe
 from zcode.hardware.cost_fit import CHECK_PLANS, CHECK_SETTINGS, check_smollm2, fit_smollm2
-from zcode.hardware.cost_model import DECODE, CostModel, cache_path, predict
-from zcode.hardware.probe import fingerprint
+from zcode.hardware.cost_model import DECODE, CostModel, cache_path, cost_key, predict
 
 TARGET_ERROR = 0.15
 
@@ -35,14 +35,18 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     info = probe()
-    key = fingerprint(info)
+    key = cost_key(info)  # where the engine and `zcode info` read the fit
     start = time.perf_counter()
-    if args.refit or (cost := CostModel.load(cache_path(key))) is None:
+    cached = CostModel.cached(info)
+    if args.refit or cached is None:
         cost, fitted = fit_smollm2(key, info.read_bandwidth_gbps)
+        if cached is not None:  # a refit of eager steps keeps the compiled steps' fit
+            cost = dataclasses.replace(cost, compiled_decode=cached.compiled_decode)
         cost.save(cache_path(key))
         print(f"fitted on {len(fitted)} measurements in {time.perf_counter() - start:.0f} s")
         _print_results("fit (in-sample)", [(m, _predict(cost, m)) for m in fitted])
     else:
+        cost = cached
         print(f"cost model read from {cache_path(key)}")
     print(f"\n{args.threads} threads, read bandwidth {info.read_bandwidth_gbps:.1f} GB/s")
     for mode, coefficients in ((DECODE, cost.decode), ("prefill", cost.prefill)):

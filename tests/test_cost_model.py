@@ -75,6 +75,28 @@ def test_weight_bytes_cost_at_least_the_read_bandwidth():
     assert weight_byte_floors(rows, read_gbps=80.0) == {"int8:MB": 1 / 80, "bf16:MB": 1 / 80}
 
 
+def test_the_wide_model_steps_lift_the_floor_of_the_kinds_they_measure():
+    from zcode.hardware import cost_fit
+
+    # "a" streams at 50 GB/s, faster than the probe's 30 ("b" at 20): the wide model's steps
+    # of kind "a" pin its bytes, so only "b", measured on SmolLM2 alone, keeps the floor.
+    truth = {"step": 1.0, "a:MB": 0.02, "b:MB": 0.05, "a:calls": 0.05, "b:calls": 0.05}
+    rng = np.random.default_rng(3)
+    measurements = []
+    for i in range(40):
+        wide = i % 2 == 0
+        kind = "a" if i % 4 < 2 else "b"
+        features = {"step": 1.0, f"{kind}:MB": rng.uniform(50, 900), f"{kind}:calls": 100.0}
+        spec = cost_fit.PlanSpec(kind, "float32", dict, "dense", wide=wide and kind == "a")
+        ms = sum(truth[n] * v for n, v in features.items())
+        measurements.append(cost_fit.Measurement(spec, "decode", 1, 64, 1, features, ms))
+    fitted = cost_fit._fit(measurements, read_gbps=30.0)
+    assert fitted["a:MB"] == pytest.approx(0.02, rel=1e-6)
+    assert fitted["b:MB"] == pytest.approx(0.05, rel=1e-6)  # above its floor: fitted as is
+    floored = cost_fit._fit(measurements, read_gbps=10.0)  # a floor of 0.1 ms/MB
+    assert floored["b:MB"] == pytest.approx(0.1) and floored["a:MB"] == pytest.approx(0.02)
+
+
 def test_predict_refuses_an_unfitted_kind():
     with pytest.raises(ValueError, match="w4a8:MB"):
         predict({"step": 1.0}, {"step": 1.0, "w4a8:MB": 3.0})

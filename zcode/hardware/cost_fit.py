@@ -1,7 +1,8 @@
 """Measuring the cost model's ground truth: engine step times of SmolLM2-135M under several plans.
 
-`fit_smollm2` measures FIT_PLANS at FIT_SETTINGS (and the sparse FFN's SPARSE_FIT_PLANS at
-batch 1) and fits the coefficients, `fit_compiled` those of compiled decode steps
+`fit_smollm2` measures FIT_PLANS at FIT_SETTINGS (the sparse FFN's SPARSE_FIT_PLANS at batch 1,
+and WIDE_FIT_PLANS: the same formats on a wide random model, WIDE_MODEL) and fits the
+coefficients, `fit_compiled` those of compiled decode steps
 (COMPILED_FIT_PLANS on a few layers of the model, at two depths);
 `check_smollm2` measures CHECK_PLANS, which the fit never saw (other formats, other mixes, other
 batch sizes and context lengths), and returns predicted against measured for each. Step times
@@ -17,7 +18,9 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
+import torch
 from torch import nn
 
 from zcode.hardware.cost_model import (
@@ -61,6 +64,7 @@ class PlanSpec:
     ffn_level: tuple[float, float] | None = None
     ffn_weights: str = "fp32"  # the rows those SparseMLPs read (zcode.sparsity.WEIGHT_FORMATS)
     kv_paged: bool = False  # an engine keeping KV per head (per_request_depth)
+    wide: bool = False  # run on WIDE_MODEL instead of SmolLM2
 
 
 # fmt: off
@@ -86,6 +90,22 @@ SPARSE_FIT_PLANS = tuple(
     for name, level in (("every-row", (0.0, 0.0)), ("0.5/0.7", (0.5, 0.7)))
     for rows, suffix in (("fp32", ""), ("int8", "-int8-rows"))
 )
+# The formats again on a wide random model of SmolLM2's vocabulary (Llama-shaped, 2 layers of
+# hidden 2048 and FFN 8192: 222M parameters, 0.44 GB in bf16), whose decode steps are mostly
+# weight bytes. On SmolLM2 alone a step's fixed costs (~20 ms eager: 30 layers of small linears)
+# grow with its bytes plan by plan, and the fit put them on the bytes: bf16 at 14 GB/s and nothing
+# on the step, which priced the decode of a 6B MoE (2.1 GB read per token) at 2.1-2.6x its
+# measured time.
+WIDE_MODEL = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+}
+WIDE_FIT_PLANS = tuple(
+    dataclasses.replace(p, name=f"wide-{p.name}", wide=True) for p in FIT_PLANS if not p.kv_paged
+)
 CHECK_PLANS = (
     PlanSpec("fp32", "float32", _uniform("fp32"), "dense"),
     PlanSpec("bf16-model", "bfloat16", _uniform("fp32"), "dense"),
@@ -106,6 +126,7 @@ FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 1, 512, 1), (DECODE, 4, 256, 1),
                 (DECODE, 16, 128, 1), (DECODE, 48, 128, 1), (PREFILL, 1, 64, 1),
                 (PREFILL, 1, 256, 1))
 SPARSE_FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 1, 512, 1))
+WIDE_FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 4, 64, 1))
 CHECK_SETTINGS = ((DECODE, 1, 1000, 1), (DECODE, 2, 128, 1), (PREFILL, 1, 160, 1))
 # fmt: on
 # Compiled steps: one plan per kernel kind, on the first 2 and 8 decoder layers of SmolLM2
@@ -149,13 +170,15 @@ class Measurement:
 def fit_smollm2(
     fingerprint: str, read_gbps: float | None = None
 ) -> tuple[CostModel, list[Measurement]]:
-    """Measures FIT_PLANS at FIT_SETTINGS (and SPARSE_FIT_PLANS at SPARSE_FIT_SETTINGS) on this
-    machine and fits a CostModel to them; returns it with the measurements it was fitted to.
-    `read_gbps`: the measured read bandwidth, the floor of every weight kind's cost per byte."""
+    """Measures FIT_PLANS at FIT_SETTINGS (SPARSE_FIT_PLANS at SPARSE_FIT_SETTINGS,
+    WIDE_FIT_PLANS at WIDE_FIT_SETTINGS) on this machine and fits a CostModel to them; returns it
+    with the measurements it was fitted to. `read_gbps`: the measured read bandwidth, the floor of
+    every weight kind's cost per byte."""
     measurements, other_load = measure_other_load(
         lambda: (
             measure_plans(FIT_PLANS, FIT_SETTINGS)
             + measure_plans(SPARSE_FIT_PLANS, SPARSE_FIT_SETTINGS)
+            + measure_plans(WIDE_FIT_PLANS, WIDE_FIT_SETTINGS)
         )
     )
     coefficients = {
@@ -166,15 +189,22 @@ def fit_smollm2(
         coefficients[DECODE],
         coefficients[PREFILL],
         fingerprint,
-        tuple(p.name for p in FIT_PLANS + SPARSE_FIT_PLANS),
+        tuple(p.name for p in FIT_PLANS + SPARSE_FIT_PLANS + WIDE_FIT_PLANS),
         None if other_load is None else other_load / (os.cpu_count() or 1),
     )
     return cost, measurements
 
 
 def _fit(measurements: list[Measurement], read_gbps: float | None) -> dict[str, float]:
+    """Floors only where no wide-model step measured the kind: those steps, mostly bytes, pin
+    its cost per byte, and the probe's bandwidth moves with what the host's other tenants do
+    (30 to 58 GB/s within an hour here), so as a floor it overpriced every kind at times (dense
+    bf16 streamed 39 GB/s while the probe read 30)."""
     rows = [m.features for m in measurements]
-    floors = None if read_gbps is None else weight_byte_floors(rows, read_gbps)
+    wide = {name for m in measurements if m.plan.wide for name in m.features}
+    floors = None
+    if read_gbps is not None:
+        floors = {k: v for k, v in weight_byte_floors(rows, read_gbps).items() if k not in wide}
     return fit_coefficients(rows, [m.measured_ms for m in measurements], floors)
 
 
@@ -235,18 +265,20 @@ def measure_plans(
         if any(width > 1 for *_, width in settings):  # the LLMs' engines have no drafter
             raise NotImplementedError("verifying steps are measured compiled only")
         llms = {
-            (dtype, paged): LLM(
+            (dtype, paged, wide): _wide_llm(dtype)
+            if wide
+            else LLM(
                 None,
                 dtype=dtype,
                 enable_prefix_caching=False,
                 kv_cache_bytes=KV_CACHE_BYTES,
                 per_request_depth=paged,
             )
-            for dtype, paged in dict.fromkeys((p.dtype, p.kv_paged) for p in plans)
+            for dtype, paged, wide in dict.fromkeys((p.dtype, p.kv_paged, p.wide) for p in plans)
         }
         prepared = []  # (spec, engine, {name: module swapped in}, {setting: features})
         for spec in plans:
-            llm = llms[spec.dtype, spec.kv_paged]
+            llm = llms[spec.dtype, spec.kv_paged, spec.wide]
             model = llm.model
             formats = spec.formats(quantizable_modules(model))
             if spec.ffn_level is not None:
@@ -279,6 +311,26 @@ def measure_plans(
         for i, (spec, _, _, rows) in enumerate(prepared)
         for setting, features in rows.items()
     ]
+
+
+def _wide_llm(dtype: str) -> SimpleNamespace:
+    """WIDE_MODEL with random weights (seeded) in `dtype`, SmolLM2's tokenizer: its `model` and
+    an `engine` serving it, as an LLM has."""
+    from transformers import LlamaConfig
+
+    from zcode.config import EngineConfig
+    from zcode.engine.llm_engine import LLMEngine
+    from zcode.loader.checkpoint import build_model, resolve_model_path
+    from zcode.loader.gguf_file import load_gguf_tokenizer
+
+    tokenizer = load_gguf_tokenizer(resolve_model_path(None))
+    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, **WIDE_MODEL)
+    torch.manual_seed(0)
+    model = build_model(config, device="cpu").to(getattr(torch, dtype)).eval()
+    engine_config = EngineConfig(
+        dtype=dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES
+    )
+    return SimpleNamespace(model=model, engine=LLMEngine(model, tokenizer, engine_config))
 
 
 def _compiled_engine(spec: PlanSpec, settings, num_layers: int) -> tuple:
