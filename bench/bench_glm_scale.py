@@ -16,7 +16,8 @@ with --compile, ZCode's compiled decode as a third engine (its graphs compiled i
 
 reported as min / median over --repeats (>= 3 for figures), beside the decode tok/s `zcode info`'s
 fit planner predicts for that file type on this machine (its fitted cost model, else the
-read-bandwidth roofline; the column says which) and the measured / predicted ratio.
+read-bandwidth roofline; the column says which) and the measured / predicted ratio: for the
+eager engine at the thread count the cost model was fitted at (the hardware probe's).
 
     .venv/bin/python bench/bench_glm_scale.py [--shape glm5] [--params 1.3B] [--types bf16 q4_0] \
         [--threads 1 2] [--compile] [--batches 4 16]
@@ -58,8 +59,9 @@ def model_files(shape: str, params: int, vocab: int | None, types: list[str]) ->
     return {"hf": hf_dir, **paths}
 
 
-def predicted_tok_s(hf_dir: Path, context_len: int) -> tuple[dict[str, float], str]:
-    """{file type: decode tok/s} from `zcode info`'s fit planner, and what predicted it."""
+def predicted_tok_s(hf_dir: Path, context_len: int) -> tuple[dict[str, float], str, int]:
+    """{file type: eager decode tok/s} from `zcode info`'s fit planner, what predicted it, and
+    the threads it predicts for (the cost model's steps were timed at the probe's)."""
     from zcode.hardware import probe
     from zcode.hardware.cost_model import CostModel
     from zcode.info import FitOptions, model_info
@@ -71,7 +73,7 @@ def predicted_tok_s(hf_dir: Path, context_len: int) -> tuple[dict[str, float], s
         read_bandwidth_gbps=hardware.read_bandwidth_gbps,
     )
     fit = model_info(hf_dir, options).fit
-    return {r.file_type: r.decode_tok_s for r in fit.formats}, fit.predictor
+    return {r.file_type: r.decode_tok_s for r in fit.formats}, fit.predictor, hardware.num_threads
 
 
 def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], batches, args) -> dict:
@@ -108,7 +110,7 @@ def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], batc
 
 def run(args) -> dict:
     files = model_files(args.shape, args.params, args.vocab, args.types)
-    predicted, predictor = predicted_tok_s(files["hf"], args.prompt_len)
+    predicted, predictor, fit_threads = predicted_tok_s(files["hf"], args.prompt_len)
     results = {"shape": args.shape, "params": args.params, "predictor": predictor, "runs": []}
     for file_type in args.types:
         for threads in args.threads:
@@ -133,7 +135,8 @@ def run(args) -> dict:
             speed = measure(runners, long_prompt, short_prompt, batches, args)
             results["runs"].append(
                 {"file_type": file_type, "threads": threads, "speed": speed,
-                 "predicted_decode_tok_s": predicted[file_type]}
+                 "predicted_decode_tok_s": predicted[file_type] if threads == fit_threads
+                 else None}
             )  # fmt: skip
             del runners
     return results
@@ -151,7 +154,7 @@ def print_table(results: dict) -> None:
         prediction = run_["predicted_decode_tok_s"]
         for engine, speed in run_["speed"].items():
             d, p = speed["decode"], speed["prefill"]
-            is_ours = engine.startswith("zcode") and prediction
+            is_ours = engine == "zcode" and prediction  # the eager engine at the fit's threads
             batched = [f"{speed[k]['min']:.1f} / {speed[k]['median']:.1f}" if k in speed else "-"
                        for k in batch_kinds]  # fmt: skip
             rows.append(
