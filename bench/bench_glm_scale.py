@@ -37,6 +37,8 @@ import torch
 from bench_core import SHORT_PROMPTS, LlamaCppRunner, ZCodeRunner
 from table_format import print_rows
 
+from zcode.hardware.probe import read_bandwidth_gbps
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # scripts/, run as a script
 from scripts import make_glm_synthetic as synthetic  # noqa: E402
@@ -59,9 +61,10 @@ def model_files(shape: str, params: int, vocab: int | None, types: list[str]) ->
     return {"hf": hf_dir, **paths}
 
 
-def predicted_tok_s(hf_dir: Path, context_len: int) -> tuple[dict[str, float], str, int]:
-    """{file type: eager decode tok/s} from `zcode info`'s fit planner, what predicted it, and
-    the threads it predicts for (the cost model's steps were timed at the probe's)."""
+def predicted_tok_s(hf_dir: Path, context_len: int) -> tuple[dict[str, float], str, int, float]:
+    """{file type: eager decode tok/s} from `zcode info`'s fit planner, what predicted it, the
+    threads it predicts for (the cost model's steps were timed at the probe's) and the read
+    bandwidth they were timed at (0: not recorded)."""
     from zcode.hardware import probe
     from zcode.hardware.cost_model import CostModel
     from zcode.info import FitOptions, model_info
@@ -73,7 +76,9 @@ def predicted_tok_s(hf_dir: Path, context_len: int) -> tuple[dict[str, float], s
         read_bandwidth_gbps=hardware.read_bandwidth_gbps,
     )
     fit = model_info(hf_dir, options).fit
-    return {r.file_type: r.decode_tok_s for r in fit.formats}, fit.predictor, hardware.num_threads
+    fit_gbps = (options.cost and options.cost.fit_read_gbps) or 0.0
+    predicted = {r.file_type: r.decode_tok_s for r in fit.formats}
+    return predicted, fit.predictor, hardware.num_threads, fit_gbps
 
 
 def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], batches, args) -> dict:
@@ -110,8 +115,10 @@ def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], batc
 
 def run(args) -> dict:
     files = model_files(args.shape, args.params, args.vocab, args.types)
-    predicted, predictor, fit_threads = predicted_tok_s(files["hf"], args.prompt_len)
+    predicted, predictor, fit_threads, fit_gbps = predicted_tok_s(files["hf"], args.prompt_len)
     results = {"shape": args.shape, "params": args.params, "predictor": predictor, "runs": []}
+    # The host's bandwidth moves: the prediction holds at the fit's, the runs see what is now.
+    results["fit_read_gbps"], results["read_gbps"] = fit_gbps, [read_bandwidth_gbps()]
     for file_type in args.types:
         for threads in args.threads:
             torch.set_num_threads(threads)
@@ -139,6 +146,7 @@ def run(args) -> dict:
                  else None}
             )  # fmt: skip
             del runners
+    results["read_gbps"].append(read_bandwidth_gbps())
     return results
 
 
@@ -165,6 +173,10 @@ def print_table(results: dict) -> None:
                  f"{d['median'] / prediction:.3g}" if is_ours else "")
             )  # fmt: skip
     print_rows(headers, rows)
+    now = "-".join(f"{gbps:.1f}" for gbps in sorted(results["read_gbps"]))
+    fit = results["fit_read_gbps"]
+    print(f"read bandwidth before / after the runs {now} GB/s; the cost model's steps were timed "
+          f"at {f'{fit:.1f} GB/s' if fit else 'a bandwidth not recorded'}")  # fmt: skip
     for run_ in results["runs"]:
         speed = run_["speed"]
         for engine in (e for e in speed if e.startswith("zcode")):

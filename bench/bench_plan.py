@@ -10,13 +10,14 @@
    increases: Spearman rank correlation. The dimensions that combine on a float model:
    precision (the rows the sparse FFN kernel reads: fp32 as loaded, or int8; with --budget also
    the precision levels of the other linears, built from the artifact's sensitivity profile:
-   the budget's plan, int8 and unquantized variants under --variant-cap), the FFN level and
-   skipped KV groups (skipped layers need a router: bench_router.py).
+   the budget's plan, int8 and unquantized variants under --variant-cap), the FFN level,
+   skipped KV groups (skipped layers need a router: bench_router.py) and, on a MoE model
+   (--model), the routed experts a token runs.
 2. Pareto frontiers of those measurements (ms/token, perplexity increase): each dimension alone
    (int8 FFN rows at the dense level and full depth; FFN levels on fp32 rows at full depth; KV
-   groups skipped at the dense fp32 FFN) and the joint product, with the area each dominates up
-   to the dense plan's ms and a 20% loss (larger is better); plotted with the planner's choices
-   below to bench/results/plan_pareto.png.
+   groups skipped at the dense fp32 FFN; fewer experts a token) and the joint product, with
+   the area each dominates up to the dense plan's ms and a 20% loss (larger is better); plotted
+   with the planner's choices below to bench/results/plan_pareto.png.
 3. Latency (the hardware cost model): over a grid of (max_latency_ms, max_quality_loss) targets,
    the plan chosen, its predicted and measured batch-1 decode ms/token (min / median of
    --repeats runs, targets round-robin), and whether the fastest run is within 10% of the
@@ -25,7 +26,7 @@
    --fit-cost here).
 
 The sparsity artifact is read from --artifact or the cache (zcode calibrate), else calibrated
-now. Writes bench/results/plan.json.
+now. Writes bench/results/plan.json and plan_pareto.png (plan_<model>.* for --model).
 """
 
 import argparse
@@ -43,7 +44,7 @@ from table_format import print_rows  # noqa: E402
 from zcode import LLM  # noqa: E402
 from zcode.calibration import corpus_tokens  # noqa: E402
 from zcode.hardware.cost_model import CostModel  # noqa: E402
-from zcode.hardware.probe import probe  # noqa: E402
+from zcode.hardware.probe import probe, read_bandwidth_gbps  # noqa: E402
 from zcode.harness.planner import Candidate  # noqa: E402
 from zcode.llm import planning_context_len  # noqa: E402
 from zcode.ppl import perplexity  # noqa: E402
@@ -81,12 +82,15 @@ def spread(candidates: list[Candidate], num_plans: int) -> list[Candidate]:
 
 def dimensions(plan) -> frozenset[str]:
     """The dimensions a plan cuts: "precision" (FFN rows other than the loaded fp32, quantized
-    linears), "sparsity" (an FFN level past dense), "depth" (skips)."""
+    linears), "sparsity" (an FFN level past dense), "depth" (skips), "experts" (fewer routed
+    experts a token than the model's top_k)."""
     extras = dict(plan.extras)
     level = {float(v) for k, v in extras.items() if k.startswith("ffn_sparsity_")}
     cut = {"sparsity"} if level - {0.0} else set()
     if extras.get("ffn_weights", "fp32") != "fp32" or plan.precision:
         cut.add("precision")
+    if "experts_per_token" in extras:
+        cut.add("experts")
     return frozenset(cut | ({"depth"} if plan.skip_layers or plan.skip_kv_heads else set()))
 
 
@@ -147,18 +151,22 @@ FRONTIERS = {  # name: which plans (by the dimensions they cut) it is drawn from
     "precision alone": lambda dims: dims <= {"precision"},
     "sparsity alone": lambda dims: dims <= {"sparsity"},
     "depth alone": lambda dims: dims <= {"depth"},
+    "experts alone": lambda dims: dims <= {"experts"},
     "joint": lambda dims: True,
 }
 
 
 def frontiers(rows: list[dict]) -> dict[str, list[dict]]:
+    """Each frontier of FRONTIERS whose dimension some plan cuts (the joint one always)."""
+    cut = {d for r in rows for d in r["dimensions"]}
     return {
         name: frontier([r for r in rows if keep(frozenset(r["dimensions"]))])
         for name, keep in FRONTIERS.items()
+        if name == "joint" or name.removesuffix(" alone") in cut
     }
 
 
-def plot(rows: list[dict], fronts: dict, latency: list[dict], path: Path) -> None:
+def plot(rows: list[dict], fronts: dict, latency: list[dict], title: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,7 +180,7 @@ def plot(rows: list[dict], fronts: dict, latency: list[dict], path: Path) -> Non
         s=12,
         label="every candidate",
     )
-    for (name, points), style in zip(fronts.items(), ("v-", "o-", "s-", "D-"), strict=True):
+    for (name, points), style in zip(fronts.items(), ("v-", "o-", "s-", "^-", "D-")):
         xs = [r["measured_ms_min"] for r in points]
         ys = [r["measured_loss_pct"] for r in points]
         ax.step(xs, ys, style, where="post", label=f"{name} frontier", markersize=4)
@@ -192,7 +200,7 @@ def plot(rows: list[dict], fronts: dict, latency: list[dict], path: Path) -> Non
     ax.set_ylabel("held-out perplexity increase, %")
     ax.set_yscale("symlog", linthresh=1.0)
     ax.set_ylim(bottom=-0.5)
-    ax.set_title("SmolLM2-135M fp32: measured plans, quality vs latency")
+    ax.set_title(f"{title} fp32: measured plans, quality vs latency")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -317,7 +325,9 @@ def main() -> None:
     if llm.cost_model is None:
         print("latency: no fitted cost model on this machine (zcode hw --fit-cost, or --fit-cost)")
     else:
+        gbps = [read_bandwidth_gbps()]
         latency = latency_rows(llm, candidates, prompt, args.repeats)
+        gbps.append(read_bandwidth_gbps())
         print_rows(
             [
                 "max ms",
@@ -344,10 +354,14 @@ def main() -> None:
         met = statistics.mean(r["within_10pct"] for r in latency)
         print(
             f"targets met by measured ms/token within 10% (fastest of {args.repeats} runs): "
-            f"{met:.0%} of {len(latency)}"
+            f"{met:.0%} of {len(latency)}; read bandwidth before / after "
+            f"{min(gbps):.1f}-{max(gbps):.1f} GB/s, the cost model's steps timed at "
+            + (f"{llm.cost_model.fit_read_gbps:.1f}" if llm.cost_model.fit_read_gbps else "?")
         )
     RESULTS.mkdir(exist_ok=True)
-    plot(rows, fronts, latency, RESULTS / "plan_pareto.png")
+    model_name = "SmolLM2-135M" if args.model is None else Path(args.model).stem
+    stem = "plan" if args.model is None else f"plan_{model_name}"
+    plot(rows, fronts, latency, model_name, RESULTS / f"{stem}_pareto.png")
     blob = {
         "spearman": rho,
         "plans": rows,
@@ -355,8 +369,8 @@ def main() -> None:
         "frontier_areas": areas,
         "latency": latency,
     }
-    (RESULTS / "plan.json").write_text(json.dumps(blob, indent=2) + "\n")
-    print(f"wrote {RESULTS / 'plan.json'} and {RESULTS / 'plan_pareto.png'}")
+    (RESULTS / f"{stem}.json").write_text(json.dumps(blob, indent=2) + "\n")
+    print(f"wrote {RESULTS / stem}.json and {RESULTS / stem}_pareto.png")
 
 
 if __name__ == "__main__":

@@ -310,11 +310,15 @@ def test_a_fit_on_a_busy_machine_is_recorded_and_reported(tmp_path, monkeypatch)
     monkeypatch.setattr(cost_fit, "measure_plans", lambda plans, settings: [])
     monkeypatch.setattr(cost_fit, "fit_coefficients", lambda features, ms, floors: {"step": 1.0})
     monkeypatch.setattr(cost_fit.os, "cpu_count", lambda: 2)
-    for load, busy in ((0.2, False), (3.0, True)):  # cores other processes kept busy
+    # the bandwidth before and after the steps: the higher is the one they were timed at
+    bandwidths = iter([30.0, 41.5, 44.0, 33.0])
+    monkeypatch.setattr(cost_fit, "read_bandwidth_gbps", lambda: next(bandwidths))
+    for (load, busy), gbps in zip(((0.2, False), (3.0, True)), (41.5, 44.0)):
         monkeypatch.setattr(cost_fit, "measure_other_load", lambda fn, load=load: (fn(), load))
         cost, _ = cost_fit.fit_smollm2("k")
         assert cost.fit_load_per_core == load / 2 and cost.fitted_under_load is busy
         assert ("refit on an idle machine" in format_cost(cost)) is busy
+        assert cost.fit_read_gbps == gbps and f"at {gbps:.1f} GB/s read" in format_cost(cost)
         cost.save(tmp_path / "c.json")
         assert CostModel.load(tmp_path / "c.json") == cost
 

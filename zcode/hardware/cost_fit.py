@@ -33,6 +33,7 @@ from zcode.hardware.cost_model import (
     weight_byte_floors,
 )
 from zcode.hardware.load import BUSY_LOAD_PER_CORE, measure_other_load
+from zcode.hardware.probe import read_bandwidth_gbps
 from zcode.harness.plan import ExecutionPlan
 from zcode.harness.planner import ffn_read_fraction
 from zcode.spec.drafter import Drafter
@@ -174,6 +175,7 @@ def fit_smollm2(
     WIDE_FIT_PLANS at WIDE_FIT_SETTINGS) on this machine and fits a CostModel to them; returns it
     with the measurements it was fitted to. `read_gbps`: the measured read bandwidth, the floor of
     every weight kind's cost per byte."""
+    bandwidth_before = read_bandwidth_gbps()
     measurements, other_load = measure_other_load(
         lambda: (
             measure_plans(FIT_PLANS, FIT_SETTINGS)
@@ -181,6 +183,7 @@ def fit_smollm2(
             + measure_plans(WIDE_FIT_PLANS, WIDE_FIT_SETTINGS)
         )
     )
+    fit_read_gbps = max(bandwidth_before, read_bandwidth_gbps())
     coefficients = {
         mode: _fit([m for m in measurements if m.mode == mode], read_gbps)
         for mode in (DECODE, PREFILL)
@@ -191,6 +194,7 @@ def fit_smollm2(
         fingerprint,
         tuple(p.name for p in FIT_PLANS + SPARSE_FIT_PLANS + WIDE_FIT_PLANS),
         None if other_load is None else other_load / (os.cpu_count() or 1),
+        fit_read_gbps=fit_read_gbps,
     )
     return cost, measurements
 

@@ -371,6 +371,10 @@ class CostModel:
     fit_load_per_core: float | None = None
     # Decode coefficients of compiled steps (`fit_compiled`); None: not fitted on this machine.
     compiled_decode: dict[str, float] | None = None
+    # The read bandwidth (GB/s) measured before and after the eager fit's steps, the higher
+    # (None: not measured): the steps' costs per byte hold at about that bandwidth, and a shared
+    # host's moves (zcode.hardware.probe.read_bandwidth_gbps).
+    fit_read_gbps: float | None = None
 
     @property
     def fitted_under_load(self) -> bool:
@@ -494,7 +498,8 @@ def format_cost(cost: CostModel | None) -> str:
     if cost is None:
         return "cost       not fitted (zcode hw --fit-cost, or bench/bench_cost_model.py)"
     line = f"cost       decode {_format_coefficients(cost.decode)}"
-    line += f" (fit on {len(cost.fit_plans)} SmolLM2 plans)"
+    line += f" (fit on {len(cost.fit_plans)} plans"
+    line += f" at {cost.fit_read_gbps:.1f} GB/s read)" if cost.fit_read_gbps else ")"
     if cost.compiled_decode is None:
         line += "\n           compiled decode not fitted (zcode hw --fit-cost --compiled)"
     else:
