@@ -87,7 +87,8 @@ def test_the_wide_model_steps_lift_the_floor_of_the_kinds_they_measure():
         wide = i % 2 == 0
         kind = "a" if i % 4 < 2 else "b"
         features = {"step": 1.0, f"{kind}:MB": rng.uniform(50, 900), f"{kind}:calls": 100.0}
-        spec = cost_fit.PlanSpec(kind, "float32", dict, "dense", wide=wide and kind == "a")
+        model = "wide" if wide and kind == "a" else "smollm2"
+        spec = cost_fit.PlanSpec(kind, "float32", dict, "dense", model=model)
         ms = sum(truth[n] * v for n, v in features.items())
         measurements.append(cost_fit.Measurement(spec, "decode", 1, 64, 1, features, ms))
     fitted = cost_fit._fit(measurements, read_gbps=30.0)
@@ -147,6 +148,29 @@ def test_a_moe_layers_routed_experts_cost_one_call_per_projection_where_fused(ti
         share = moes[0].gate.top_k / moes[0].gate.num_experts
         want = {"dense-float32:calls": len(others), "int8:calls": share * len(expert_linears)}
     assert {k: v for k, v in features.items() if k.endswith(":calls")} == pytest.approx(want)
+
+
+def test_a_moe_layer_run_eagerly_costs_its_dispatch_and_each_expert_it_runs(tiny_checkpoint):
+    """`moe:layers` per MoE layer run, `moe:experts` per expert those layers are expected to run
+    (the distinct routed experts of the step's tokens, routed uniformly, and the shared one);
+    neither in a compiled step nor for a skipped layer."""
+    from zcode.layers.moe import moe_layers
+    from zcode.loader import load_model
+
+    net, _ = load_model(tiny_checkpoint("glm4_moe").path)
+    moes = moe_layers(net)
+    k, num_experts = moes[0].gate.top_k, moes[0].gate.num_experts
+    for tokens in (1, 3):
+        features = step_features(net, None, tokens, 10, num_seqs=tokens)
+        distinct = num_experts * (1 - (1 - k / num_experts) ** tokens)
+        assert features["moe:layers"] == len(moes)
+        assert features["moe:experts"] == pytest.approx(len(moes) * (distinct + 1))
+    assert "moe:layers" not in step_features(net, None, 1, 10, compiled=True)
+    first_moe = next(i for i, layer in enumerate(net.model.layers) if layer.mlp in moes)
+    skipped = step_features(net, ExecutionPlan(skip_layers=(first_moe,)), 1, 10)
+    assert skipped["moe:layers"] == len(moes) - 1
+    fewer = step_features(net, ExecutionPlan(extras=(("experts_per_token", "1"),)), 1, 10)
+    assert fewer["moe:experts"] == pytest.approx(len(moes) * 2)
 
 
 def test_dense_features_count_parameter_bytes_and_flops(llama):

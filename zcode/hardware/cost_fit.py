@@ -1,9 +1,9 @@
 """Measuring the cost model's ground truth: engine step times of SmolLM2-135M under several plans.
 
 `fit_smollm2` measures FIT_PLANS at FIT_SETTINGS (the sparse FFN's SPARSE_FIT_PLANS at batch 1,
-and WIDE_FIT_PLANS: the same formats on a wide random model, WIDE_MODEL) and fits the
-coefficients, `fit_compiled` those of compiled decode steps
-(COMPILED_FIT_PLANS on a few layers of the model, at two depths);
+WIDE_FIT_PLANS: the same formats on a wide random model, and MOE_FIT_PLANS on a random
+GLM-4.5-shaped MoE: RANDOM_MODELS) and fits the coefficients, `fit_compiled` those of compiled
+decode steps (COMPILED_FIT_PLANS on a few layers of the model, at two depths);
 `check_smollm2` measures CHECK_PLANS, which the fit never saw (other formats, other mixes, other
 batch sizes and context lengths), and returns predicted against measured for each. Step times
 are best-of: decode the fastest of several timed engine steps after a warm-up step, prefill the
@@ -65,7 +65,7 @@ class PlanSpec:
     ffn_level: tuple[float, float] | None = None
     ffn_weights: str = "fp32"  # the rows those SparseMLPs read (zcode.sparsity.WEIGHT_FORMATS)
     kv_paged: bool = False  # an engine keeping KV per head (per_request_depth)
-    wide: bool = False  # run on WIDE_MODEL instead of SmolLM2
+    model: str = "smollm2"  # or a key of RANDOM_MODELS
 
 
 # fmt: off
@@ -91,21 +91,49 @@ SPARSE_FIT_PLANS = tuple(
     for name, level in (("every-row", (0.0, 0.0)), ("0.5/0.7", (0.5, 0.7)))
     for rows, suffix in (("fp32", ""), ("int8", "-int8-rows"))
 )
-# The formats again on a wide random model of SmolLM2's vocabulary (Llama-shaped, 2 layers of
-# hidden 2048 and FFN 8192: 222M parameters, 0.44 GB in bf16), whose decode steps are mostly
+# Random models of SmolLM2's vocabulary (seeded weights). "wide": Llama-shaped, 2 layers of
+# hidden 2048 and FFN 8192 (222M parameters, 0.44 GB in bf16), whose decode steps are mostly
 # weight bytes. On SmolLM2 alone a step's fixed costs (~20 ms eager: 30 layers of small linears)
 # grow with its bytes plan by plan, and the fit put them on the bytes: bf16 at 14 GB/s and nothing
 # on the step, which priced the decode of a 6B MoE (2.1 GB read per token) at 2.1-2.6x its
-# measured time.
-WIDE_MODEL = {
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
+# measured time. "moe": GLM-4.5-shaped, 1 dense and 3 MoE layers of 32 experts (8 routed + 1
+# shared) at hidden 1024, whose steps run a router and the fused expert op in each MoE layer
+# (`moe:layers`): without them the fit priced a 300M GLM-4.5-shaped model's fp32 steps 9-34%
+# under their measured times.
+RANDOM_MODELS = {
+    "wide": {
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
+    "moe": {
+        "model_type": "glm4_moe",
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "moe_intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 32,
+        "num_experts_per_tok": 8,
+        "n_shared_experts": 1,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+    },
 }
 WIDE_FIT_PLANS = tuple(
-    dataclasses.replace(p, name=f"wide-{p.name}", wide=True) for p in FIT_PLANS if not p.kv_paged
+    dataclasses.replace(p, name=f"wide-{p.name}", model="wide")
+    for p in FIT_PLANS
+    if not p.kv_paged
+)
+# The MoE's experts as they load from safetensors (fp32 or bf16 Linears, the fused expert op).
+MOE_FIT_PLANS = tuple(
+    dataclasses.replace(p, name=f"moe-{p.name}", model="moe")
+    for p in FIT_PLANS
+    if p.name in ("fp32", "bf16-model")
 )
 CHECK_PLANS = (
     PlanSpec("fp32", "float32", _uniform("fp32"), "dense"),
@@ -128,6 +156,7 @@ FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 1, 512, 1), (DECODE, 4, 256, 1),
                 (PREFILL, 1, 256, 1))
 SPARSE_FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 1, 512, 1))
 WIDE_FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 4, 64, 1))
+MOE_FIT_SETTINGS = ((DECODE, 1, 64, 1), (DECODE, 4, 64, 1), (PREFILL, 1, 64, 1))
 CHECK_SETTINGS = ((DECODE, 1, 1000, 1), (DECODE, 2, 128, 1), (PREFILL, 1, 160, 1))
 # fmt: on
 # Compiled steps: one plan per kernel kind, on the first 2 and 8 decoder layers of SmolLM2
@@ -172,15 +201,16 @@ def fit_smollm2(
     fingerprint: str, read_gbps: float | None = None
 ) -> tuple[CostModel, list[Measurement]]:
     """Measures FIT_PLANS at FIT_SETTINGS (SPARSE_FIT_PLANS at SPARSE_FIT_SETTINGS,
-    WIDE_FIT_PLANS at WIDE_FIT_SETTINGS) on this machine and fits a CostModel to them; returns it
-    with the measurements it was fitted to. `read_gbps`: the measured read bandwidth, the floor of
-    every weight kind's cost per byte."""
+    WIDE_FIT_PLANS at WIDE_FIT_SETTINGS, MOE_FIT_PLANS at MOE_FIT_SETTINGS) on this machine and
+    fits a CostModel to them; returns it with the measurements it was fitted to. `read_gbps`: the
+    measured read bandwidth, the floor of the cost per byte of the kinds no wide step measured."""
     bandwidth_before = read_bandwidth_gbps()
     measurements, other_load = measure_other_load(
         lambda: (
             measure_plans(FIT_PLANS, FIT_SETTINGS)
             + measure_plans(SPARSE_FIT_PLANS, SPARSE_FIT_SETTINGS)
             + measure_plans(WIDE_FIT_PLANS, WIDE_FIT_SETTINGS)
+            + measure_plans(MOE_FIT_PLANS, MOE_FIT_SETTINGS)
         )
     )
     fit_read_gbps = max(bandwidth_before, read_bandwidth_gbps())
@@ -192,7 +222,7 @@ def fit_smollm2(
         coefficients[DECODE],
         coefficients[PREFILL],
         fingerprint,
-        tuple(p.name for p in FIT_PLANS + SPARSE_FIT_PLANS + WIDE_FIT_PLANS),
+        tuple(p.name for p in FIT_PLANS + SPARSE_FIT_PLANS + WIDE_FIT_PLANS + MOE_FIT_PLANS),
         None if other_load is None else other_load / (os.cpu_count() or 1),
         fit_read_gbps=fit_read_gbps,
     )
@@ -205,7 +235,7 @@ def _fit(measurements: list[Measurement], read_gbps: float | None) -> dict[str, 
     (30 to 58 GB/s within an hour here), so as a floor it overpriced every kind at times (dense
     bf16 streamed 39 GB/s while the probe read 30)."""
     rows = [m.features for m in measurements]
-    wide = {name for m in measurements if m.plan.wide for name in m.features}
+    wide = {name for m in measurements if m.plan.model == "wide" for name in m.features}
     floors = None
     if read_gbps is not None:
         floors = {k: v for k, v in weight_byte_floors(rows, read_gbps).items() if k not in wide}
@@ -269,8 +299,8 @@ def measure_plans(
         if any(width > 1 for *_, width in settings):  # the LLMs' engines have no drafter
             raise NotImplementedError("verifying steps are measured compiled only")
         llms = {
-            (dtype, paged, wide): _wide_llm(dtype)
-            if wide
+            (dtype, paged, name): _random_llm(name, dtype)
+            if name != "smollm2"
             else LLM(
                 None,
                 dtype=dtype,
@@ -278,11 +308,11 @@ def measure_plans(
                 kv_cache_bytes=KV_CACHE_BYTES,
                 per_request_depth=paged,
             )
-            for dtype, paged, wide in dict.fromkeys((p.dtype, p.kv_paged, p.wide) for p in plans)
+            for dtype, paged, name in dict.fromkeys((p.dtype, p.kv_paged, p.model) for p in plans)
         }
         prepared = []  # (spec, engine, {name: module swapped in}, {setting: features})
         for spec in plans:
-            llm = llms[spec.dtype, spec.kv_paged, spec.wide]
+            llm = llms[spec.dtype, spec.kv_paged, spec.model]
             model = llm.model
             formats = spec.formats(quantizable_modules(model))
             if spec.ffn_level is not None:
@@ -317,20 +347,28 @@ def measure_plans(
     ]
 
 
-def _wide_llm(dtype: str) -> SimpleNamespace:
-    """WIDE_MODEL with random weights (seeded) in `dtype`, SmolLM2's tokenizer: its `model` and
-    an `engine` serving it, as an LLM has."""
-    from transformers import LlamaConfig
+def _random_llm(name: str, dtype: str) -> SimpleNamespace:
+    """RANDOM_MODELS[name] with seeded random weights in `dtype` (a MoE's routers too: zeros
+    would route every token to the same experts) and SmolLM2's tokenizer: its `model` and an
+    `engine` serving it, as an LLM has."""
+    from transformers import AutoConfig
 
     from zcode.config import EngineConfig
     from zcode.engine.llm_engine import LLMEngine
+    from zcode.layers.moe import MoE
     from zcode.loader.checkpoint import build_model, resolve_model_path
     from zcode.loader.gguf_file import load_gguf_tokenizer
 
     tokenizer = load_gguf_tokenizer(resolve_model_path(None))
-    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=True, **WIDE_MODEL)
+    fields = dict(RANDOM_MODELS[name])
+    config = AutoConfig.for_model(
+        fields.pop("model_type"), vocab_size=len(tokenizer), tie_word_embeddings=True, **fields
+    )
     torch.manual_seed(0)
-    model = build_model(config, device="cpu").to(getattr(torch, dtype)).eval()
+    model = build_model(config, device="cpu")
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):
+        torch.nn.init.normal_(moe.gate.weight, std=config.hidden_size**-0.5)
+    model = model.to(getattr(torch, dtype)).eval()
     engine_config = EngineConfig(
         dtype=dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES
     )

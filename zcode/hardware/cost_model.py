@@ -22,11 +22,13 @@ engine that keeps KV per head (`per_request_depth`: requests skip layers and KV 
 their page tables) gathers each layer's pages per sequence: `kv-paged:calls` (attention layers
 run), `kv-paged:rows` (those times the sequences) and `kv-paged:MB` (the KV read through them)
 price that on top, in eager steps (the compiled fit has no such engine: its steps are priced as
-flat KV's).
+flat KV's). An eager step pays `moe:layers` per MoE layer run (its router and the dispatch
+around the fused expert op) and `moe:experts` per expert those layers run.
 Decode steps (a few tokens) and prefill steps (a long prompt) use separate coefficients, since
 the int kernels change algorithm with the row count. The coefficients are fitted once per machine by
 non-negative least squares on relative error against measured engine steps of several plans of
-SmolLM2-135M (`fit_smollm2`), and cached as JSON next to the hardware probe.
+SmolLM2-135M and of two random models, a wide dense one and a GLM-4.5-shaped MoE (`fit_smollm2`),
+and cached as JSON next to the hardware probe.
 
 Compiled decode steps get coefficients of their own (`compiled_decode`, fitted apart on compiled
 steps of 2 and 8 layers of SmolLM2 by `fit_compiled`, since a whole-model graph takes ~80 s to
@@ -85,8 +87,9 @@ logger = logging.getLogger(__name__)
 
 # Bump when the features or the fit's settings change, so old fits are not read (2: decode
 # steps of 16 sequences; 3: the "seqs" feature, verifying steps in the compiled fit; 4: sparse
-# FFNs and head-paged KV).
-_SCHEMA_VERSION = 4
+# FFNs and head-paged KV; 5: "moe:layers" and "moe:experts", steps of random wide and MoE
+# models).
+_SCHEMA_VERSION = 5
 DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.\d+\.")
@@ -226,6 +229,14 @@ def step_features(
         gemv = kind in FLOAT_GEMV_KINDS and rows <= FLOAT_GEMV_MAX_ROWS
         add(f"{kind}:{'gemv-' if gemv else ''}GFLOP", share * 2 * rows_past_first * n * k / 1e9)
 
+    # A MoE layer's router and the dispatch around its fused expert op, per layer run, and the
+    # op's work per expert it runs (the expected routed ones and the shared one), apart from
+    # their bytes: small experts stream slower (eager: a compiled graph runs the router and
+    # dispatch without Python between the ops).
+    moe_run = [v for n, v in routed.items() if not any(n.startswith(p) for p in skipped)]
+    if moe_run and not compiled:
+        add("moe:layers", len(moe_run))
+        add("moe:experts", sum(touched * num_experts + 1 for touched, _, num_experts in moe_run))
     kv_bytes_per_token, attn_flops_per_pair = _attention_sizes(model, exec_plan.skip_layers)
     kv_mb = num_seqs * context_len * kv_bytes_per_token / 1e6
     add("kv:MB", kv_mb)
