@@ -7,7 +7,7 @@ from zcode.hardware.cost_model import CostModel
 
 def synthetic_coefficients(mb_ms: float, step_ms: float = 1.0) -> dict[str, float]:
     free = ("seqs", "kv:MB", "attn:GFLOP", "kv-paged:MB", "kv-paged:calls", "kv-paged:rows")
-    free += ("moe:layers", "moe:experts")
+    free += ("moe-fused:layers",)
     coefficients = {"step": step_ms, **dict.fromkeys(free, 0.0)}
     for kind in ("dense-float32", "sparse-float32", "sparse-int8", "int8", "int4", "w8a8", "w4a8"):
         coefficients |= {f"{kind}:MB": mb_ms, f"{kind}:calls": 0.0, f"{kind}:GFLOP": 0.0}

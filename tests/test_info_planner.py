@@ -107,7 +107,7 @@ def test_cost_model_prediction_reads_the_linears_of_the_file(gguf_files):
     c = 0.01
     kinds = ("bf16", "w4a8", "w8a8", "dense-float32")
     decode = {"step": 0.0, "seqs": 0.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
-    decode |= {"moe:layers": 0.0, "moe:experts": 0.0}
+    decode |= {"moe-fused:layers": 0.0}
     decode |= {f"{k}:MB": c for k in kinds} | {f"{k}:calls": 0.0 for k in kinds}
     cost = CostModel(decode, {}, "test")
     share = net.config.num_experts_per_tok / net.config.n_routed_experts

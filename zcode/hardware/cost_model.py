@@ -22,8 +22,9 @@ engine that keeps KV per head (`per_request_depth`: requests skip layers and KV 
 their page tables) gathers each layer's pages per sequence: `kv-paged:calls` (attention layers
 run), `kv-paged:rows` (those times the sequences) and `kv-paged:MB` (the KV read through them)
 price that on top, in eager steps (the compiled fit has no such engine: its steps are priced as
-flat KV's). An eager step pays `moe:layers` per MoE layer run (its router and the dispatch
-around the fused expert op) and `moe:experts` per expert those layers run.
+flat KV's). An eager step pays `moe-fused:layers` per MoE layer whose experts run the float
+fused expert op (moe_fused: fp32 / bf16 experts as safetensors load them): what that layer costs
+past its bytes at the dense GEMV's rate.
 Decode steps (a few tokens) and prefill steps (a long prompt) use separate coefficients, since
 the int kernels change algorithm with the row count. The coefficients are fitted once per machine by
 non-negative least squares on relative error against measured engine steps of several plans of
@@ -87,8 +88,7 @@ logger = logging.getLogger(__name__)
 
 # Bump when the features or the fit's settings change, so old fits are not read (2: decode
 # steps of 16 sequences; 3: the "seqs" feature, verifying steps in the compiled fit; 4: sparse
-# FFNs and head-paged KV; 5: "moe:layers" and "moe:experts", steps of random wide and MoE
-# models).
+# FFNs and head-paged KV; 5: "moe-fused:layers", steps of random wide and MoE models).
 _SCHEMA_VERSION = 5
 DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
@@ -179,6 +179,7 @@ def step_features(
     decode eagerly) multiply densely; `kv_paged`: the engine keeps KV per head."""
     formats, exec_plan = _plan_formats(plan)
     skipped = {f"model.layers.{i}." for i in exec_plan.skip_layers}
+    float_fused = set()  # MoE layers run whose routed experts run moe_fused
     routed = _routed_experts(model, num_tokens, dict(exec_plan.extras).get("experts_per_token"))
     # Per sequence past the first (the first's is in "step"): work outside the linears that
     # each row brings (its sampling, bookkeeping), told apart from work per token by steps that
@@ -221,6 +222,8 @@ def step_features(
             # projection, not one per expert; other formats run each expert's own module.
             fused = kind.startswith("dense-") or (fmt or module_format(module)).startswith("gguf-")
             calls = 1 / num_experts if fused else touched
+            if kind.startswith("dense-"):
+                float_fused.add(match.group(1))
         add(f"{kind}:MB", share * touched * num_bytes / 1e6)
         add(f"{kind}:calls", calls)
         # Arithmetic past the first row: one row's cost is in the bytes term (decode at batch 1
@@ -229,14 +232,13 @@ def step_features(
         gemv = kind in FLOAT_GEMV_KINDS and rows <= FLOAT_GEMV_MAX_ROWS
         add(f"{kind}:{'gemv-' if gemv else ''}GFLOP", share * 2 * rows_past_first * n * k / 1e9)
 
-    # A MoE layer's router and the dispatch around its fused expert op, per layer run, and the
-    # op's work per expert it runs (the expected routed ones and the shared one), apart from
-    # their bytes: small experts stream slower (eager: a compiled graph runs the router and
-    # dispatch without Python between the ops).
-    moe_run = [v for n, v in routed.items() if not any(n.startswith(p) for p in skipped)]
-    if moe_run and not compiled:
-        add("moe:layers", len(moe_run))
-        add("moe:experts", sum(touched * num_experts + 1 for touched, _, num_experts in moe_run))
+    # The float fused expert op streamed its experts at ~27 GB/s where the dense GEMV read 33
+    # (random GLM-4.5-shaped MoEs, fp32): a cost per layer past its bytes, fitted on the MoE's
+    # steps (0.78 ms a layer here). GGUF experts (ggml_moe) showed none: the 1.3B and 6B GLM-
+    # shaped files' decode was predicted within 7-14% without it and 1.5-1.8x slow with it.
+    # Eager steps: the compiled fit has no MoE.
+    if float_fused and not compiled:
+        add("moe-fused:layers", len(float_fused))
     kv_bytes_per_token, attn_flops_per_pair = _attention_sizes(model, exec_plan.skip_layers)
     kv_mb = num_seqs * context_len * kv_bytes_per_token / 1e6
     add("kv:MB", kv_mb)
