@@ -7,7 +7,8 @@ relative error of decode ms/step for the dense, int8 and int4 plans (the issue's
 
     .venv/bin/python bench/bench_cost_model.py [--refit] [--quick] [--threads 2]
 
---refit measures the fit plans again (about a minute on an idle machine) instead of the cache;
+--refit measures the fit plans again (~5-6 minutes here: SmolLM2 and the random wide and MoE
+models) instead of the cache, keeping the cached compiled fit;
 --quick checks one setting per mode. Timings are noisy on a shared machine: the fit and the
 check should run on the same, idle one.
 """
