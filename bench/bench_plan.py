@@ -73,10 +73,15 @@ def load_artifact(
 
 
 def spread(candidates: list[Candidate], num_plans: int) -> list[Candidate]:
-    """`num_plans` candidates evenly spaced in predicted loss (the first the least loss)."""
+    """`num_plans` candidates evenly spaced in predicted loss (the first the least loss), and
+    each dimension's fastest plan cutting it alone, so that every single-dimension frontier has
+    a point past the dense plan."""
     ranked = sorted(candidates, key=lambda c: (c.quality_loss_pct, len(dimensions(c.plan))))
     step = max(1, (len(ranked) - 1) / max(1, num_plans - 1))
     picked = {round(i * step) for i in range(num_plans)}
+    for dimension in {d for c in ranked for d in dimensions(c.plan)}:
+        alone = [i for i, c in enumerate(ranked) if dimensions(c.plan) == {dimension}]
+        picked.add(min(alone, key=lambda i: ranked[i].ms_per_token or 0.0, default=0))
     return [ranked[i] for i in sorted(picked) if i < len(ranked)]
 
 
