@@ -9,6 +9,7 @@ the fixtures so that collecting unrelated test files stays fast.
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from zcode.llm import LLM
+
+# Engines plan by the cost model alone: with latency feedback on, earlier requests' measured ms
+# would decide later plans, and a test's plans would depend on how fast this machine ran
+# (zcode.config.EngineConfig.latency_feedback; a test of it passes latency_feedback=True).
+os.environ["ZCODE_LATENCY_FEEDBACK"] = "0"
 
 
 @pytest.fixture(scope="module", autouse=True)

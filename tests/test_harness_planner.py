@@ -178,6 +178,50 @@ def test_ffn_levels_on_int8_rows_are_candidates_at_their_measured_loss(tiny_net)
     assert choice.plan.name == "ffn in 0 / mid 0.5, int8 rows"  # 20% over 50%
 
 
+def test_a_latency_scale_multiplies_the_predictions_a_target_is_checked_against(tiny_net):
+    """Measured twice the predictions (LatencyFeedback's scale 2): a target the dense plan
+    meets at 1x needs the sparse plan; the report says the scaled prediction and the scale; an
+    explicit plan keeps the cost model's own prediction."""
+    planner = Planner(
+        tiny_net, synthetic_cost_model(mb_ms=2.0), None, planner_artifact(tiny_net), True
+    )
+    by_name = {c.plan.name: c for c in planner.candidates()}
+    dense, mid = by_name["ffn in 0 / mid 0"], by_name["ffn in 0 / mid 0.5"]
+    target = 2 * (dense.ms_per_token + mid.ms_per_token) / 2  # between 2 x mid and 2 x dense
+    assert planner.choose(Hints(max_latency_ms=target)).plan.name == dense.plan.name
+    choice = planner.choose(Hints(max_latency_ms=target), latency_scale=2.0)
+    assert choice.plan.name == mid.plan.name and choice.binding == "latency"
+    assert choice.predicted_ms_per_token == pytest.approx(2 * mid.ms_per_token)
+    assert choice.latency_scale == 2.0
+    explicit = planner.choose(Hints(plan=dense.plan), latency_scale=2.0)
+    assert explicit.predicted_ms_per_token == pytest.approx(dense.ms_per_token)
+    assert explicit.latency_scale == 1.0
+
+
+def test_latency_feedback_is_the_median_measured_over_predicted_ratio():
+    from zcode.harness.report import LatencyFeedback, PlanReport
+
+    def report(predicted, measured, scale=1.0):
+        return PlanReport("p", "s", predicted, measured, latency_scale=scale)
+
+    feedback = LatencyFeedback(window=3)
+    assert feedback.scale() == 1.0  # nothing measured yet
+    feedback.record(report(10.0, None))  # no decode step: nothing to learn
+    feedback.record(report(None, 12.0))  # no cost model
+    assert feedback.scale() == 1.0
+    feedback.record(report(10.0, 12.0))
+    feedback.record(report(20.0, 30.0, scale=1.25))  # planned at 1.25: the model said 16
+    assert feedback.scale() == pytest.approx((1.2 + 30 / 16) / 2)
+    feedback.record(report(10.0, 13.0))
+    assert feedback.scale() == pytest.approx(1.3)  # the median of 1.2, 1.875, 1.3
+    for _ in range(3):  # the window keeps the latest 3
+        feedback.record(report(10.0, 100.0))
+    assert feedback.scale() == LatencyFeedback.MAX_SCALE
+    for _ in range(3):
+        feedback.record(report(10.0, 1.0))
+    assert feedback.scale() == LatencyFeedback.MIN_SCALE
+
+
 def test_explicit_plans_and_skips(tiny_net):
     planner = Planner(
         tiny_net, synthetic_cost_model(mb_ms=2.0), None, planner_artifact(tiny_net), True

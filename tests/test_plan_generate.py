@@ -135,6 +135,32 @@ def test_every_combination_of_hints_runs_its_plan(paged, tiny_checkpoint, artifa
     assert paged.generate(PROMPT, GREEDY)[0].token_ids == oracle[default.signature()]
 
 
+def test_latency_feedback_scales_the_next_requests_predictions(tiny_checkpoint, artifact):
+    """With latency feedback on, each planned request's measured over predicted ms is recorded
+    (generate and the server's RequestPlans share the LLM's record), and the next request's
+    plan is chosen and reported at that scale; an explicit plan keeps the cost model's own."""
+    from zcode.harness.request_plans import RequestPlans
+
+    llm = planned_llm(tiny_checkpoint("llama").path, artifact, latency_feedback=True)
+    assert LLM(tiny_checkpoint("llama").path, kv_cache_bytes=1 << 20).latency_feedback is None
+    target = max(c.ms_per_token for c in llm.planner().candidates())
+    (first,) = llm.generate(PROMPT, GREEDY, max_latency_ms=target)
+    assert first.plan.latency_scale == 1.0  # nothing measured before it
+    ratio = first.plan.measured_ms_per_token / first.plan.predicted_ms_per_token
+    assert list(llm.latency_feedback.ratios) == [pytest.approx(ratio)]
+    scale = llm.latency_feedback.scale()
+    (second,) = llm.generate(PROMPT, GREEDY, max_latency_ms=target)
+    assert second.plan.latency_scale == pytest.approx(scale)
+    chosen = llm.planner().choose(Hints(max_latency_ms=target), 1, 16, latency_scale=scale)
+    assert second.plan.signature == chosen.plan.signature()
+    assert second.plan.predicted_ms_per_token == pytest.approx(chosen.predicted_ms_per_token)
+    assert len(llm.latency_feedback.ratios) == 2
+    served = RequestPlans.for_llm(llm)
+    assert served.feedback is llm.latency_feedback
+    planned = served.plan(Hints(max_latency_ms=target))
+    assert planned.choice.latency_scale == pytest.approx(llm.latency_feedback.scale())
+
+
 def other_plan(llm: LLM) -> ExecutionPlan:
     """A plan whose KV differs from the default plan's."""
     planner = llm.planner()

@@ -1,6 +1,7 @@
 """Engine configuration: one frozen object, built once and passed down."""
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from zcode.distributed.config import ParallelConfig
@@ -33,6 +34,13 @@ class EngineConfig:
     # whole lifetime and keep no KV for them (add_request(skip_layers=, skip_kv_heads=)); a
     # compiled decode step runs one plan, so a batch mixing plans steps eagerly.
     per_request_depth: bool = False
+    # The planner multiplies its latency predictions by measured over predicted ms of the latest
+    # planned requests (zcode.harness.report.LatencyFeedback), so latency targets hold at the
+    # host's speed of the moment, not the cost fit's. ZCODE_LATENCY_FEEDBACK=0 makes off the
+    # default (the tests' conftest does: a plan must not depend on timing there).
+    latency_feedback: bool = field(
+        default_factory=lambda: os.environ.get("ZCODE_LATENCY_FEEDBACK", "1") != "0"
+    )
     # Expert offload (zcode/engine/expert_cache.py): the RAM budget of the routed experts, which
     # stay memory-mapped (dtype auto), in GB (10^9 bytes) or as a fraction of their bytes.
     expert_cache_gb: float | None = None

@@ -21,7 +21,7 @@ from zcode.errors import ValidationError
 from zcode.harness.executor import PlanExecutor
 from zcode.harness.plan import ExecutionPlan
 from zcode.harness.planner import Hints, Planner, Speculation
-from zcode.harness.report import DecodeSteps, PlanReport, plan_report
+from zcode.harness.report import DecodeSteps, LatencyFeedback, PlanReport, plan_report
 from zcode.kernels.cpp_build import build_all
 from zcode.layers.moe import moe_layers
 from zcode.loader import load_model
@@ -100,6 +100,8 @@ class LLM:
         self.cost_model = None
         self._cost_model_read = False
         self._planner: tuple[tuple, Planner] | None = None
+        # Measured over predicted ms of the latest planned requests: the planner's latency scale.
+        self.latency_feedback = LatencyFeedback() if self.config.latency_feedback else None
         self.router = None
         routes = self.sparsity is not None and self.sparsity.router is not None
         if routes and self.config.per_request_depth:  # a router routes per-request depths
@@ -225,15 +227,18 @@ class LLM:
             return [out for out, _ in self._run(token_lists, params, [None] * len(token_lists))]
         context_len = planning_context_len([len(ids) for ids in token_lists], params.max_tokens)
         planner, choices = self.planner(), []
+        scale = self.latency_feedback.scale() if self.latency_feedback else 1.0
         for ids, h in zip(token_lists, hints):
             routed = None
             explicit = h.plan is not None or h.skip_layers or h.skip_kv_heads
             if self.router is not None and not explicit:
                 routed = self.router.predict(self.model.model.embed_tokens, ids)
-            choices.append(planner.choose(h, len(token_lists), context_len, routed))
+            choices.append(planner.choose(h, len(token_lists), context_len, routed, scale))
         outputs, ran = [], self._run(token_lists, params, [c.plan for c in choices])
         for (out, steps), h, choice in zip(ran, hints, choices):
             report = plan_report(choice, h, steps)
+            if self.latency_feedback is not None:
+                self.latency_feedback.record(report)
             out.plan = report if out.plan is None else replace_speculative(report, out.plan)
             outputs.append(out)
         return outputs

@@ -193,6 +193,7 @@ class PlanChoice:
     binding: str  # "latency", "quality", "memory", "override" or "none"
     target_met: bool  # every target given is met by the predictions
     speculation: SpeculationPrediction | None = None
+    latency_scale: float = 1.0  # the predictions' factor (choose's latency_scale)
 
 
 def search(candidates: list[Candidate], hints: Hints) -> PlanChoice:
@@ -416,9 +417,13 @@ class Planner:
         batch_size: int = 1,
         context_len: int = 512,
         routed: list[float] | None = None,
+        latency_scale: float = 1.0,
     ) -> PlanChoice:
         """`routed`: the router's predicted log-loss of this input under each of its depths,
-        in place of their calibration means."""
+        in place of their calibration means. `latency_scale`: measured over predicted ms of
+        the engine's latest requests (zcode.harness.report.LatencyFeedback), which multiplies
+        the predictions a latency target is checked against; an explicit plan is not chosen
+        by them and keeps the cost model's."""
         if hints.max_latency_ms is not None and self.cost is None:
             raise ValidationError(
                 "max_latency_ms predicts with this machine's fitted cost model: fit it once with "
@@ -436,12 +441,14 @@ class Planner:
         if routed is not None and depth is None:
             candidates = self._routed(candidates, routed)
         candidates = self._speculating(candidates, batch_size, context_len)
+        if latency_scale != 1.0:
+            candidates = [_scaled(c, latency_scale) for c in candidates]
         if not hints.limits():
             depth, experts = depth or self.depths[0], experts or ALL_EXPERTS
             default = self.plan_of(self.precisions[0], self.default_ffn, depth, experts)
             found = next(c for c in candidates if c.plan.signature() == default.signature())
-            return _choice(found, "none", True)
-        return search(candidates, hints)
+            return replace(_choice(found, "none", True), latency_scale=latency_scale)
+        return replace(search(candidates, hints), latency_scale=latency_scale)
 
     def _routed(self, candidates: list[Candidate], routed: list[float]) -> list[Candidate]:
         """The candidates with the routed depths' losses for this input: each skipped-layer
@@ -508,6 +515,10 @@ class Planner:
         limits = hints.limits()
         met = all(found.value(t) <= limit for t, limit in limits.items())
         return _choice(found, "override", met)
+
+
+def _scaled(c: Candidate, scale: float) -> Candidate:
+    return c if c.ms_per_token is None else replace(c, ms_per_token=c.ms_per_token * scale)
 
 
 def _heads_label(heads: tuple[tuple[int, int], ...]) -> str:

@@ -2,6 +2,7 @@
 JSON in the server's `zcode_plan`)."""
 
 import statistics
+from collections import deque
 from dataclasses import asdict, dataclass, field
 
 
@@ -9,7 +10,8 @@ from dataclasses import asdict, dataclass, field
 class PlanReport:
     plan: str  # the plan's name
     signature: str  # ExecutionPlan.signature(): the work it runs
-    predicted_ms_per_token: float | None = None  # the cost model's decode ms per output token
+    # the cost model's decode ms per output token, times latency_scale (LatencyFeedback)
+    predicted_ms_per_token: float | None = None
     measured_ms_per_token: float | None = None  # of this request's decode steps (DecodeSteps)
     predicted_quality_loss_pct: float | None = None  # predicted perplexity increase, %
     kv_bytes_per_token: int | None = None
@@ -20,6 +22,7 @@ class PlanReport:
     speculative: dict | None = None
     # What the planner predicted of it: acceptance, drafts per step, gain over no drafts.
     predicted_speculation: dict | None = None
+    latency_scale: float = 1.0  # measured over predicted ms of the latest requests, planned with
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,4 +65,31 @@ def plan_report(choice, hints, steps: DecodeSteps) -> PlanReport:
         target_met=choice.target_met,
         targets={k: v for k, v in targets.items() if v is not None},
         predicted_speculation=choice.speculation and asdict(choice.speculation),
+        latency_scale=choice.latency_scale,
     )
+
+
+class LatencyFeedback:
+    """Measured over predicted decode ms per token of an engine's latest planned requests. The
+    cost model is fitted once, at one moment of a host whose memory bandwidth moves with its
+    other tenants (30-66 GB/s within an hour on this project's machine: the same plans measured
+    5% and 23% over one fit's predictions), so the planner multiplies its predictions by the
+    median of the last `window` ratios before it checks a latency target: 1.0 before any, within
+    [MIN_SCALE, MAX_SCALE] (a run of wild measurements does not make every target unreachable)."""
+
+    MIN_SCALE, MAX_SCALE = 0.5, 2.0
+
+    def __init__(self, window: int = 16) -> None:
+        self.ratios: deque[float] = deque(maxlen=window)
+
+    def record(self, report: PlanReport) -> None:
+        """A finished request's report: its measured ms over the cost model's own prediction
+        (the report's, divided by the scale it was planned with)."""
+        predicted, measured = report.predicted_ms_per_token, report.measured_ms_per_token
+        if predicted and measured:
+            self.ratios.append(measured * report.latency_scale / predicted)
+
+    def scale(self) -> float:
+        if not self.ratios:
+            return 1.0
+        return min(self.MAX_SCALE, max(self.MIN_SCALE, statistics.median(self.ratios)))

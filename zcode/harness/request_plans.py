@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from zcode.engine.request_output import RequestOutput
 from zcode.harness.planner import Hints, PlanChoice, Planner
-from zcode.harness.report import DecodeSteps, plan_report
+from zcode.harness.report import DecodeSteps, LatencyFeedback, plan_report
 
 
 @dataclass(frozen=True)
@@ -36,17 +36,20 @@ class _Running:
 
 
 class RequestPlans:
-    def __init__(self, planner: Planner) -> None:
+    def __init__(self, planner: Planner, feedback: LatencyFeedback | None = None) -> None:
+        """`feedback`: the LLM's latency feedback (None: plans by the cost model alone)."""
         self.planner = planner
+        self.feedback = feedback
         planner.candidates()  # computed now, not on the HTTP side
         self._running: dict[str, _Running] = {}
 
     @classmethod
     def for_llm(cls, llm) -> "RequestPlans":
-        return cls(llm.planner())
+        return cls(llm.planner(), llm.latency_feedback)
 
     def plan(self, hints: Hints) -> Planned:
-        return Planned(self.planner.choose(hints), hints)
+        scale = self.feedback.scale() if self.feedback is not None else 1.0
+        return Planned(self.planner.choose(hints, latency_scale=scale), hints)
 
     def admit(self, request_id: str, planned: Planned) -> None:
         self._running[request_id] = _Running(planned)
@@ -68,3 +71,5 @@ class RequestPlans:
                 del self._running[out.request_id]
                 planned = running.planned
                 out.plan = plan_report(planned.choice, planned.hints, running.steps)
+                if self.feedback is not None:
+                    self.feedback.record(out.plan)
