@@ -22,8 +22,11 @@
    the plan chosen, its predicted and measured batch-1 decode ms/token (min / median of
    --repeats runs, targets round-robin), and whether the fastest run is within 10% of the
    latency target. Targets are spread over the candidates' predicted ms at the context the
-   requests are planned at. Needs this machine's fitted cost model (`zcode hw --fit-cost`, or
-   --fit-cost here).
+   requests are planned at. The planner checks a target at the latency feedback's scale (the
+   median measured over predicted ms of the latest requests, those of part 1 first; printed
+   beside each prediction; ZCODE_LATENCY_FEEDBACK=0: the cost model alone). Part 1's plans are
+   explicit, so their predictions are the cost model's own. Needs this machine's fitted cost
+   model (`zcode hw --fit-cost`, or --fit-cost here).
 
 The sparsity artifact is read from --artifact or the cache (zcode calibrate), else calibrated
 now. Writes bench/results/plan.json and plan_pareto.png (plan_<model>.* for --model).
@@ -241,6 +244,7 @@ def latency_rows(
                 "binding": report.binding,
                 "target_met": report.target_met,
                 "predicted_ms": report.predicted_ms_per_token,
+                "latency_scale": report.latency_scale,
                 "measured_ms_min": min(measured),
                 "measured_ms_median": statistics.median(measured),
                 "within_10pct": min(measured) <= 1.1 * target,
@@ -339,7 +343,7 @@ def main() -> None:
                 "max +ppl %",
                 "plan",
                 "binding",
-                "predicted ms",
+                "predicted ms (x scale)",
                 "measured ms min / median",
                 "<=1.1x",
             ],
@@ -349,7 +353,7 @@ def main() -> None:
                     f"{r['max_quality_loss']:g}",
                     r["plan"],
                     r["binding"],
-                    f"{r['predicted_ms']:.2f}",
+                    f"{r['predicted_ms']:.2f} (x{r['latency_scale']:.2f})",
                     f"{r['measured_ms_min']:.2f} / {r['measured_ms_median']:.2f}",
                     "yes" if r["within_10pct"] else "no",
                 )
