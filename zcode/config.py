@@ -36,8 +36,8 @@ class EngineConfig:
     per_request_depth: bool = False
     # The planner multiplies its latency predictions by measured over predicted ms of the latest
     # planned requests (zcode.harness.report.LatencyFeedback), so latency targets hold at the
-    # host's speed of the moment, not the cost fit's. ZCODE_LATENCY_FEEDBACK=0 makes off the
-    # default (the tests' conftest does: a plan must not depend on timing there).
+    # host's speed of the moment, not the cost fit's. ZCODE_LATENCY_FEEDBACK=0 turns the
+    # default off (the tests' conftest does: a plan must not depend on timing there).
     latency_feedback: bool = field(
         default_factory=lambda: os.environ.get("ZCODE_LATENCY_FEEDBACK", "1") != "0"
     )

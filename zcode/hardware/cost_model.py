@@ -232,11 +232,12 @@ def step_features(
         gemv = kind in FLOAT_GEMV_KINDS and rows <= FLOAT_GEMV_MAX_ROWS
         add(f"{kind}:{'gemv-' if gemv else ''}GFLOP", share * 2 * rows_past_first * n * k / 1e9)
 
-    # The float fused expert op streamed its experts at ~27 GB/s where the dense GEMV read 33
-    # (random GLM-4.5-shaped MoEs, fp32): a cost per layer past its bytes, fitted on the MoE's
-    # steps (0.78 ms a layer here). GGUF experts (ggml_moe) showed none: the 1.3B and 6B GLM-
-    # shaped files' decode was predicted within 7-14% without it and 1.5-1.8x slow with it.
-    # Eager steps: the compiled fit has no MoE.
+    # The float fused expert op once streamed its experts at ~27 GB/s where the dense GEMV read
+    # 33 (random GLM-4.5-shaped MoEs, fp32): a cost per layer past its bytes, fitted on the MoE
+    # model's steps (0.78 ms a layer in one fit, 0 in the next: the host's bandwidth moves).
+    # GGUF experts (ggml_moe) showed none: the 1.3B and 6B GLM-shaped files' decode was
+    # predicted within 7-14% without it and 1.5-1.8x slow with it. Eager steps: the compiled
+    # fit has no MoE.
     if float_fused and not compiled:
         add("moe-fused:layers", len(float_fused))
     kv_bytes_per_token, attn_flops_per_pair = _attention_sizes(model, exec_plan.skip_layers)

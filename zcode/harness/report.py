@@ -2,6 +2,7 @@
 JSON in the server's `zcode_plan`)."""
 
 import statistics
+import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
@@ -81,15 +82,20 @@ class LatencyFeedback:
 
     def __init__(self, window: int = 16) -> None:
         self.ratios: deque[float] = deque(maxlen=window)
+        # The server records from its engine thread and plans from its HTTP side.
+        self._lock = threading.Lock()
 
     def record(self, report: PlanReport) -> None:
         """A finished request's report: its measured ms over the cost model's own prediction
         (the report's, divided by the scale it was planned with)."""
         predicted, measured = report.predicted_ms_per_token, report.measured_ms_per_token
         if predicted and measured:
-            self.ratios.append(measured * report.latency_scale / predicted)
+            with self._lock:
+                self.ratios.append(measured * report.latency_scale / predicted)
 
     def scale(self) -> float:
-        if not self.ratios:
+        with self._lock:
+            ratios = list(self.ratios)
+        if not ratios:
             return 1.0
-        return min(self.MAX_SCALE, max(self.MIN_SCALE, statistics.median(self.ratios)))
+        return min(self.MAX_SCALE, max(self.MIN_SCALE, statistics.median(ratios)))
