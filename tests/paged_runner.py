@@ -14,9 +14,15 @@ from zcode.forward_batch import ForwardBatch
 
 
 class PagedRunner:
-    def __init__(self, net: nn.Module, num_blocks: int = 64, block_size: int = 4) -> None:
+    def __init__(
+        self,
+        net: nn.Module,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        kv_dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.net, self.block_size = net, block_size
-        KVCache(net.attention_layers(), num_blocks, block_size, torch.float32)
+        KVCache(net.attention_layers(), num_blocks, block_size, kv_dtype)
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
         self.free_blocks = order.tolist()
         self.block_tables: dict[str, list[int]] = {}

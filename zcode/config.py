@@ -12,6 +12,10 @@ if TYPE_CHECKING:  # torch stays out of the CLI's start-up, which reads this mod
 # "auto": the weights as the checkpoint stores them (a GGUF file's quantized blocks, memory-mapped;
 # safetensors in their stored dtype), activations in the model's norm dtype (fp32 for GGUF).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The KV cache's dtype (vLLM's kv_cache_dtype): "auto" is the dtype the model computes in; an fp32
+# model's GQA cache may be bf16 or fp16 (llama.cpp keeps fp16 by default): half the bytes held
+# and read per token of context.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 SPECULATIVE_METHODS = ("ngram", "skip_layers", "quantized", "mtp")
@@ -23,6 +27,7 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     kv_cache_bytes: int = 1 << 30
+    kv_cache_dtype: str = "auto"
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -72,6 +77,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not isinstance(self.parallel, ParallelConfig):
             raise ValueError(f"parallel must be a ParallelConfig, got {type(self.parallel)}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_draft_tokens"):

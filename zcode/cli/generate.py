@@ -11,6 +11,7 @@ from zcode.cli.options import (
     add_compile_option,
     add_dtype_option,
     add_expert_cache_option,
+    add_kv_cache_dtype_option,
     add_model_option,
     add_parallel_options,
     add_quality_options,
@@ -23,6 +24,7 @@ from zcode.cli.options import (
     check_quality_options,
     compile_args,
     expert_cache_args,
+    kv_cache_dtype_args,
     parallel_args,
     sampling_params,
     skip_args,
@@ -53,6 +55,7 @@ def add_commands(commands) -> None:
     )
     add_thinking_option(generate)
     add_dtype_option(generate)
+    add_kv_cache_dtype_option(generate)
     add_expert_cache_option(generate)
     add_sparsity_option(generate)
     add_speculative_options(generate)
@@ -78,6 +81,7 @@ def add_commands(commands) -> None:
     add_sampling_options(chat, max_tokens=1024)
     add_thinking_option(chat)
     add_dtype_option(chat)
+    add_kv_cache_dtype_option(chat)
     add_expert_cache_option(chat)
     chat.set_defaults(run=_chat)
 
@@ -102,6 +106,7 @@ def _generate(args: argparse.Namespace) -> None:
         **compile_args(args),
         **({"per_request_depth": True} if skips else {}),
         **expert_cache_args(args),
+        **kv_cache_dtype_args(args),
         **sparsity_args(args),
         **parallel_args(args),
         **speculative_args(args),
@@ -121,7 +126,9 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _chat(args: argparse.Namespace) -> None:
     params = sampling_params(args)
-    llm = options.load_llm(args.model, args.dtype, **expert_cache_args(args))
+    llm = options.load_llm(
+        args.model, args.dtype, **expert_cache_args(args), **kv_cache_dtype_args(args)
+    )
     if not getattr(llm.tokenizer, "chat_template", None):
         raise ValidationError("this model has no chat template: use 'zcode generate'")
     interactive = sys.stdin.isatty()

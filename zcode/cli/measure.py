@@ -8,11 +8,13 @@ import time
 from zcode.cli import options
 from zcode.cli.options import (
     add_dtype_option,
+    add_kv_cache_dtype_option,
     add_model_argument,
     add_skip_options,
     add_sparsity_option,
     apply_plan,
     fraction,
+    kv_cache_dtype_args,
     positive_float,
     positive_int,
     read_plan,
@@ -119,6 +121,7 @@ def add_commands(commands) -> None:
         "object whose 'plan' is one) with round-to-nearest before scoring",
     )
     add_dtype_option(ppl)
+    add_kv_cache_dtype_option(ppl)
     add_sparsity_option(ppl)
     add_skip_options(ppl)
     ppl.set_defaults(run=_ppl)
@@ -176,6 +179,7 @@ def _ppl(args: argparse.Namespace) -> None:
         args.model,
         args.dtype,
         float_weights=plan is not None,
+        **kv_cache_dtype_args(args),
         **({"per_request_depth": True} if skips else {}),
         **sparsity_args(args),
     )

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from zcode.config import DRAFT_POLICIES, SPECULATIVE_METHODS
+from zcode.config import DRAFT_POLICIES, KV_CACHE_DTYPES, SPECULATIVE_METHODS
 from zcode.distributed.config import ParallelConfig
 from zcode.errors import ValidationError
 
@@ -130,6 +130,22 @@ def add_dtype_option(parser: argparse.ArgumentParser, default: str = "auto") -> 
         "file's quantized blocks, memory-mapped), float32 where --sparsity rewrites them "
         "(default: %(default)s)",
     )
+
+
+def add_kv_cache_dtype_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="dtype of the KV cache: auto keeps the dtype the model computes in (fp32 for GGUF "
+        "files); bfloat16 or float16 hold and read half the bytes per token of context, as "
+        "llama.cpp's default fp16 cache does (default: %(default)s)",
+    )
+
+
+def kv_cache_dtype_args(args: argparse.Namespace) -> dict:
+    """The engine option, only when given (so the default call matches the other commands')."""
+    return {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
 
 
 def add_compile_option(parser: argparse.ArgumentParser) -> None:

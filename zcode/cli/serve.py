@@ -7,12 +7,14 @@ from zcode.cli.options import (
     add_compile_option,
     add_dtype_option,
     add_expert_cache_option,
+    add_kv_cache_dtype_option,
     add_model_argument,
     add_parallel_options,
     add_sparsity_option,
     add_speculative_options,
     compile_args,
     expert_cache_args,
+    kv_cache_dtype_args,
     parallel_args,
     sparsity_args,
     speculative_args,
@@ -110,6 +112,7 @@ def add_commands(commands) -> None:
         "(default: %(default)s)",
     )
     add_dtype_option(serve)
+    add_kv_cache_dtype_option(serve)
     add_compile_option(serve)
     add_expert_cache_option(serve)
     add_sparsity_option(serve)
@@ -143,6 +146,7 @@ def _serve(args: argparse.Namespace) -> None:
         engine_args["per_request_depth"] = True
     engine_args.update(compile_args(args))
     engine_args.update(expert_cache_args(args))
+    engine_args.update(kv_cache_dtype_args(args))
     engine_args.update(sparsity_args(args))
     engine_args.update(speculative_args(args))
     engine_args.update(parallel_args(args))

@@ -14,6 +14,41 @@ from torch import nn
 from zcode.layers.attention import Attention
 
 
+def resolve_kv_dtype(name: str, model: nn.Module) -> torch.dtype:
+    """The dtype of the model's KV cache for EngineConfig.kv_cache_dtype `name`: the dtype the
+    model computes in ("auto"), or one narrower than an fp32 model's for its GQA layers (the
+    attention reads it widened exactly). ValueError for a cache wider than the activations;
+    NotImplementedError for layers whose caches stay in the model's dtype (MLA's latent)."""
+    computes_in = model.model.norm.weight.dtype
+    if name == "auto" or getattr(torch, name) == computes_in:
+        return computes_in
+    if computes_in != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype={name} for a model that computes in {computes_in}: only an fp32 "
+            "model's KV cache may be narrower than its activations"
+        )
+    others = {
+        type(layer).__name__
+        for layer in model.attention_layers()
+        if layer.cache_spec() and type(layer) is not Attention
+    }
+    if others:
+        raise NotImplementedError(
+            f"kv_cache_dtype={name} for {', '.join(sorted(others))} layers: only GQA attention "
+            "reads a KV cache narrower than the activations so far"
+        )
+    return getattr(torch, name)
+
+
+def cache_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model's KV cache holds: its cache tensors' once an engine has bound them,
+    else the dtype the model computes in."""
+    for layer in model.attention_layers():
+        for tensor in getattr(layer, "cache", {}).values():
+            return tensor.dtype
+    return model.model.norm.weight.dtype
+
+
 def kv_bytes_per_token(attention_layers: list[nn.Module], dtype: torch.dtype) -> int:
     itemsize = torch.empty((), dtype=dtype).element_size()
     return sum(

@@ -15,7 +15,7 @@ from zcode.config import EngineConfig
 from zcode.engine.block_manager import BlockManager, join_salts
 from zcode.engine.detokenizer import IncrementalDetokenizer
 from zcode.engine.expert_cache import build_expert_cache
-from zcode.engine.kv_cache import KVCache
+from zcode.engine.kv_cache import KVCache, resolve_kv_dtype
 from zcode.engine.model_runner import ModelRunner
 from zcode.engine.request_output import RequestOutput
 from zcode.engine.sampler import Sampler, top_logprobs
@@ -43,8 +43,9 @@ class LLMEngine:
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
         layers = model.attention_layers()
-        # The KV cache holds activations: the dtype the model computes in, whatever its weights.
-        dtype = model.model.norm.weight.dtype
+        # The KV cache holds activations: the dtype the model computes in, whatever its weights,
+        # or a narrower one (EngineConfig.kv_cache_dtype).
+        dtype = resolve_kv_dtype(config.kv_cache_dtype, model)
         # Before the runner: MoE layers count routed experts in the graphs it compiles.
         self.expert_cache = build_expert_cache(model, config)
         self.drafter = None

@@ -77,6 +77,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from scipy.optimize import nnls
 from torch import nn
 
+from zcode.engine.kv_cache import cache_dtype
 from zcode.hardware.load import BUSY_LOAD_PER_CORE
 from zcode.hardware.probe import HardwareInfo, default_cache_dir, fingerprint, probe
 from zcode.harness.plan import ExecutionPlan
@@ -312,7 +313,7 @@ def _attention_sizes(model: nn.Module, skip_layers: tuple[int, ...]) -> tuple[fl
     """(KV cache bytes per token, attention FLOPs per query-key pair), summed over layers run."""
     kv_bytes, flops = 0.0, 0.0
     layers = model.attention_layers()
-    dtype_bytes = next(model.parameters()).element_size()
+    dtype_bytes = cache_dtype(model).itemsize
     for i, layer in enumerate(layers):
         if i in skip_layers:
             continue

@@ -68,6 +68,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from zcode.engine.kv_cache import cache_dtype
 from zcode.errors import ValidationError
 from zcode.harness.plan import ExecutionPlan
 from zcode.layers.moe import moe_layers
@@ -660,8 +661,8 @@ def layer_options(router) -> list[Option]:
 
 def kv_bytes_per_head(model: nn.Module) -> list[tuple[int, int]]:
     """Per attention layer: (KV cache bytes per token of one KV head, KV heads), from what each
-    layer caches (`cache_spec`) in the KV dtype (the dtype the model computes in)."""
-    dtype_bytes = model.model.norm.weight.element_size()
+    layer caches (`cache_spec`) in the KV cache's dtype."""
+    dtype_bytes = cache_dtype(model).itemsize
     out = []
     for layer in model.attention_layers():
         spec = layer.cache_spec()

@@ -6,7 +6,11 @@
 // the arithmetic. Same math as zcode.layers.attention.padded_attention, in fp32:
 //   scores_l = scale q . k_l for the allowed positions l, p = softmax(scores), out = sum_l p_l v_l.
 //
-// AVX-512 F/BW/VL (fp32 and bf16 caches, head dims of 16 lanes' multiples): a task is one
+// Queries and output are fp32 or bf16 (the dtype the model computes in); the cache is that
+// dtype, or a narrower one than fp32 queries (EngineConfig.kv_cache_dtype: bf16 or fp16, widened
+// exactly as it is read).
+//
+// AVX-512 F/BW/VL (fp32, bf16 and fp16 caches, head dims of 16 lanes' multiples): a task is one
 // sequence's chunk of positions for every head (whole slots streamed, the next ones prefetched;
 // chunks on a fixed grid, so a query's result is the same in any call), so one sequence's
 // context spreads over the threads too (flash-decoding); a task keeps its
@@ -50,10 +54,10 @@ inline float dot(const float* q, const T* k, int64_t D) {
 }
 
 // One (sequence, KV head): the G query heads that share it, over the sequence's L slots.
-template <typename T>
-void attend(const T* q, const T* cache, const int64_t* slots, const bool* allowed, int64_t L,
+template <typename T, typename TQ>
+void attend(const TQ* q, const T* cache, const int64_t* slots, const bool* allowed, int64_t L,
             int64_t G, int64_t D, int64_t slot_stride, int64_t kv_offset, int64_t head_offset,
-            float scale, std::vector<float>& scores, T* out) {
+            float scale, std::vector<float>& scores, TQ* out) {
   // q: [G, D] (row stride D); cache slot s: keys at s * slot_stride + head_offset, values kv_offset
   // further; out: [G, D]
   scores.assign(L * G, 0.f);
@@ -85,21 +89,21 @@ void attend(const T* q, const T* cache, const int64_t* slots, const bool* allowe
   for (int64_t g = 0; g < G; ++g) {
     // A sequence with no allowed position attends to nothing: zeros (SDPA would give NaN).
     const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
-    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(acc[g * D + d] * inv);
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<TQ>(acc[g * D + d] * inv);
   }
 }
 
-template <typename T>
+template <typename T, typename TQ>
 void attend_all_portable(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
                 const bool* allowed, float scale, torch::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = cache.size(3);
   const int64_t L = slots.size(1), G = H / KVH;
   const int64_t slot_stride = 2 * KVH * D, kv_offset = KVH * D;
   const int64_t task_bytes = std::max<int64_t>(1, L * 2 * D * static_cast<int64_t>(sizeof(T)));
-  const T* q_data = q.data_ptr<T>();
+  const TQ* q_data = q.data_ptr<TQ>();
   const T* cache_data = cache.data_ptr<T>();
   const int64_t* slot_data = slots.data_ptr<int64_t>();
-  T* out_data = out.data_ptr<T>();
+  TQ* out_data = out.data_ptr<TQ>();
   at::parallel_for(0, B * KVH, std::max<int64_t>(1, GRAIN_BYTES / task_bytes),
                    [&](int64_t t0, int64_t t1) {
     std::vector<float> scores;
@@ -123,6 +127,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32: the bits move up 16
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const at::Half* p) {  // fp16 -> fp32, exact (F16C's AVX-512 form)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // max(a, b), NaN if either is: a NaN score (corrupted KV) must reach the output, as it does
@@ -212,7 +219,7 @@ void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const b
   }
 }
 
-template <int VECS, typename T>
+template <int VECS, typename T, typename TQ>
 void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
                     const bool* allowed, float scale, torch::Tensor& out) {
   constexpr int64_t D = 16 * VECS;
@@ -225,7 +232,7 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
   const int64_t chunks = std::max<int64_t>(1, (L + CHUNK - 1) / CHUNK);
   const int64_t tasks = B * chunks, part_floats = H * (2 + D);
   const int64_t chunk_bytes = std::min(L, CHUNK) * 2 * KVH * D * static_cast<int64_t>(sizeof(T));
-  const T* q_data = q.data_ptr<T>();
+  const TQ* q_data = q.data_ptr<TQ>();
   const T* cache_data = cache.data_ptr<T>();
   const int64_t* slot_data = slots.data_ptr<int64_t>();
   std::vector<float> parts(tasks * part_floats);  // zeros: a chunk weighed 0 skips its acc
@@ -240,7 +247,7 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / chunks, c = t % chunks;
       if (b != loaded) {
-        const T* qs = q_data + b * H * D;
+        const TQ* qs = q_data + b * H * D;
         for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(qs[i]);
         loaded = b;
       }
@@ -250,7 +257,7 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
     }
   });
   // Merge each sequence's chunks per query head: rescale to the largest max, normalize.
-  T* out_data = out.data_ptr<T>();
+  TQ* out_data = out.data_ptr<TQ>();
   at::parallel_for(0, B * H, std::max<int64_t>(1, 4096 / (chunks * D)), [&](int64_t r0, int64_t r1) {
     std::vector<float> weight(chunks);
     for (int64_t r = r0; r < r1; ++r) {
@@ -267,31 +274,31 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
       for (int64_t d = 0; d < D; ++d) {
         float sum = 0.f;
         for (int64_t c = 0; c < chunks; ++c) sum += weight[c] * part_of(b * chunks + c).acc[h * D + d];
-        out_data[r * D + d] = static_cast<T>(sum * inv);
+        out_data[r * D + d] = static_cast<TQ>(sum * inv);
       }
     }
   });
 }
 
-template <typename T>
+template <typename T, typename TQ>
 void attend_all(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
                 const bool* allowed, float scale, torch::Tensor& out) {
   switch (q.size(2)) {  // head dims of 16 lanes' multiples up to 256; others the portable loops
 #define ZCODE_HEAD_DIM(VECS) \
-    case 16 * VECS: return attend_vectors<VECS, T>(q, cache, slots, allowed, scale, out);
+    case 16 * VECS: return attend_vectors<VECS, T, TQ>(q, cache, slots, allowed, scale, out);
     ZCODE_HEAD_DIM(1) ZCODE_HEAD_DIM(2) ZCODE_HEAD_DIM(3) ZCODE_HEAD_DIM(4) ZCODE_HEAD_DIM(5)
     ZCODE_HEAD_DIM(6) ZCODE_HEAD_DIM(7) ZCODE_HEAD_DIM(8) ZCODE_HEAD_DIM(12) ZCODE_HEAD_DIM(16)
 #undef ZCODE_HEAD_DIM
-    default: return attend_all_portable<T>(q, cache, slots, allowed, scale, out);
+    default: return attend_all_portable<T, TQ>(q, cache, slots, allowed, scale, out);
   }
 }
 
 #else
 
-template <typename T>
+template <typename T, typename TQ>
 void attend_all(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
                 const bool* allowed, float scale, torch::Tensor& out) {
-  attend_all_portable<T>(q, cache, slots, allowed, scale, out);
+  attend_all_portable<T, TQ>(q, cache, slots, allowed, scale, out);
 }
 
 #endif
@@ -308,9 +315,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(kv_cache.size(4) == D && KVH > 0 && H % KVH == 0 && H / KVH <= 64,
               "paged_decode_attention: ", H, " query heads of ", D, " over ", KVH, " KV heads of ",
               kv_cache.size(4));
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "paged_decode_attention: q and kv_cache must both be fp32 or bf16");
+  const auto q_type = q.scalar_type(), cache_type = kv_cache.scalar_type();
+  TORCH_CHECK((q_type == at::kFloat &&
+               (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf)) ||
+                  (q_type == at::kBFloat16 && cache_type == at::kBFloat16),
+              "paged_decode_attention: q fp32 over an fp32, bf16 or fp16 kv_cache, or both bf16; "
+              "got ", q_type, " over ", cache_type);
   TORCH_CHECK(context_slots.dim() == 2 && context_slots.size(0) == B &&
                   context_slots.scalar_type() == at::kLong,
               "paged_decode_attention: context_slots must be int64 [B, L]");
@@ -326,10 +336,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const auto qc = q.contiguous(), slots = context_slots.contiguous();
   auto out = torch::empty_like(qc);
   const bool* allowed_data = allowed.defined() ? allowed.data_ptr<bool>() : nullptr;
-  if (q.scalar_type() == at::kFloat)
-    attend_all<float>(qc, kv_cache, slots, allowed_data, static_cast<float>(scale), out);
+  const float s = static_cast<float>(scale);
+  if (q_type == at::kBFloat16)
+    attend_all<at::BFloat16, at::BFloat16>(qc, kv_cache, slots, allowed_data, s, out);
+  else if (cache_type == at::kFloat)
+    attend_all<float, float>(qc, kv_cache, slots, allowed_data, s, out);
+  else if (cache_type == at::kBFloat16)
+    attend_all<at::BFloat16, float>(qc, kv_cache, slots, allowed_data, s, out);
   else
-    attend_all<at::BFloat16>(qc, kv_cache, slots, allowed_data, static_cast<float>(scale), out);
+    attend_all<at::Half, float>(qc, kv_cache, slots, allowed_data, s, out);
   return out;
 }
 

@@ -58,7 +58,8 @@ def attention_reference(
 
 def attention_shape_class(q: torch.Tensor, kv_cache: torch.Tensor, batch, scale) -> str:
     context = "short" if batch.context_slots.shape[1] <= 256 else "long"
-    return f"H{q.shape[1]}xKV{kv_cache.shape[3]}xD{q.shape[2]}|{_rows(batch)}|{context}|{q.dtype}"
+    dtypes = f"{q.dtype}" + (f"/{kv_cache.dtype}" if kv_cache.dtype != q.dtype else "")
+    return f"H{q.shape[1]}xKV{kv_cache.shape[3]}xD{q.shape[2]}|{_rows(batch)}|{context}|{dtypes}"
 
 
 def _tolerance(q: torch.Tensor, *args) -> tuple[float, float]:
@@ -66,16 +67,19 @@ def _tolerance(q: torch.Tensor, *args) -> tuple[float, float]:
 
 
 def attention_cases() -> list:
-    def case(query_lens, context_lens, heads, kv_heads, dim, dtype, window=None):
+    def case(query_lens, context_lens, heads, kv_heads, dim, dtype, window=None, kv_dtype=None):
+        kv_dtype = kv_dtype or dtype
+
         def make(generator: torch.Generator):
             batch, num_blocks = random_batch(query_lens, context_lens, generator)
             if window is not None:  # a sliding window (Gemma 3's): early positions masked
                 batch = dataclasses.replace(batch, attn_mask=batch.window_mask(window))
             q = torch.randn(sum(query_lens), heads, dim, generator=generator).to(dtype)
             cache = torch.randn(num_blocks, BLOCK_SIZE, 2, kv_heads, dim, generator=generator)
-            return q, cache.to(dtype), batch, dim**-0.5
+            return q, cache.to(kv_dtype), batch, dim**-0.5
 
         name = f"{_shape_name(query_lens, context_lens)}-H{heads}-KV{kv_heads}-D{dim}-{dtype}"
+        name += f"-kv-{kv_dtype}" if kv_dtype != dtype else ""
         return name + (f"-window{window}" if window else ""), make
 
     cases = [case(q, c, 6, 2, 16, torch.float32) for q, c in BATCH_SHAPES]
@@ -89,6 +93,10 @@ def attention_cases() -> list:
         case([1], [300], 4, 1, 256, torch.bfloat16),
         # a window that masks whole chunks of a row's context
         case([3, 1], [600, 20], 4, 2, 64, torch.float32, window=100),
+        # a KV cache narrower than the fp32 queries (EngineConfig.kv_cache_dtype)
+        case([1, 1], [600, 150], 8, 2, 128, torch.float32, kv_dtype=torch.bfloat16),
+        case([4, 1], [300, 41], 6, 2, 64, torch.float32, kv_dtype=torch.float16),
+        case([1], [5], 3, 3, 7, torch.float32, kv_dtype=torch.float16),
     ]
 
 

@@ -3,7 +3,8 @@
 `torch.ops.zcode.paged_decode_attention(q, kv_cache, context_slots, mask, scale)`: one query per
 row (a decode step's sequence, or one token of a verifying step's), q [B, H, D] against its
 context read in place from kv_cache [blocks, block_size, 2, KVH, D] through context_slots [B, L]
-(mask [B, 1, 1, L] bool or None) -> [B, H, D], fp32 sums;
+(mask [B, 1, 1, L] bool or None) -> [B, H, D] in q's dtype, fp32 sums (the cache in q's dtype,
+or bf16 / fp16 under fp32 queries);
 the math of zcode.layers.attention.padded_attention without gathering the context or setting
 up SDPA, which in eager decode cost ~25x the arithmetic (~75 us a layer on SmolLM2).
 
@@ -20,7 +21,12 @@ from zcode.forward_batch import ForwardBatch
 from zcode.kernels.cpp_build import build_ops
 
 SOURCE = Path(__file__).with_name("attention.cpp")
-DTYPES = (torch.float32, torch.bfloat16)
+# (query dtype, cache dtype) pairs the kernel reads: the cache in the model's dtype, or narrower
+# than fp32 queries (EngineConfig.kv_cache_dtype)
+CACHE_DTYPES = {
+    torch.float32: (torch.float32, torch.bfloat16, torch.float16),
+    torch.bfloat16: (torch.bfloat16,),
+}
 MAX_GROUP = 64  # query heads per KV head the kernel holds
 MAX_QUERY_WIDTH = 8  # queries a sequence decode_batch takes (a token and its drafts)
 
@@ -52,8 +58,7 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """q [T, H, D] and kv_cache [blocks, block_size, 2, KVH, D] are what the kernel reads."""
     return (
         q.device.type == "cpu"
-        and q.dtype in DTYPES
-        and kv_cache.dtype == q.dtype
+        and kv_cache.dtype in CACHE_DTYPES.get(q.dtype, ())
         and kv_cache.dim() == 5
         and kv_cache.is_contiguous()
         and q.shape[1] // kv_cache.shape[3] <= MAX_GROUP

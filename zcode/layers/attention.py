@@ -56,16 +56,17 @@ def padded_attention(
 ) -> torch.Tensor:
     """Reference attention of packed queries over gathered context.
 
-    q: [T, H, Dk]; k: [B, L, KVH, Dk]; v: [B, L, KVH, Dv]; mask: [B, 1 or H, S, L] bool or None
-    (defaults to the batch's causal mask). Returns [T, H, Dv].
+    q: [T, H, Dk]; k: [B, L, KVH, Dk]; v: [B, L, KVH, Dv], q's dtype or a narrower KV cache
+    dtype (widened exactly); mask: [B, 1 or H, S, L] bool or None (defaults to the batch's causal
+    mask). Returns [T, H, Dv] in q's dtype.
     """
     if mask is None:
         mask = batch.attn_mask
     qp = q[batch.query_index].transpose(1, 2)  # [B, H, S, Dk]
     out = F.scaled_dot_product_attention(
         qp,
-        k.transpose(1, 2),
-        v.transpose(1, 2),
+        k.transpose(1, 2).to(q.dtype),
+        v.transpose(1, 2).to(q.dtype),
         attn_mask=mask,
         scale=scale,
         enable_gqa=k.shape[2] != q.shape[1],
@@ -82,14 +83,15 @@ def decode_attention(
     for inductor to fuse: what a compiled step runs where the C++ kernel
     (zcode.kernels.paged_attention) does not, e.g. over KV paged per head.
 
-    q: [B, S, H, D]; kv: [B, L, 2, KVH, D] (keys, values); mask: [B, 1, S, L] bool
-    -> [B, S, H, D]. In a compiled step inductor turns the context gather, q.k, the softmax and
-    p.v into a few loops of generated C++; SDPA is one extern call per layer whose set-up costs
-    more than its arithmetic at these sizes (SmolLM2, 4 queries over ~250 positions: 72 us a
-    layer). Same math as `padded_attention`, in fp32.
+    q: [B, S, H, D]; kv: [B, L, 2, KVH, D] (keys, values; q's dtype or a narrower KV cache
+    dtype); mask: [B, 1, S, L] bool -> [B, S, H, D] in q's dtype. In a compiled step inductor
+    turns the context gather, q.k, the softmax and p.v into a few loops of generated C++; SDPA
+    is one extern call per layer whose set-up costs more than its arithmetic at these sizes
+    (SmolLM2, 4 queries over ~250 positions: 72 us a layer). Same math as `padded_attention`,
+    in fp32.
     """
     num_seqs, width, num_heads, head_dim = q.shape
-    num_kv_heads = kv.shape[3]
+    num_kv_heads, dtype = kv.shape[3], q.dtype
     group = num_heads // num_kv_heads
     q = q.float().view(num_seqs, width, 1, num_kv_heads, group, head_dim)
     keys = kv[:, None, :, 0, :, None, :].float()  # [B, 1, L, KVH, 1, D]
@@ -97,7 +99,7 @@ def decode_attention(
     scores = scores.masked_fill(~mask.view(num_seqs, width, -1, 1, 1), float("-inf"))
     probs = scores.softmax(dim=2)[..., None]  # [B, S, L, KVH, G, 1]
     out = (probs * kv[:, None, :, 1, :, None, :].float()).sum(2)  # [B, S, KVH, G, D]
-    return out.view(num_seqs, width, num_heads, head_dim).to(kv.dtype)
+    return out.view(num_seqs, width, num_heads, head_dim).to(dtype)
 
 
 class Attention(nn.Module):
