@@ -66,11 +66,23 @@ class Timing:
 class ZCodeRunner:
     batch_mode = "batched"
 
-    def __init__(self, dtype: str, compile: bool = False, model: Path | None = None) -> None:
+    def __init__(
+        self,
+        dtype: str,
+        compile: bool = False,
+        model: Path | None = None,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         from zcode import LLM
 
         # Repeats reuse the same prompts: without this the prefix cache would skip their prefill.
-        self.llm = LLM(model, dtype=dtype, enable_prefix_caching=False, compile=compile)
+        self.llm = LLM(
+            model,
+            dtype=dtype,
+            enable_prefix_caching=False,
+            compile=compile,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         self.format = dtype + (" compiled decode" if compile else "")
         self.bytes_per_token = _param_bytes(self.llm.model)
 

@@ -11,16 +11,22 @@ measured anyway, on the same token ids for both:
   sequences and the fraction of the 320 positions where its top-1 token is llama.cpp's is the
   agreement (teacher-forced, so one near-tie does not decide the rest); the free-running common
   prefix of both engines' own greedy outputs is printed beside it;
-- speed: batch-1 decode tok/s (128 new tokens after a short prompt) and 512-token prefill tok/s,
-  min/median over repeats, engines round-robin in each repeat, 2 threads; roofline = measured
-  bandwidth / bytes of weights read per token (every tensor of the file, except the embedding
-  when an output matrix is stored: a lookup reads one row); "tok/s x GB" = decode tok/s x GB read
-  per token, the achieved weight-streaming rate;
+- speed: batch-1 decode tok/s (128 new tokens after a short prompt, and after the 512-token
+  prompt: "decode @512", where the step also reads the KV of 512-640 positions) and 512-token
+  prefill tok/s, min/median over repeats, engines round-robin in each repeat, 2 threads;
+  roofline = measured bandwidth / bytes of weights read per token (every tensor of the file,
+  except the embedding when an output matrix is stored: a lookup reads one row); "tok/s x GB" =
+  decode tok/s x GB read per token, the achieved weight-streaming rate;
 - memory and time to first token: a child process per engine loads the file, generates one
   token from a short prompt and reports its peak RSS growth over the imports' (VmHWM), its load
   time and that first token's latency.
 
+ZCode's KV cache is fp32 (the dtype a GGUF model computes in) unless --kv-cache-dtype says
+otherwise; llama.cpp's is fp16 (its default): with `--kv-cache-dtype float16` both round each key
+and value to fp16, quality and speed included.
+
     .venv/bin/python bench/bench_gguf.py [--repeats 3] [--quick] [--files smollm2-q4_1,...]
+        [--compile] [--kv-cache-dtype float16]
 """
 
 import argparse
@@ -239,7 +245,7 @@ def child_memory(engine: str, path: Path) -> dict:
 
 
 def speed(runners: dict, long_prompt: list[int], short_prompt: list[int], args) -> dict:
-    samples = {n: {"prefill": [], "decode_b1": []} for n in runners}
+    samples = {n: {"prefill": [], "decode_b1": [], "decode_ctx": []} for n in runners}
     for runner in runners.values():  # warm-up, once per shape
         runner.run([long_prompt], 1)
         runner.run([short_prompt], 4)
@@ -249,10 +255,13 @@ def speed(runners: dict, long_prompt: list[int], short_prompt: list[int], args) 
             samples[name]["prefill"].append(len(long_prompt) / t.ttft_s)
             t = runner.run([short_prompt], args.new_tokens)
             samples[name]["decode_b1"].append((args.new_tokens - 1) / t.decode_s)
+            t = runner.run([long_prompt], args.new_tokens)
+            samples[name]["decode_ctx"].append((args.new_tokens - 1) / t.decode_s)
             s = samples[name]
             print(
                 f"  repeat {repeat + 1}/{args.repeats} {name}: prefill {s['prefill'][-1]:.1f}, "
-                f"decode b1 {s['decode_b1'][-1]:.1f} tok/s"
+                f"decode b1 {s['decode_b1'][-1]:.1f}, @{len(long_prompt)} "
+                f"{s['decode_ctx'][-1]:.1f} tok/s"
             )
     return {
         name: {
@@ -268,9 +277,10 @@ def run_file(name: str, args) -> dict:
     facts = file_facts(path)
     print(f"\n{name}: {path} ({facts['file_bytes'] / 1e6:.0f} MB, types {facts['types']})")
     memory = {engine: child_memory(engine, path) for engine in ("zcode", "llama.cpp")}
-    runners = {"zcode": ZCodeRunner("auto", model=path)}
+    kv = args.kv_cache_dtype
+    runners = {"zcode": ZCodeRunner("auto", model=path, kv_cache_dtype=kv)}
     if args.compile:
-        runners["zcode-compiled"] = ZCodeRunner("auto", compile=True, model=path)
+        runners["zcode-compiled"] = ZCodeRunner("auto", True, path, kv_cache_dtype=kv)
     tokenizer = runners["zcode"].llm.tokenizer
     result = {"path": str(path), **facts, "memory": memory}
     # Perplexity needs every position's logits; timed with them, llama.cpp's prefill would also
@@ -295,7 +305,7 @@ LONG_TEXT = (
 )
 
 
-def print_tables(results: dict, bandwidth: float) -> None:
+def print_tables(results: dict, bandwidth: float, prompt_len: int) -> None:
     headers = (
         "file",
         "engine",
@@ -303,7 +313,8 @@ def print_tables(results: dict, bandwidth: float) -> None:
         "agree",
         "prefill tok/s",
         "decode b1 tok/s",
-        "vs llama.cpp (b1 / prefill)",
+        f"decode @{prompt_len}",
+        f"vs llama.cpp (b1 / @{prompt_len} / prefill)",
         "roofline",
         "tok/s x GB",
         "RSS / file",
@@ -318,7 +329,7 @@ def print_tables(results: dict, bandwidth: float) -> None:
             mem = r["memory"].get(key, {})
             q = r["quality"]
             gb = r["bytes_per_token"] / 1e9
-            b1 = s["decode_b1"]["median"]
+            b1, ctx = s["decode_b1"]["median"], s["decode_ctx"]["median"]
             rows.append(
                 (
                     name,
@@ -327,9 +338,11 @@ def print_tables(results: dict, bandwidth: float) -> None:
                     "-" if key == "llama.cpp" else f"{q['greedy_agreement']:.3f}",
                     f"{s['prefill']['best']:.0f}/{s['prefill']['median']:.0f}",
                     f"{s['decode_b1']['best']:.1f}/{b1:.1f}",
+                    f"{s['decode_ctx']['best']:.1f}/{ctx:.1f}",
                     "-"
                     if engine == "llama.cpp"
                     else f"{b1 / llama['decode_b1']['median']:.2f}x / "
+                    f"{ctx / llama['decode_ctx']['median']:.2f}x / "
                     f"{s['prefill']['median'] / llama['prefill']['median']:.2f}x",
                     f"{b1 * r['bytes_per_token'] / bandwidth:.0%}",
                     f"{b1 * gb:.1f}",
@@ -359,6 +372,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--files", default=",".join(FILES), help=f"subset of {FILES}")
     parser.add_argument("--compile", action="store_true", help="also ZCode's compiled decode")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", "float16", "bfloat16"),
+        default="auto",
+        help="ZCode's KV cache (llama.cpp's is fp16)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS_PATH)
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -374,15 +393,22 @@ def main() -> None:
     bandwidth = measure_bandwidth(1 << 30, 5)
     print(
         f"memory bandwidth (torch .sum of 1 GiB fp32, {NUM_THREADS} threads): "
-        f"{bandwidth / 1e9:.1f} GB/s; load average {os.getloadavg()}"
+        f"{bandwidth / 1e9:.1f} GB/s; load average {os.getloadavg()}; KV cache: ZCode "
+        f"{args.kv_cache_dtype} (auto: fp32), llama.cpp fp16"
     )
     results = {name: run_file(name, args) for name in names}
     bandwidth = max(bandwidth, measure_bandwidth(1 << 30, 5))
-    print_tables(results, bandwidth)
+    print_tables(results, bandwidth, args.prompt_len)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(
         json.dumps(
-            {"bandwidth_bytes_s": bandwidth, "threads": NUM_THREADS, "files": results}, indent=1
+            {
+                "bandwidth_bytes_s": bandwidth,
+                "threads": NUM_THREADS,
+                "zcode_kv_cache_dtype": args.kv_cache_dtype,
+                "files": results,
+            },
+            indent=1,
         )
         + "\n"
     )
