@@ -17,7 +17,7 @@ from zcode.llm import LLM
 from zcode.loader import load_model
 from zcode.sampling_params import SamplingParams
 
-GQA_NAMES = ["llama", "glm4", "glm4_moe", "gemma3_text"]
+NAMES = ["llama", "glm4", "glm4_moe", "gemma3_text", "glm_moe_dsa"]  # GQA, MLA + DSA
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_TOL = {torch.bfloat16: 1e-2, torch.float16: 1.2e-3}
 
@@ -27,7 +27,7 @@ def _cache_dtypes(net) -> set[torch.dtype]:
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES.values(), ids=KV_DTYPES)
-@pytest.mark.parametrize("name", GQA_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_logits_match_transformers_within_the_cache_rounding(name, kv_dtype, tiny_checkpoint):
     ckpt = tiny_checkpoint(name)
     ids = prompt_ids()
@@ -75,11 +75,9 @@ def test_the_planner_and_cost_model_count_the_narrow_cache(tiny_checkpoint):
     ]
 
 
-def test_a_cache_wider_than_the_activations_or_an_mla_cache_is_refused(tiny_checkpoint):
+def test_a_cache_wider_than_the_activations_or_an_unknown_dtype_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="only an fp32 model's KV cache"):
         LLM(tiny_checkpoint("llama").path, dtype="bfloat16", kv_cache_dtype="float16")
-    with pytest.raises(NotImplementedError, match="MLAttention"):
-        LLM(tiny_checkpoint("glm_moe_dsa").path, kv_cache_dtype="bfloat16")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(tiny_checkpoint("llama").path, kv_cache_dtype="int8")
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # torch stays out of the CLI's start-up, which reads this mod
 # safetensors in their stored dtype), activations in the model's norm dtype (fp32 for GGUF).
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The KV cache's dtype (vLLM's kv_cache_dtype): "auto" is the dtype the model computes in; an fp32
-# model's GQA cache may be bf16 or fp16 (llama.cpp keeps fp16 by default): half the bytes held
+# model's cache may be bf16 or fp16 (llama.cpp keeps fp16 by default): half the bytes held
 # and read per token of context.
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 

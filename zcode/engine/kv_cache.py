@@ -16,9 +16,9 @@ from zcode.layers.attention import Attention
 
 def resolve_kv_dtype(name: str, model: nn.Module) -> torch.dtype:
     """The dtype of the model's KV cache for EngineConfig.kv_cache_dtype `name`: the dtype the
-    model computes in ("auto"), or one narrower than an fp32 model's for its GQA layers (the
-    attention reads it widened exactly). ValueError for a cache wider than the activations;
-    NotImplementedError for layers whose caches stay in the model's dtype (MLA's latent)."""
+    model computes in ("auto"), or one narrower than an fp32 model's (GQA keys and values, MLA's
+    latent and DSA's index keys, each read widened exactly). ValueError for a cache wider than
+    the activations."""
     computes_in = model.model.norm.weight.dtype
     if name == "auto" or getattr(torch, name) == computes_in:
         return computes_in
@@ -26,16 +26,6 @@ def resolve_kv_dtype(name: str, model: nn.Module) -> torch.dtype:
         raise ValueError(
             f"kv_cache_dtype={name} for a model that computes in {computes_in}: only an fp32 "
             "model's KV cache may be narrower than its activations"
-        )
-    others = {
-        type(layer).__name__
-        for layer in model.attention_layers()
-        if layer.cache_spec() and type(layer) is not Attention
-    }
-    if others:
-        raise NotImplementedError(
-            f"kv_cache_dtype={name} for {', '.join(sorted(others))} layers: only GQA attention "
-            "reads a KV cache narrower than the activations so far"
         )
     return getattr(torch, name)
 

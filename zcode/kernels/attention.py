@@ -148,7 +148,7 @@ def mla_reference(
     num_heads = q.shape[1]
     kv_lora_rank = kv_b_proj.in_features
     nope_dim = kv_b_proj.out_features // num_heads - v_dim
-    latent = gather_cache(latent_cache, batch.context_slots)  # [B, L, R + rope]
+    latent = gather_cache(latent_cache, batch.context_slots).to(q.dtype)  # [B, L, R + rope]
     num_seqs, context_len = latent.shape[:2]
     k_pass, k_rot = latent.split([kv_lora_rank, latent.shape[-1] - kv_lora_rank], dim=-1)
     kv = kv_b_proj(k_pass).view(num_seqs, context_len, num_heads, -1)
@@ -173,7 +173,9 @@ def mla_shape_class(q, latent_cache, kv_b_proj, batch, v_dim, scale, keep) -> st
 def mla_cases() -> list:
     heads, nope, rope, v_dim, rank = 4, 16, 8, 16, 32
 
-    def case(query_lens, context_lens, with_keep: bool, dtype=torch.float32):
+    def case(query_lens, context_lens, with_keep: bool, dtype=torch.float32, kv_dtype=None):
+        kv_dtype = kv_dtype or dtype
+
         def make(generator: torch.Generator):
             batch, num_blocks = random_batch(query_lens, context_lens, generator)
             q = torch.randn(sum(query_lens), heads, nope + rope, generator=generator)
@@ -189,13 +191,18 @@ def mla_cases() -> list:
                 keep = torch.rand(shape, generator=generator) < 0.6
                 keep[..., 0] = True  # every query keeps its first token: no empty row
             scale = (nope + rope) ** -0.5
-            return q.to(dtype), cache.to(dtype), kv_b_proj, batch, v_dim, scale, keep
+            return q.to(dtype), cache.to(kv_dtype), kv_b_proj, batch, v_dim, scale, keep
 
-        keep_name = "-dsa" if with_keep else ""
-        return f"{_shape_name(query_lens, context_lens)}{keep_name}-{dtype}", make
+        name = f"{_shape_name(query_lens, context_lens)}{'-dsa' if with_keep else ''}-{dtype}"
+        return name + (f"-kv-{kv_dtype}" if kv_dtype != dtype else ""), make
 
     cases = [case(q, c, keep) for q, c in BATCH_SHAPES for keep in (False, True)]
-    return cases + [case([1, 1], [9, 9], True, torch.bfloat16)]
+    return cases + [
+        case([1, 1], [9, 9], True, torch.bfloat16),
+        # a latent cache narrower than the fp32 queries (EngineConfig.kv_cache_dtype)
+        case([4, 1, 2], [9, 5, 21], True, kv_dtype=torch.float16),
+        case([1, 1], [7, 7], False, kv_dtype=torch.bfloat16),
+    ]
 
 
 define_op("mla", mla_reference, mla_shape_class, mla_cases, _tolerance)
