@@ -22,11 +22,11 @@ measured anyway, on the same token ids for both:
   time and that first token's latency.
 
 ZCode's KV cache is fp32 (the dtype a GGUF model computes in) unless --kv-cache-dtype says
-otherwise; llama.cpp's is fp16 (its default): with `--kv-cache-dtype float16` both round each key
-and value to fp16, quality and speed included.
+otherwise; llama.cpp's is fp16 (its default). `--kv-cache-dtype auto float16` runs both ZCode
+caches in the same run, each with its quality.
 
     .venv/bin/python bench/bench_gguf.py [--repeats 3] [--quick] [--files smollm2-q4_1,...]
-        [--compile] [--kv-cache-dtype float16]
+        [--compile] [--kv-cache-dtype auto float16]
 """
 
 import argparse
@@ -277,17 +277,25 @@ def run_file(name: str, args) -> dict:
     facts = file_facts(path)
     print(f"\n{name}: {path} ({facts['file_bytes'] / 1e6:.0f} MB, types {facts['types']})")
     memory = {engine: child_memory(engine, path) for engine in ("zcode", "llama.cpp")}
-    kv = args.kv_cache_dtype
-    runners = {"zcode": ZCodeRunner("auto", model=path, kv_cache_dtype=kv)}
-    if args.compile:
-        runners["zcode-compiled"] = ZCodeRunner("auto", True, path, kv_cache_dtype=kv)
-    tokenizer = runners["zcode"].llm.tokenizer
-    result = {"path": str(path), **facts, "memory": memory}
+    runners, kv_of = {}, {}  # engine -> ZCode's KV cache dtype
+    for kv in args.kv_cache_dtype:
+        suffix = "" if kv == "auto" else f" kv {kv}"
+        runners["zcode" + suffix] = ZCodeRunner("auto", model=path, kv_cache_dtype=kv)
+        kv_of["zcode" + suffix] = kv
+        if args.compile:
+            runners["zcode-compiled" + suffix] = ZCodeRunner("auto", True, path, kv_cache_dtype=kv)
+            kv_of["zcode-compiled" + suffix] = kv
+    tokenizer = next(iter(runners.values())).llm.tokenizer
+    result = {"path": str(path), **facts, "memory": memory, "kv_cache_dtype": kv_of}
     # Perplexity needs every position's logits; timed with them, llama.cpp's prefill would also
     # run its output layer on all 512 prompt tokens (Gemma 3: ~170 GFLOP) where ZCode's runs
     # on the last: the timed runner computes what ZCode does.
     scorer = LlamaCppRunner(path, logits_all=True)
-    result["quality"] = quality(name, path, runners["zcode"].llm, scorer.llm)
+    result["quality"] = {
+        kv: quality(f"{name} (ZCode KV {kv})", path, runners[engine].llm, scorer.llm)
+        for engine, kv in kv_of.items()
+        if not engine.startswith("zcode-compiled")
+    }
     del scorer
     runners["llama.cpp"] = LlamaCppRunner(path)
     long_ids: list[int] = []
@@ -327,7 +335,7 @@ def print_tables(results: dict, bandwidth: float, prompt_len: int) -> None:
         for engine, s in r["speed"].items():
             key = "llama.cpp" if engine == "llama.cpp" else "zcode"
             mem = r["memory"].get(key, {})
-            q = r["quality"]
+            q = r["quality"][r["kv_cache_dtype"].get(engine, next(iter(r["quality"])))]
             gb = r["bytes_per_token"] / 1e9
             b1, ctx = s["decode_b1"]["median"], s["decode_ctx"]["median"]
             rows.append(
@@ -374,9 +382,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also ZCode's compiled decode")
     parser.add_argument(
         "--kv-cache-dtype",
+        nargs="+",
         choices=("auto", "float16", "bfloat16"),
-        default="auto",
-        help="ZCode's KV cache (llama.cpp's is fp16)",
+        default=["auto"],
+        help="ZCode's KV cache, one set of ZCode engines each (llama.cpp's is fp16)",
     )
     parser.add_argument("--output", type=Path, default=RESULTS_PATH)
     parser.add_argument("--child", nargs=2, metavar=("ENGINE", "PATH"), help=argparse.SUPPRESS)
@@ -394,7 +403,7 @@ def main() -> None:
     print(
         f"memory bandwidth (torch .sum of 1 GiB fp32, {NUM_THREADS} threads): "
         f"{bandwidth / 1e9:.1f} GB/s; load average {os.getloadavg()}; KV cache: ZCode "
-        f"{args.kv_cache_dtype} (auto: fp32), llama.cpp fp16"
+        f"{', '.join(args.kv_cache_dtype)} (auto: fp32), llama.cpp fp16"
     )
     results = {name: run_file(name, args) for name in names}
     bandwidth = max(bandwidth, measure_bandwidth(1 << 30, 5))
