@@ -21,11 +21,13 @@
 3. Latency (the hardware cost model): over a grid of (max_latency_ms, max_quality_loss) targets,
    the plan chosen, its predicted and measured batch-1 decode ms/token (min / median of
    --repeats runs, targets round-robin), and whether the fastest run is within 10% of the
-   latency target. Targets are spread over the candidates' predicted ms at the context the
-   requests are planned at. The planner checks a target at the latency feedback's scale (the
-   median measured over predicted ms of the latest requests, those of part 1 first; printed
-   beside each prediction; ZCODE_LATENCY_FEEDBACK=0: the cost model alone). Part 1's plans are
-   explicit, so their predictions are the cost model's own. Needs this machine's fitted cost
+   latency target. The planner checks a target at the latency feedback's scale (the median
+   measured over predicted ms of the latest requests, those of part 1 first; printed beside
+   each prediction; ZCODE_LATENCY_FEEDBACK=0: the cost model alone), and the targets are spread
+   over the candidates' predicted ms at the context the requests are planned at, times that
+   scale when the grid starts (at the fit's own scale, on a host slower than at the fit, the
+   tightest targets are below what any plan can do). Part 1's plans are explicit, so their
+   predictions are the cost model's own. Needs this machine's fitted cost
    model (`zcode hw --fit-cost`, or --fit-cost here).
 
 The sparsity artifact is read from --artifact or the cache (zcode calibrate), else calibrated
@@ -221,8 +223,12 @@ def latency_rows(
     run's measured ms/token is its report's (the median decode step's). A target is met when
     the fastest run is within 10% of it: the cost model predicts the idle machine (its fit
     takes best-of step times), and other processes only ever make a run slower. `candidates`:
-    predicted at the context the requests are planned at."""
-    ms = sorted(c.ms_per_token for c in candidates)
+    predicted at the context the requests are planned at. The targets are spread over those
+    predictions at the scale the planner checks them at when the grid starts (the latency
+    feedback's, from part 1's runs): at the fit's own scale, on a host slower than at the fit,
+    the tightest targets are below what any plan can do, and missing them measures the host."""
+    scale = llm.latency_feedback.scale() if llm.latency_feedback is not None else 1.0
+    ms = sorted(c.ms_per_token * scale for c in candidates)
     targets = [ms[round(q * (len(ms) - 1))] for q in LATENCY_QUANTILES]
     grid = [(target, budget) for target in targets for budget in QUALITY_BUDGETS_PCT]
     params = SamplingParams(max_tokens=DECODE_TOKENS, temperature=0, ignore_eos=True)
