@@ -62,6 +62,21 @@ def test_the_engine_holds_twice_the_tokens_and_compiled_steps_equal_eager(tiny_c
     assert compiled.engine.runner.num_graph_compiles > 0
 
 
+def test_head_pages_and_drafts_keep_the_block_caches_tokens(tiny_checkpoint):
+    """KV pages per head (per-request depth) and n-gram drafts verified over an fp16 cache: the
+    same rounding at the same places, so the block cache's greedy tokens."""
+    path = tiny_checkpoint("llama").path
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = prompt_ids()[:12] * 3  # repeats, so the n-gram lookup drafts
+    want = LLM(path, kv_cache_bytes=1 << 20, kv_cache_dtype="float16").generate([prompt], params)
+    paged = LLM(path, kv_cache_bytes=1 << 20, kv_cache_dtype="float16", per_request_depth=True)
+    assert paged.engine.runner.kv_cache.pages.dtype == torch.float16
+    drafted = LLM(path, kv_cache_bytes=1 << 20, kv_cache_dtype="float16", speculative="ngram")
+    for llm in (paged, drafted):
+        assert llm.generate([prompt], params)[0].token_ids == want[0].token_ids
+    assert drafted.engine.spec_totals["num_draft_tokens"] > 0
+
+
 def test_the_planner_and_cost_model_count_the_narrow_cache(tiny_checkpoint):
     from zcode.engine.kv_cache import cache_dtype
     from zcode.harness.planner import kv_bytes_per_head
