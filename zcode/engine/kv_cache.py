@@ -11,19 +11,20 @@ import math
 import torch
 from torch import nn
 
+from zcode.errors import ValidationError
 from zcode.layers.attention import Attention
 
 
 def resolve_kv_dtype(name: str, model: nn.Module) -> torch.dtype:
     """The dtype of the model's KV cache for EngineConfig.kv_cache_dtype `name`: the dtype the
     model computes in ("auto"), or one narrower than an fp32 model's (GQA keys and values, MLA's
-    latent and DSA's index keys, each read widened exactly). ValueError for a cache wider than
-    the activations."""
+    latent and DSA's index keys, each read widened exactly). ValidationError for a cache wider
+    than the activations."""
     computes_in = model.model.norm.weight.dtype
     if name == "auto" or getattr(torch, name) == computes_in:
         return computes_in
     if computes_in != torch.float32:
-        raise ValueError(
+        raise ValidationError(
             f"kv_cache_dtype={name} for a model that computes in {computes_in}: only an fp32 "
             "model's KV cache may be narrower than its activations"
         )
