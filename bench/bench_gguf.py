@@ -51,6 +51,8 @@ from bench_core import (
 )
 from table_format import print_rows
 
+from zcode.config import KV_CACHE_DTYPES
+
 RESULTS_PATH = Path(__file__).parent / "results" / "gguf.json"
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "zcode" / "bench"
 FILES = ("smollm2-q4_1", "smollm2-q4_0", "gemma3-q4_k_m")
@@ -383,7 +385,7 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype",
         nargs="+",
-        choices=("auto", "float16", "bfloat16"),
+        choices=KV_CACHE_DTYPES,
         default=["auto"],
         help="ZCode's KV cache, one set of ZCode engines each (llama.cpp's is fp16)",
     )

@@ -44,12 +44,11 @@ def training_files() -> list[Path]:
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     excluded = {stdlib / name for names in SPLITS.values() for name in names}
-    files = sorted(
+    return sorted(
         p
         for p in stdlib.rglob("*.py")
         if p not in excluded and not {"test", "tests", "site-packages", "idlelib"} & set(p.parts)
     )
-    return files
 
 
 def training_tokens(tokenizer, num_tokens: int) -> torch.Tensor:
