@@ -91,6 +91,10 @@ def attention_cases() -> list:
         case([1, 1], [600, 150], 8, 2, 128, torch.float32),
         case([4, 1], [300, 41], 6, 2, 64, torch.float32),
         case([1], [300], 4, 1, 256, torch.bfloat16),
+        # more query heads per KV head than the C++ kernel takes at once (4): GLM-4.5-Air's
+        # 12, and 7 (4 + 3)
+        case([2, 1], [150, 47], 24, 2, 128, torch.float32),
+        case([1, 1], [300, 130], 14, 2, 32, torch.float32, kv_dtype=torch.float16),
         # a window that masks whole chunks of a row's context
         case([3, 1], [600, 20], 4, 2, 64, torch.float32, window=100),
         # a KV cache narrower than the fp32 queries (EngineConfig.kv_cache_dtype)
