@@ -72,6 +72,7 @@ class ZCodeRunner:
         compile: bool = False,
         model: Path | None = None,
         kv_cache_dtype: str = "auto",
+        max_prompt_len: int = 2048,
     ) -> None:
         from zcode import LLM
 
@@ -82,6 +83,7 @@ class ZCodeRunner:
             enable_prefix_caching=False,
             compile=compile,
             kv_cache_dtype=kv_cache_dtype,
+            max_num_batched_tokens=max(2048, max_prompt_len),  # a prompt's prefill in one step
         )
         self.format = dtype + (" compiled decode" if compile else "")
         self.bytes_per_token = _param_bytes(self.llm.model)
@@ -165,7 +167,7 @@ class LlamaCppRunner:
     batch_mode = "sequential"
     format = "Q4_1 (file)"
 
-    def __init__(self, path: Path, logits_all: bool = False) -> None:
+    def __init__(self, path: Path, logits_all: bool = False, context_len: int = 2048) -> None:
         llama_cpp = _import_llama_cpp()
         # ggml's AMX kernels fault (ldtilecfg: general protection) in this machine kind's VM,
         # which advertises AMX; without extra buffer types ggml runs its plain CPU kernels,
@@ -182,7 +184,7 @@ class LlamaCppRunner:
         try:
             self.llm = llama_cpp.Llama(
                 model_path=str(path),
-                n_ctx=2048,
+                n_ctx=context_len,
                 n_batch=512,
                 n_threads=NUM_THREADS,
                 n_threads_batch=NUM_THREADS,

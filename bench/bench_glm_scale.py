@@ -6,7 +6,8 @@ MoE) at --params (default 1.3B; glm45-air: ~64 experts of which 8 routed + 1 sha
 each file type (bf16, Q4_0 by default) and thread count (1 and 2), both engines load the same
 file and run, round-robin within each repeat:
 
-- batch-1 decode: --new-tokens greedy tokens after a short prompt, tok/s;
+- batch-1 decode: --new-tokens greedy tokens after a short prompt (or after --decode-after
+  tokens of context), tok/s;
 - prefill: one --prompt-len-token prompt, tok/s;
 - --batches 4 16: ZCode's decode of that many sequences at once (distinct prompts), tok/s over
   all of them. llama-cpp-python's API holds one sequence (B sequences run one after another,
@@ -16,8 +17,9 @@ with --compile, ZCode's compiled decode as a third engine (its graphs compiled i
 
 reported as min / median over --repeats (>= 3 for figures), beside the decode tok/s `zcode info`'s
 fit planner predicts for that file type on this machine (its fitted cost model, else the
-read-bandwidth roofline; the column says which) and the measured / predicted ratio: for the
-eager engine at the thread count the cost model was fitted at (the hardware probe's).
+read-bandwidth roofline; the column says which) at the decode's mean context (its prompt and
+half its new tokens) and the measured / predicted ratio: for the eager engine at the thread count
+the cost model was fitted at (the hardware probe's).
 
     .venv/bin/python bench/bench_glm_scale.py [--shape glm5] [--params 1.3B] [--types bf16 q4_0] \
         [--threads 1 2] [--compile] [--batches 4 16]
@@ -115,22 +117,37 @@ def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], batc
 
 def run(args) -> dict:
     files = model_files(args.shape, args.params, args.vocab, args.types)
-    predicted, predictor, fit_threads, fit_gbps = predicted_tok_s(files["hf"], args.prompt_len)
-    results = {"shape": args.shape, "params": args.params, "predictor": predictor, "runs": []}
-    # The host's bandwidth moves: the prediction holds at the fit's, the runs see what is now.
-    results["fit_read_gbps"], results["read_gbps"] = fit_gbps, [read_bandwidth_gbps()]
+    results = {"shape": args.shape, "params": args.params, "runs": []}
+    results["read_gbps"] = [read_bandwidth_gbps()]
+    predicted = None
     for file_type in args.types:
         for threads in args.threads:
             torch.set_num_threads(threads)
             bench_core.NUM_THREADS = threads  # LlamaCppRunner reads it when constructed
-            runners = {"zcode": ZCodeRunner("auto", model=files[file_type])}
+            longest = max(args.prompt_len, args.decode_after)
+            runners = {"zcode": ZCodeRunner("auto", model=files[file_type], max_prompt_len=longest)}
             if args.compile:
-                runners["zcode compiled"] = ZCodeRunner("auto", True, files[file_type])
-            runners["llama.cpp"] = LlamaCppRunner(files[file_type])
+                runners["zcode compiled"] = ZCodeRunner(
+                    "auto", True, files[file_type], max_prompt_len=longest
+                )
+            context_len = max(2048, longest + args.new_tokens + 16)
+            runners["llama.cpp"] = LlamaCppRunner(files[file_type], context_len=context_len)
             tokenizer = runners["zcode"].llm.tokenizer
             ids = tokenizer.encode(SHORT_PROMPT * 200, add_special_tokens=False)
+            while len(ids) < longest:
+                ids += ids
             long_prompt = ids[: args.prompt_len]
             short_prompt = tokenizer.encode(SHORT_PROMPT, add_special_tokens=False)
+            if args.decode_after:
+                short_prompt = ids[: args.decode_after]
+            if predicted is None:  # at the decode's mean context
+                mean_context = len(short_prompt) + args.new_tokens // 2
+                predicted, predictor, fit_threads, fit_gbps = predicted_tok_s(
+                    files["hf"], mean_context
+                )
+                # The host's bandwidth moves: the prediction holds at the fit's, the runs see
+                # what is now.
+                results |= {"predictor": predictor, "fit_read_gbps": fit_gbps}
             batches = {
                 b: [
                     tokenizer.encode(f"{i}. {SHORT_PROMPTS[i % len(SHORT_PROMPTS)]}")
@@ -200,6 +217,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="*", default=[], help="ZCode decode batches")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument(
+        "--decode-after",
+        type=int,
+        default=0,
+        help="decode after that many tokens of the long prompt (default: a short prompt)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS_PATH, help="results JSON")
     args = parser.parse_args()
     results = run(args)
