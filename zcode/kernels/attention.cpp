@@ -161,6 +161,23 @@ struct Partial {
   float* acc;  // [H, D]
 };
 
+// Query heads sharing a KV head are scored and summed this many at a time: their accumulators
+// stay in registers (NH x 2 for the scores, NH x up to 6 vectors for the values).
+constexpr int64_t HEAD_GROUP = 4;
+
+// fn(std::integral_constant<int, NH>{}) for the next group of the `left` heads of a KV head,
+// NH = min(HEAD_GROUP, left): the group's size as a compile-time count.
+template <typename Fn>
+void head_group(int64_t left, const Fn& fn) {
+  static_assert(HEAD_GROUP == 4, "one case per group size");
+  switch (std::min(HEAD_GROUP, left)) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    default: return fn(std::integral_constant<int, 4>{});
+  }
+}
+
 // rows[i] <- column i of the 16 x 16 matrix whose rows were rows[0..15].
 inline void transpose16(__m512 (&r)[16]) {
   __m512 t[16];
@@ -258,7 +275,8 @@ void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const b
   for (int64_t i0 = 0; i0 < n; i0 += 16) {
     const int64_t m = std::min<int64_t>(16, n - i0);
     __mmask16 live = 0;  // positions of the block with a key to read
-    for (int64_t j = 0; j < m; ++j) live |= static_cast<__mmask16>(!allowed || allowed[l0 + i0 + j]) << j;
+    for (int64_t j = 0; j < m; ++j)
+      live |= static_cast<__mmask16>(!allowed || allowed[l0 + i0 + j]) << j;
     const T* key_rows[16];  // a masked position's keys are not read: zeros instead
     for (int j = 0; j < 16; ++j)
       key_rows[j] = live >> j & 1 ? cache + slots[l0 + i0 + j] * slot_stride : zero_keys;
@@ -269,18 +287,11 @@ void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const b
         transpose16(rows);
         for (int d = 0; d < 16; ++d) _mm512_store_ps(keys_t + (16 * v + d) * 16, rows[d]);
       }
-      for (int64_t h = kvh * G; h < (kvh + 1) * G; h += 4) {
-        const auto group = [&](auto heads) {
+      for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HEAD_GROUP)
+        head_group((kvh + 1) * G - h, [&](auto heads) {
           block_scores<decltype(heads)::value, D>(qf + h * D, keys_t, scale, live, m,
                                                    scores + h * CHUNK + i0);
-        };
-        switch (std::min<int64_t>(4, (kvh + 1) * G - h)) {
-          case 1: group(std::integral_constant<int, 1>{}); break;
-          case 2: group(std::integral_constant<int, 2>{}); break;
-          case 3: group(std::integral_constant<int, 3>{}); break;
-          default: group(std::integral_constant<int, 4>{}); break;
-        }
-      }
+        });
     }
   }
   for (int64_t h = 0; h < H; ++h) {
@@ -303,24 +314,16 @@ void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const b
     }
     part.total[h] = _mm512_reduce_add_ps(total);
   }
-  // acc[h] = sum_i p[h][i] v_i, in groups of up to 4 query heads of a KV head: each value
-  // vector is loaded once per group, not once per head (GLM-4.5's 12 query heads per KV head
-  // re-read a chunk's values, 128 KB, from L2 12 times).
-  for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-    for (int64_t h = kvh * G; h < (kvh + 1) * G; h += 4) {
-      const int64_t value_offset = (KVH + kvh) * D;
-      const auto group = [&](auto heads) {
+  // acc[h] = sum_i p[h][i] v_i, a group of query heads at a time: each value vector is loaded
+  // once per group, not once per head (GLM-4.5's 12 query heads per KV head re-read a chunk's
+  // values, 128 KB, from L2 12 times).
+  for (int64_t kvh = 0; kvh < KVH; ++kvh)
+    for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HEAD_GROUP)
+      head_group((kvh + 1) * G - h, [&](auto heads) {
         accumulate_values<decltype(heads)::value, VECS>(scores + h * CHUNK, cache, slots + l0, n,
-                                                        slot_stride, value_offset, part.acc + h * D);
-      };
-      switch (std::min<int64_t>(4, (kvh + 1) * G - h)) {
-        case 1: group(std::integral_constant<int, 1>{}); break;
-        case 2: group(std::integral_constant<int, 2>{}); break;
-        case 3: group(std::integral_constant<int, 3>{}); break;
-        default: group(std::integral_constant<int, 4>{}); break;
-      }
-    }
-  }
+                                                        slot_stride, (KVH + kvh) * D,
+                                                        part.acc + h * D);
+      });
 }
 
 template <int VECS, typename T, typename TQ>
