@@ -83,7 +83,7 @@ def predicted_tok_s(hf_dir: Path, context_len: int) -> tuple[dict[str, float], s
     return predicted, fit.predictor, hardware.num_threads, fit_gbps
 
 
-def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], batches, args) -> dict:
+def measure(runners: dict, long_prompt: list[int], decode_prompt: list[int], batches, args) -> dict:
     """{engine: {kind: min, median, samples}}, kinds prefill, decode and decode bB (ZCode);
     batches: {B: B prompts}."""
     kinds = {name: ["prefill", "decode"] for name in runners}
@@ -101,7 +101,7 @@ def measure(runners: dict, long_prompt: list[int], short_prompt: list[int], batc
         for name, runner in runners.items():
             t = runner.run([long_prompt], 1)
             samples[name]["prefill"].append(len(long_prompt) / t.ttft_s)
-            t = runner.run([short_prompt], args.new_tokens)
+            t = runner.run([decode_prompt], args.new_tokens)
             samples[name]["decode"].append((args.new_tokens - 1) / t.decode_s)
             for b, prompts in batches.items() if name.startswith("zcode") else ():
                 t = runner.run(prompts, args.new_tokens)
@@ -137,11 +137,13 @@ def run(args) -> dict:
             while len(ids) < longest:
                 ids += ids
             long_prompt = ids[: args.prompt_len]
-            short_prompt = tokenizer.encode(SHORT_PROMPT, add_special_tokens=False)
-            if args.decode_after:
-                short_prompt = ids[: args.decode_after]
+            decode_prompt = (
+                ids[: args.decode_after]
+                if args.decode_after
+                else tokenizer.encode(SHORT_PROMPT, add_special_tokens=False)
+            )
             if predicted is None:  # at the decode's mean context
-                mean_context = len(short_prompt) + args.new_tokens // 2
+                mean_context = len(decode_prompt) + args.new_tokens // 2
                 predicted, predictor, fit_threads, fit_gbps = predicted_tok_s(
                     files["hf"], mean_context
                 )
@@ -156,7 +158,7 @@ def run(args) -> dict:
                 for b in args.batches
             }
             print(f"\n{file_type}, {threads} thread(s)")
-            speed = measure(runners, long_prompt, short_prompt, batches, args)
+            speed = measure(runners, long_prompt, decode_prompt, batches, args)
             results["runs"].append(
                 {"file_type": file_type, "threads": threads, "speed": speed,
                  "predicted_decode_tok_s": predicted[file_type] if threads == fit_threads
