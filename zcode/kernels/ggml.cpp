@@ -2037,6 +2037,186 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
   return out;
 }
 
+// ---- Decoder blocks at decode: a layer's attention half and its MLP half, each one call ----
+//
+// At a decode step the model's ops between the GEMVs are a few hundred floats each; run one
+// PyTorch op at a time (eager) their dispatch costs several times their arithmetic (SmolLM2,
+// eager: 14.6 ms a step against 4.6 compiled). These two ops run a pre-norm residual half whole:
+//   attention: x + o(attn(rope(qkv(rms_norm(x))))), the new keys and values written to the cache;
+//   MLP:       x + down(silu(gate(rms_norm(x))) * up(rms_norm(x))).
+// Same math as zcode.layers (DecoderLayer, Attention, GatedMLP, RMSNorm, apply_rotary) in fp32,
+// each product and sum rounded where PyTorch's eager ops round it (no fused multiply-adds: this
+// file is built with -ffp-contract=off); the RMS sums its squares in another order.
+
+namespace {
+
+// out[t] = x[t] * (1 / sqrt(mean(x[t]^2) + eps)) * w, rows of D.
+void rms_norm_rows(const float* x, const float* w, int64_t T, int64_t D, double eps, float* out) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = x + t * D;
+    constexpr int64_t W = 16;  // independent lanes: a single float chain does not vectorize
+    float lanes[W] = {};
+    int64_t d = 0;
+    for (; d + W <= D; d += W)
+      for (int64_t j = 0; j < W; ++j) lanes[j] += row[d + j] * row[d + j];
+    float sum = 0.f;
+    for (; d < D; ++d) sum += row[d] * row[d];
+    for (int64_t j = 0; j < W; ++j) sum += lanes[j];
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
+    for (d = 0; d < D; ++d) out[t * D + d] = row[d] * inv * w[d];
+  }
+}
+
+// RoPE on the first 2 * R features of each of `heads` heads of D at x (row stride D), in place,
+// with cos/sin [R] of the token's position: NeoX halves, or adjacent pairs written de-interleaved
+// ([rotated evens | rotated odds], as zcode.layers.rotary.apply_rotary).
+void rotate_heads(float* x, int64_t heads, int64_t D, const float* cos, const float* sin,
+                  int64_t R, bool interleaved, float* scratch) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* head = x + h * D;
+    for (int64_t i = 0; i < R; ++i) {
+      const float x1 = interleaved ? head[2 * i] : head[i];
+      const float x2 = interleaved ? head[2 * i + 1] : head[R + i];
+      const float a = x1 * cos[i], b = x2 * sin[i], c = x2 * cos[i], e = x1 * sin[i];
+      scratch[i] = a - b;
+      scratch[R + i] = c + e;
+    }
+    std::copy(scratch, scratch + 2 * R, head);
+  }
+}
+
+template <typename T>
+void store_as(const float* src, int64_t n, T* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+// The decode attention kernel (attention.cpp, a separate extension) through the dispatcher.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                     const torch::Tensor& context_slots,
+                                     const std::optional<torch::Tensor>& mask, double scale) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("zcode::paged_decode_attention", "")
+          .typed<torch::Tensor(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                               const std::optional<torch::Tensor>&, double)>();
+  return op.call(q, kv_cache, context_slots, mask, scale);
+}
+
+void check_block_input(const torch::Tensor& x, const torch::Tensor& norm_weight, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), what,
+              ": x must be contiguous fp32 [T, hidden]");
+  TORCH_CHECK(norm_weight.scalar_type() == at::kFloat && norm_weight.is_contiguous() &&
+                  norm_weight.numel() == x.size(1),
+              what, ": norm weight must be fp32 [hidden]");
+}
+
+// x [T, K] times ws (checked) -> [T, sum N] fp32.
+torch::Tensor gemv(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
+                   at::IntArrayRef types, const char* what) {
+  int64_t N = 0;
+  for (size_t s = 0; s < ws.size(); ++s) {
+    check_rows(ws[s], types[s], x.size(1), what);
+    N += ws[s].size(0);
+  }
+  auto out = torch::empty({x.size(0), N}, x.options());
+  gemv_into(x.data_ptr<float>(), x.size(0), x.size(1), ws, types, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor ggml_attention_block(const torch::Tensor& x, const torch::Tensor& cos,
+                                   const torch::Tensor& sin, const torch::Tensor& kv_cache,
+                                   const torch::Tensor& slot_mapping,
+                                   const torch::Tensor& context_slots,
+                                   const std::optional<torch::Tensor>& mask,
+                                   const torch::Tensor& norm_weight, double eps,
+                                   const std::vector<torch::Tensor>& qkv, at::IntArrayRef qkv_types,
+                                   const std::optional<torch::Tensor>& qkv_bias, bool interleaved,
+                                   int64_t num_heads, int64_t num_kv_heads, double scale,
+                                   const torch::Tensor& o, int64_t o_type) {
+  // x: [T, hidden] fp32, one decode token per sequence (row t is sequence t); cos, sin: [T, R]
+  // (RoPE on 2R features of a head); kv_cache: [blocks, block_size, 2, KVH, D] fp32, bf16 or
+  // fp16; slot_mapping: int64 [T]; context_slots: int64 [T, L]; mask: bool [T or 1, 1, 1, L] or
+  // None; qkv: the q, k and v weights (ggml rows, types qkv_types), qkv_bias [(H + 2 KVH) D] or
+  // None; o: [hidden, H D] of type o_type -> x + o(attention) [T, hidden] fp32
+  const char* what = "ggml_attention_block";
+  check_block_input(x, norm_weight, what);
+  TORCH_CHECK(qkv.size() == qkv_types.size() && !qkv.empty(), what, ": one type per q/k/v weight");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(2) == 2 && kv_cache.size(3) == num_kv_heads &&
+                  kv_cache.is_contiguous(),
+              what, ": kv_cache must be contiguous [blocks, block_size, 2, KVH, D]");
+  const int64_t T = x.size(0), hidden = x.size(1), D = kv_cache.size(4);
+  const int64_t H = num_heads, KVH = num_kv_heads, R = cos.size(-1);
+  const int64_t width = (H + 2 * KVH) * D;
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == T && 2 * R <= D &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              what, ": cos and sin must be fp32 [T, R] with 2R <= head dim");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T &&
+                  slot_mapping.scalar_type() == at::kLong && context_slots.size(0) == T,
+              what, ": one slot and one context row per token");
+  TORCH_CHECK(!qkv_bias.has_value() ||
+                  (qkv_bias->numel() == width && qkv_bias->scalar_type() == at::kFloat),
+              what, ": qkv_bias must be fp32 [(H + 2 KVH) D]");
+  const auto normed = torch::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), norm_weight.data_ptr<float>(), T, hidden, eps,
+                normed.data_ptr<float>());
+  auto projected = gemv(normed, qkv, qkv_types, what);  // [T, (H + 2 KVH) D]
+  TORCH_CHECK(projected.size(1) == width, what, ": q/k/v weights give ", projected.size(1),
+              " features, expected ", width);
+  if (qkv_bias.has_value()) projected.add_(qkv_bias->view({1, width}));
+  const auto cos_c = cos.contiguous(), sin_c = sin.contiguous();
+  const auto slots = slot_mapping.contiguous();
+  std::vector<float> scratch(2 * R);
+  const int64_t slot_floats = 2 * KVH * D;
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = projected.data_ptr<float>() + t * width;
+    const float* c = cos_c.data_ptr<float>() + t * R;
+    const float* s = sin_c.data_ptr<float>() + t * R;
+    rotate_heads(row, H, D, c, s, R, interleaved, scratch.data());  // q
+    rotate_heads(row + H * D, KVH, D, c, s, R, interleaved, scratch.data());  // k
+    // keys then values of every KV head: the cache slot's layout [2, KVH, D]
+    const int64_t offset = slots.data_ptr<int64_t>()[t] * slot_floats;
+    const float* kv = row + H * D;
+    switch (kv_cache.scalar_type()) {
+      case at::kFloat: store_as(kv, slot_floats, kv_cache.data_ptr<float>() + offset); break;
+      case at::kBFloat16: store_as(kv, slot_floats, kv_cache.data_ptr<at::BFloat16>() + offset); break;
+      case at::kHalf: store_as(kv, slot_floats, kv_cache.data_ptr<at::Half>() + offset); break;
+      default: TORCH_CHECK(false, what, ": kv_cache must be fp32, bf16 or fp16");
+    }
+  }
+  const auto q = projected.narrow(1, 0, H * D).reshape({T, H, D});
+  std::optional<torch::Tensor> rows_mask;
+  if (mask.has_value()) rows_mask = mask->expand({T, 1, 1, context_slots.size(1)});
+  const auto attended = paged_decode_attention(q, kv_cache, context_slots, rows_mask, scale);
+  auto out = gemv(attended.reshape({T, H * D}), {o}, {o_type}, what);  // [T, hidden]
+  TORCH_CHECK(out.size(1) == hidden, what, ": o gives ", out.size(1), " features, hidden is ", hidden);
+  return out.add_(x);
+}
+
+torch::Tensor ggml_mlp_block(const torch::Tensor& x, const torch::Tensor& norm_weight, double eps,
+                             const std::vector<torch::Tensor>& gate_up, at::IntArrayRef gate_up_types,
+                             const torch::Tensor& down, int64_t down_type) {
+  // x: [T, hidden] fp32; gate_up: the gate and up weights [I, hidden] (ggml rows), down
+  // [hidden, I] -> x + down(silu(gate(n)) * up(n)), n = rms_norm(x): [T, hidden] fp32
+  const char* what = "ggml_mlp_block";
+  check_block_input(x, norm_weight, what);
+  TORCH_CHECK(gate_up.size() == 2 && gate_up_types.size() == 2, what, ": a gate and an up weight");
+  TORCH_CHECK(gate_up[0].size(0) == gate_up[1].size(0), what, ": gate and up of one width");
+  const int64_t T = x.size(0), hidden = x.size(1), I = gate_up[0].size(0);
+  const auto normed = torch::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), norm_weight.data_ptr<float>(), T, hidden, eps,
+                normed.data_ptr<float>());
+  const auto h = gemv(normed, gate_up, gate_up_types, what);  // [T, 2 I]: gate | up
+  auto act = torch::empty({T, I}, x.options());
+  for (int64_t t = 0; t < T; ++t)
+    silu_mul(h.data_ptr<float>() + t * 2 * I, h.data_ptr<float>() + t * 2 * I + I, I,
+             act.data_ptr<float>() + t * I);
+  auto out = gemv(act, {down}, {down_type}, what);
+  TORCH_CHECK(out.size(1) == hidden, what, ": down gives ", out.size(1), " features, hidden is ", hidden);
+  return out.add_(x);
+}
+
 torch::Tensor ggml_interleave(const torch::Tensor& data, int64_t ggml_type, int64_t in_features,
                               bool inverse) {
   // data: uint8 [N, row_bytes] of a quantized type (N a multiple of 16), the file's order
@@ -2081,6 +2261,12 @@ TORCH_LIBRARY_FRAGMENT(zcode, m) {
   m.def("ggml_interleave(Tensor data, int ggml_type, int in_features, bool inverse=False) "
         "-> Tensor");
   m.def("ggml_interleaved_kernels() -> bool");
+  m.def("ggml_attention_block(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
+        "Tensor slot_mapping, Tensor context_slots, Tensor? mask, Tensor norm_weight, float eps, "
+        "Tensor[] qkv, int[] qkv_types, Tensor? qkv_bias, bool interleaved, int num_heads, "
+        "int num_kv_heads, float scale, Tensor o, int o_type) -> Tensor");
+  m.def("ggml_mlp_block(Tensor x, Tensor norm_weight, float eps, Tensor[] gate_up, "
+        "int[] gate_up_types, Tensor down, int down_type) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zcode, CPU, m) {
@@ -2088,6 +2274,8 @@ TORCH_LIBRARY_IMPL(zcode, CPU, m) {
   m.impl("ggml_moe", &ggml_moe);
   m.impl("ggml_dequantize", &ggml_dequantize);
   m.impl("ggml_interleave", &ggml_interleave);
+  m.impl("ggml_attention_block", &ggml_attention_block);
+  m.impl("ggml_mlp_block", &ggml_mlp_block);
 }
 
 TORCH_LIBRARY_IMPL(zcode, CatchAll, m) { m.impl("ggml_interleaved_kernels", &ggml_interleaved_kernels); }

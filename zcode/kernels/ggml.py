@@ -66,6 +66,14 @@ def _register_fakes() -> None:
     def _(x, weights, expert_ids, gate, up, down, gate_types, up_types, down_types, num_routed):
         return x.new_empty(x.shape, dtype=torch.float32)
 
+    @torch.library.register_fake("zcode::ggml_attention_block")
+    def _(x, cos, sin, kv_cache, slot_mapping, context_slots, mask, *weights):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("zcode::ggml_mlp_block")
+    def _(x, *weights):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("zcode::ggml_dequantize")
     def _(data, ggml_type, in_features, row_ids=None):
         num_rows = data.shape[0] if row_ids is None else row_ids.shape[0]

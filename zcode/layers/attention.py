@@ -10,7 +10,7 @@ from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import apply_rotary
 
 
-def _paged_attention():
+def paged_attention_kernel():
     """zcode.kernels.paged_attention, imported on first use (zcode.kernels imports this module)."""
     from zcode.kernels import paged_attention
 
@@ -167,7 +167,7 @@ class Attention(nn.Module):
             batch.paging.pending.append((batch.slot_mapping, kv_new))
         else:
             write_cache(self.cache["kv"], kv_new, batch.slot_mapping)
-            kernel, cache = _paged_attention(), self.cache["kv"]
+            kernel, cache = paged_attention_kernel(), self.cache["kv"]
             # Decode or verifying rows, eager or compiled: the context read in place. (Inductor's
             # loops over the gathered context below cost more in a compiled step: SmolLM2 Q4_0
             # decode 262 -> 295 tok/s, same tokens.)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from zcode.forward_batch import ForwardBatch
+from zcode.layers import decode_blocks
 from zcode.layers.linear import Linear
 from zcode.layers.norm import RMSNorm
 
@@ -23,8 +24,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # Each half one C++ call at a GGUF model's decode step, else module by module.
+        attn, attn_norm = self.self_attn, self.input_layernorm
+        if (h := decode_blocks.attention_residual(attn, attn_norm, x, batch, rope)) is None:
+            h = x + attn(attn_norm(x), batch, rope)
+        mlp, mlp_norm = self.mlp, self.post_attention_layernorm
+        if (out := decode_blocks.mlp_residual(mlp, mlp_norm, h)) is None:
+            out = h + mlp(mlp_norm(h))
+        return out
 
 
 class Backbone(nn.Module):

@@ -1,0 +1,236 @@
+"""A decoder layer's halves as one C++ call each at a GGUF model's decode step
+(zcode/layers/decode_blocks.py) against the modules they replace: the modules are the oracle
+(themselves held to transformers and llama.cpp by test_parity and test_gguf_loader).
+
+F32 and F16 weights multiply fp32 activations, so the two paths differ only in the order of a
+few float sums (tight tolerance); the quantized types quantize the normed activations to int8
+per block, where an ulp of difference may move a code by one (a looser one, still far below
+what a wrong rotation, slot, bias or norm gives).
+"""
+
+import copy
+import types
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from test_graph_cache import NUM_NEW, _generate, _prompts
+
+from zcode.config import EngineConfig
+from zcode.engine.llm_engine import LLMEngine
+from zcode.forward_batch import ForwardBatch
+from zcode.layers import decode_blocks
+from zcode.layers.attention import Attention
+from zcode.layers.mlp import GatedMLP
+from zcode.layers.norm import RMSNorm
+from zcode.layers.rotary import RotaryEmbedding
+from zcode.quant.gguf import GgufWeight, ggml_available, interleaving_pays
+from zcode.quant.linear import QuantizedLinear
+
+pytestmark = pytest.mark.skipif(not ggml_available(), reason="the GGUF kernels do not build here")
+
+# widths of 256 multiples: the K-quants' blocks
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 256, 8, 2, 32, 512
+BLOCK_SIZE = 16
+# max |fused - modules| / max |modules|
+TOLERANCE = {Q.F32: 1e-5, Q.F16: 1e-5, Q.Q8_0: 2e-3, Q.Q4_0: 2e-3, Q.Q4_K: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+def _gguf(linear: torch.nn.Linear, ggml_type: int, seed: int) -> QuantizedLinear:
+    g = torch.Generator().manual_seed(seed)
+    packed = GgufWeight.random(ggml_type, linear.out_features, linear.in_features, g)
+    if interleaving_pays(ggml_type, linear.out_features):
+        packed = packed.interleaved_copy()
+    return QuantizedLinear(packed, linear.bias, "gguf")
+
+
+def _attention(ggml_type: int, bias: bool = False, interleaved: bool = False, window=None):
+    attn = Attention(
+        HIDDEN,
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        interleaved_rope=interleaved,
+        qkv_bias=bias,
+        sliding_window=window,
+    )
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj", "o_proj")):
+        linear = getattr(attn, name)
+        if linear.bias is not None:
+            torch.nn.init.normal_(linear.bias, std=0.5)
+        setattr(attn, name, _gguf(linear, ggml_type, seed=i))
+    return attn
+
+
+def _norm() -> RMSNorm:
+    norm = RMSNorm(HIDDEN, 1e-5)
+    torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    return norm
+
+
+def _rope(rotary_dim: int) -> RotaryEmbedding:
+    return RotaryEmbedding(types.SimpleNamespace(rope_theta=10000.0), rotary_dim)
+
+
+def _decode_batch(context_lens: list[int]) -> ForwardBatch:
+    """One new token per sequence after context_lens[b] - 1 cached positions, blocks
+    interleaved across sequences (slots not in sequence order)."""
+    tables = [[b + len(context_lens) * i for i in range(4)] for b in range(len(context_lens))]
+    return ForwardBatch.build([1] * len(context_lens), context_lens, tables, BLOCK_SIZE)
+
+
+def _both(attn: Attention, norm: RMSNorm, x, batch, rope, cache: torch.Tensor):
+    """(modules' output, their cache), (fused output, its cache) from the same cache."""
+    attn.cache["kv"] = cache.clone()
+    want = x + attn(norm(x), batch, rope)
+    want_cache = attn.cache["kv"]
+    attn.cache["kv"] = cache.clone()
+    got = decode_blocks.attention_residual(attn, norm, x, batch, rope)
+    assert got is not None, "the half did not take the op"
+    return (want, want_cache), (got, attn.cache["kv"])
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
+    error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert error <= tolerance, f"max error {error:.2e} of the largest output, over {tolerance}"
+
+
+CASES = [  # ggml type, qkv bias, interleaved rope, rotary dim, cache dtype, window
+    (Q.F32, False, False, HEAD_DIM, torch.float32, None),
+    (Q.F16, True, True, HEAD_DIM // 2, torch.float32, None),
+    (Q.F32, False, False, HEAD_DIM // 2, torch.float16, 5),
+    (Q.Q8_0, True, False, HEAD_DIM, torch.bfloat16, None),
+    (Q.Q4_0, False, True, HEAD_DIM, torch.float32, None),
+    (Q.Q4_K, False, False, HEAD_DIM, torch.float32, None),
+]
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "bias", "interleaved", "rotary_dim", "cache_dtype", "window"), CASES
+)
+def test_attention_half_matches_the_modules(
+    ggml_type, bias, interleaved, rotary_dim, cache_dtype, window
+):
+    torch.manual_seed(0)
+    attn = _attention(ggml_type, bias, interleaved, window)
+    norm, batch = _norm(), _decode_batch([9, 23, 1])
+    x = torch.randn(3, HIDDEN) * 2
+    rope = _rope(rotary_dim)(batch.positions)
+    cache = (torch.randn(12, BLOCK_SIZE, 2, KV_HEADS, HEAD_DIM) * 0.5).to(cache_dtype)
+    (want, want_cache), (got, got_cache) = _both(attn, norm, x, batch, rope, cache)
+    _close(got, want, TOLERANCE[ggml_type])
+    written = batch.slot_mapping
+    flat = got_cache.view(-1, 2, KV_HEADS, HEAD_DIM)
+    _close(flat[written], want_cache.view_as(flat)[written], TOLERANCE[ggml_type])
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(flat[untouched], cache.view_as(flat)[untouched])
+
+
+@pytest.mark.parametrize("ggml_type", [Q.F32, Q.Q8_0, Q.Q4_0, Q.Q4_K])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_mlp_half_matches_the_modules(ggml_type, rows):
+    torch.manual_seed(1)
+    mlp = GatedMLP(HIDDEN, INTERMEDIATE)
+    for i, name in enumerate(("gate_proj", "up_proj", "down_proj")):
+        setattr(mlp, name, _gguf(getattr(mlp, name), ggml_type, seed=10 + i))
+    norm, x = _norm(), torch.randn(rows, HIDDEN) * 2
+    got = decode_blocks.mlp_residual(mlp, norm, x)
+    assert got is not None, "the half did not take the op"
+    _close(got, x + mlp(norm(x)), TOLERANCE[ggml_type])
+
+
+def test_what_the_op_does_not_cover_runs_the_modules():
+    attn, norm, batch = _attention(Q.F32), _norm(), _decode_batch([4, 7])
+    attn.cache["kv"] = torch.zeros(12, BLOCK_SIZE, 2, KV_HEADS, HEAD_DIM)
+    x, rope = torch.randn(2, HIDDEN), _rope(HEAD_DIM)(batch.positions)
+    assert decode_blocks.attention_residual(attn, norm, x, batch, rope) is not None
+    # a prefill (several tokens of one sequence), bf16 activations
+    prefill = ForwardBatch.build([3], [3], [[0]], BLOCK_SIZE)
+    prefill_rope = _rope(HEAD_DIM)(prefill.positions)
+    x3 = torch.randn(3, HIDDEN)
+    assert decode_blocks.attention_residual(attn, norm, x3, prefill, prefill_rope) is None
+    assert decode_blocks.attention_residual(attn, norm, x.bfloat16(), batch, rope) is None
+    # a hook (calibration's) sees its module's call
+    handle = attn.o_proj.register_forward_hook(lambda *args: None)
+    assert decode_blocks.attention_residual(attn, norm, x, batch, rope) is None
+    handle.remove()
+    assert decode_blocks.attention_residual(attn, norm, x, batch, rope) is not None
+    # the reference kernel asked for, a module swapped for a float one
+    attn.v_proj.kernel = "reference"
+    assert decode_blocks.attention_residual(attn, norm, x, batch, rope) is None
+    attn.v_proj.kernel = "fast"
+    attn.k_proj = torch.nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
+    assert decode_blocks.attention_residual(attn, norm, x, batch, rope) is None
+
+
+def _as_gguf_f32(net: torch.nn.Module) -> torch.nn.Module:
+    """net's attention and MLP linears as GGUF F32 rows (its own weights): what a converted F32
+    file loads as; the activations are not quantized, so both paths agree to float rounding."""
+    for layer in net.model.layers:
+        for half in (layer.self_attn, layer.mlp):
+            for name, linear in list(half.named_children()):
+                if isinstance(linear, torch.nn.Linear):
+                    rows = linear.weight.detach().float().contiguous().view(torch.uint8)
+                    packed = GgufWeight(rows, Q.F32, linear.in_features)
+                    setattr(half, name, QuantizedLinear(packed, linear.bias, "gguf"))
+    return net
+
+
+def _run(net, fused: bool, compile: bool = False):
+    """Greedy tokens and the logits rows of every step (test_graph_cache's _generate), with the
+    halves' ops or the modules; calls of the ops counted."""
+    calls = {"attention": 0, "mlp": 0}
+    attention_residual, mlp_residual = decode_blocks.attention_residual, decode_blocks.mlp_residual
+
+    def counted(name, fn):
+        def run(*args):
+            out = fn(*args) if fused else None
+            calls[name] += out is not None
+            return out
+
+        return run
+
+    decode_blocks.attention_residual = counted("attention", attention_residual)
+    decode_blocks.mlp_residual = counted("mlp", mlp_residual)
+    try:
+        config = EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, compile=compile)
+        tokens, logits = _generate(LLMEngine(net, None, config), _prompts())
+    finally:
+        decode_blocks.attention_residual, decode_blocks.mlp_residual = (
+            attention_residual,
+            mlp_residual,
+        )
+    return tokens, logits, calls
+
+
+def _assert_same_run(got, want) -> None:
+    assert got[0] == want[0]
+    for step_want, step_got in zip(want[1], got[1], strict=True):
+        for a, b in zip(step_want, step_got, strict=True):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
+
+
+def test_an_engine_decodes_as_with_the_modules(tiny_model):
+    net = _as_gguf_f32(copy.deepcopy(tiny_model("llama")[0]))
+    modules = _run(net, fused=False)
+    fused = _run(net, fused=True)
+    layers = len(net.model.layers)
+    # every decode step (the prompts' 3 sequences, then fewer) ran each layer's halves as ops
+    assert (
+        fused[2]["attention"] >= layers * (NUM_NEW - 1) and fused[2]["mlp"] >= fused[2]["attention"]
+    )
+    assert modules[2] == {"attention": 0, "mlp": 0}
+    _assert_same_run(fused, modules)
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_decodes_as_an_eager_one(tiny_model):
+    net = _as_gguf_f32(copy.deepcopy(tiny_model("llama")[0]))
+    _assert_same_run(_run(net, fused=True, compile=True), _run(net, fused=True))
