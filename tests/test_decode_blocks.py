@@ -50,7 +50,9 @@ def _gguf(linear: torch.nn.Linear, ggml_type: int, seed: int) -> QuantizedLinear
     return QuantizedLinear(packed, linear.bias, "gguf")
 
 
-def _attention(ggml_type: int, bias: bool = False, interleaved: bool = False, window=None):
+def _attention(
+    ggml_type: int, bias: bool = False, interleaved: bool = False, window=None, qk_norm=False
+):
     attn = Attention(
         HIDDEN,
         HEADS,
@@ -58,8 +60,12 @@ def _attention(ggml_type: int, bias: bool = False, interleaved: bool = False, wi
         HEAD_DIM,
         interleaved_rope=interleaved,
         qkv_bias=bias,
+        qk_norm_eps=1e-6 if qk_norm else None,
         sliding_window=window,
     )
+    if qk_norm:
+        for norm in (attn.q_norm, attn.k_norm):
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
     for i, name in enumerate(("q_proj", "k_proj", "v_proj", "o_proj")):
         linear = getattr(attn, name)
         if linear.bias is not None:
@@ -68,8 +74,8 @@ def _attention(ggml_type: int, bias: bool = False, interleaved: bool = False, wi
     return attn
 
 
-def _norm() -> RMSNorm:
-    norm = RMSNorm(HIDDEN, 1e-5)
+def _norm(eps: float = 1e-5) -> RMSNorm:
+    norm = RMSNorm(HIDDEN, eps)
     torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
     return norm
 
@@ -85,13 +91,14 @@ def _decode_batch(context_lens: list[int]) -> ForwardBatch:
     return ForwardBatch.build([1] * len(context_lens), context_lens, tables, BLOCK_SIZE)
 
 
-def _both(attn: Attention, norm: RMSNorm, x, batch, rope, cache: torch.Tensor):
+def _both(attn: Attention, norm: RMSNorm, x, batch, rope, cache: torch.Tensor, post_norm=None):
     """(modules' output, their cache), (fused output, its cache) from the same cache."""
     attn.cache["kv"] = cache.clone()
-    want = x + attn(norm(x), batch, rope)
+    out = attn(norm(x), batch, rope)
+    want = x + (out if post_norm is None else post_norm(out))
     want_cache = attn.cache["kv"]
     attn.cache["kv"] = cache.clone()
-    got = decode_blocks.attention_residual(attn, norm, x, batch, rope)
+    got = decode_blocks.attention_residual(attn, norm, x, batch, rope, post_norm)
     assert got is not None, "the half did not take the op"
     return (want, want_cache), (got, attn.cache["kv"])
 
@@ -101,29 +108,31 @@ def _close(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> None:
     assert error <= tolerance, f"max error {error:.2e} of the largest output, over {tolerance}"
 
 
-CASES = [  # ggml type, qkv bias, interleaved rope, rotary dim, cache dtype, window
-    (Q.F32, False, False, HEAD_DIM, torch.float32, None),
-    (Q.F16, True, True, HEAD_DIM // 2, torch.float32, None),
-    (Q.F32, False, False, HEAD_DIM // 2, torch.float16, 5),
-    (Q.Q8_0, True, False, HEAD_DIM, torch.bfloat16, None),
-    (Q.Q4_0, False, True, HEAD_DIM, torch.float32, None),
-    (Q.Q4_K, False, False, HEAD_DIM, torch.float32, None),
+CASES = [  # ggml type, qkv bias, interleaved rope, rotary dim, cache dtype, window, norms
+    (Q.F32, False, False, HEAD_DIM, torch.float32, None, ""),
+    (Q.F16, True, True, HEAD_DIM // 2, torch.float32, None, "post"),  # GLM-4
+    (Q.F32, False, False, HEAD_DIM // 2, torch.float16, 5, "qk"),
+    (Q.F32, True, False, HEAD_DIM // 2, torch.float32, None, "qk+post"),
+    (Q.Q8_0, True, False, HEAD_DIM, torch.bfloat16, None, ""),
+    (Q.Q4_0, False, True, HEAD_DIM, torch.float32, None, "qk"),
+    (Q.Q4_K, False, False, HEAD_DIM, torch.float32, None, ""),
 ]
 
 
 @pytest.mark.parametrize(
-    ("ggml_type", "bias", "interleaved", "rotary_dim", "cache_dtype", "window"), CASES
+    ("ggml_type", "bias", "interleaved", "rotary_dim", "cache_dtype", "window", "norms"), CASES
 )
 def test_attention_half_matches_the_modules(
-    ggml_type, bias, interleaved, rotary_dim, cache_dtype, window
+    ggml_type, bias, interleaved, rotary_dim, cache_dtype, window, norms
 ):
     torch.manual_seed(0)
-    attn = _attention(ggml_type, bias, interleaved, window)
+    attn = _attention(ggml_type, bias, interleaved, window, qk_norm="qk" in norms)
     norm, batch = _norm(), _decode_batch([9, 23, 1])
+    post_norm = _norm() if "post" in norms else None
     x = torch.randn(3, HIDDEN) * 2
     rope = _rope(rotary_dim)(batch.positions)
     cache = (torch.randn(12, BLOCK_SIZE, 2, KV_HEADS, HEAD_DIM) * 0.5).to(cache_dtype)
-    (want, want_cache), (got, got_cache) = _both(attn, norm, x, batch, rope, cache)
+    (want, want_cache), (got, got_cache) = _both(attn, norm, x, batch, rope, cache, post_norm)
     _close(got, want, TOLERANCE[ggml_type])
     written = batch.slot_mapping
     flat = got_cache.view(-1, 2, KV_HEADS, HEAD_DIM)
@@ -135,15 +144,18 @@ def test_attention_half_matches_the_modules(
 
 @pytest.mark.parametrize("ggml_type", [Q.F32, Q.Q8_0, Q.Q4_0, Q.Q4_K])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_mlp_half_matches_the_modules(ggml_type, rows):
+@pytest.mark.parametrize("post", [False, True])
+def test_mlp_half_matches_the_modules(ggml_type, rows, post):
     torch.manual_seed(1)
     mlp = GatedMLP(HIDDEN, INTERMEDIATE)
     for i, name in enumerate(("gate_proj", "up_proj", "down_proj")):
         setattr(mlp, name, _gguf(getattr(mlp, name), ggml_type, seed=10 + i))
     norm, x = _norm(), torch.randn(rows, HIDDEN) * 2
-    got = decode_blocks.mlp_residual(mlp, norm, x)
+    post_norm = _norm() if post else None
+    got = decode_blocks.mlp_residual(mlp, norm, x, post_norm)
     assert got is not None, "the half did not take the op"
-    _close(got, x + mlp(norm(x)), TOLERANCE[ggml_type])
+    out = mlp(norm(x))
+    _close(got, x + (out if post_norm is None else post_norm(out)), TOLERANCE[ggml_type])
 
 
 def test_what_the_op_does_not_cover_runs_the_modules():
@@ -162,6 +174,8 @@ def test_what_the_op_does_not_cover_runs_the_modules():
     assert decode_blocks.attention_residual(attn, norm, x, batch, rope) is None
     handle.remove()
     assert decode_blocks.attention_residual(attn, norm, x, batch, rope) is not None
+    # a post-norm of another eps than the input norm's (the op takes one)
+    assert decode_blocks.attention_residual(attn, norm, x, batch, rope, _norm(1e-6)) is None
     # the reference kernel asked for, a module swapped for a float one
     attn.v_proj.kernel = "reference"
     assert decode_blocks.attention_residual(attn, norm, x, batch, rope) is None
@@ -217,15 +231,17 @@ def _assert_same_run(got, want) -> None:
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
 
 
-def test_an_engine_decodes_as_with_the_modules(tiny_model):
-    net = _as_gguf_f32(copy.deepcopy(tiny_model("llama")[0]))
+@pytest.mark.parametrize("name", ["llama", "glm4", "glm4_moe_qknorm"])
+def test_an_engine_decodes_as_with_the_modules(tiny_model, name):
+    net = _as_gguf_f32(copy.deepcopy(tiny_model(name)[0]))
     modules = _run(net, fused=False)
     fused = _run(net, fused=True)
     layers = len(net.model.layers)
+    dense = sum(type(layer.mlp) is GatedMLP for layer in net.model.layers)
     # every decode step (the prompts' 3 sequences, then fewer) ran each layer's halves as ops
-    assert (
-        fused[2]["attention"] >= layers * (NUM_NEW - 1) and fused[2]["mlp"] >= fused[2]["attention"]
-    )
+    # (the MLP's also on a short prompt's rows: it reads no batch)
+    assert fused[2]["attention"] >= layers * (NUM_NEW - 1)
+    assert fused[2]["mlp"] >= dense * (NUM_NEW - 1)
     assert modules[2] == {"attention": 0, "mlp": 0}
     _assert_same_run(fused, modules)
 

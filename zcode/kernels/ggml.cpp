@@ -2043,7 +2043,9 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
 // PyTorch op at a time (eager) their dispatch costs several times their arithmetic (SmolLM2,
 // eager: 14.6 ms a step against 4.6 compiled). These two ops run a pre-norm residual half whole:
 //   attention: x + o(attn(rope(qkv(rms_norm(x))))), the new keys and values written to the cache;
-//   MLP:       x + down(silu(gate(rms_norm(x))) * up(rms_norm(x))).
+//   MLP:       x + down(silu(gate(rms_norm(x))) * up(rms_norm(x))),
+// with, where given, an RMSNorm of q and of k per head before RoPE (QK-norm) and of the half's
+// output before the residual add (GLM-4's sandwich norms, same eps as the input's).
 // Same math as zcode.layers (DecoderLayer, Attention, GatedMLP, RMSNorm, apply_rotary) in fp32,
 // each product and sum rounded where PyTorch's eager ops round it (no fused multiply-adds: this
 // file is built with -ffp-contract=off); the RMS sums its squares in another order.
@@ -2110,6 +2112,22 @@ void check_block_input(const torch::Tensor& x, const torch::Tensor& norm_weight,
               what, ": norm weight must be fp32 [hidden]");
 }
 
+void check_post_norm(const std::optional<torch::Tensor>& post_norm, int64_t hidden, const char* what) {
+  TORCH_CHECK(!post_norm.has_value() ||
+                  (post_norm->numel() == hidden && post_norm->scalar_type() == at::kFloat &&
+                   post_norm->is_contiguous()),
+              what, ": post_norm must be contiguous fp32 [hidden]");
+}
+
+// x + post_norm(out) (or x + out), in out: [T, hidden].
+torch::Tensor add_residual(torch::Tensor& out, const torch::Tensor& x,
+                           const std::optional<torch::Tensor>& post_norm, double eps) {
+  if (post_norm.has_value())
+    rms_norm_rows(out.data_ptr<float>(), post_norm->data_ptr<float>(), out.size(0), out.size(1),
+                  eps, out.data_ptr<float>());
+  return out.add_(x);
+}
+
 // x [T, K] times ws (checked) -> [T, sum N] fp32.
 torch::Tensor gemv(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
                    at::IntArrayRef types, const char* what) {
@@ -2132,14 +2150,18 @@ torch::Tensor ggml_attention_block(const torch::Tensor& x, const torch::Tensor& 
                                    const std::optional<torch::Tensor>& mask,
                                    const torch::Tensor& norm_weight, double eps,
                                    const std::vector<torch::Tensor>& qkv, at::IntArrayRef qkv_types,
-                                   const std::optional<torch::Tensor>& qkv_bias, bool interleaved,
-                                   int64_t num_heads, int64_t num_kv_heads, double scale,
-                                   const torch::Tensor& o, int64_t o_type) {
+                                   const std::optional<torch::Tensor>& qkv_bias,
+                                   const std::optional<torch::Tensor>& q_norm,
+                                   const std::optional<torch::Tensor>& k_norm, double qk_eps,
+                                   bool interleaved, int64_t num_heads, int64_t num_kv_heads,
+                                   double scale, const torch::Tensor& o, int64_t o_type,
+                                   const std::optional<torch::Tensor>& post_norm) {
   // x: [T, hidden] fp32, one decode token per sequence (row t is sequence t); cos, sin: [T, R]
   // (RoPE on 2R features of a head); kv_cache: [blocks, block_size, 2, KVH, D] fp32, bf16 or
   // fp16; slot_mapping: int64 [T]; context_slots: int64 [T, L]; mask: bool [T or 1, 1, 1, L] or
   // None; qkv: the q, k and v weights (ggml rows, types qkv_types), qkv_bias [(H + 2 KVH) D] or
-  // None; o: [hidden, H D] of type o_type -> x + o(attention) [T, hidden] fp32
+  // None; q_norm, k_norm: [D] fp32 or None; o: [hidden, H D] of type o_type; post_norm: [hidden]
+  // fp32 or None -> x + post_norm(o(attention)) [T, hidden] fp32
   const char* what = "ggml_attention_block";
   check_block_input(x, norm_weight, what);
   TORCH_CHECK(qkv.size() == qkv_types.size() && !qkv.empty(), what, ": one type per q/k/v weight");
@@ -2158,6 +2180,12 @@ torch::Tensor ggml_attention_block(const torch::Tensor& x, const torch::Tensor& 
   TORCH_CHECK(!qkv_bias.has_value() ||
                   (qkv_bias->numel() == width && qkv_bias->scalar_type() == at::kFloat),
               what, ": qkv_bias must be fp32 [(H + 2 KVH) D]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), what, ": QK-norm needs both weights");
+  for (const auto* w : {&q_norm, &k_norm})
+    TORCH_CHECK(!w->has_value() || ((*w)->numel() == D && (*w)->scalar_type() == at::kFloat &&
+                                    (*w)->is_contiguous()),
+                what, ": q_norm and k_norm must be contiguous fp32 [head dim]");
+  check_post_norm(post_norm, hidden, what);
   const auto normed = torch::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_weight.data_ptr<float>(), T, hidden, eps,
                 normed.data_ptr<float>());
@@ -2173,6 +2201,10 @@ torch::Tensor ggml_attention_block(const torch::Tensor& x, const torch::Tensor& 
     float* row = projected.data_ptr<float>() + t * width;
     const float* c = cos_c.data_ptr<float>() + t * R;
     const float* s = sin_c.data_ptr<float>() + t * R;
+    if (q_norm.has_value()) {  // each head's D features, in place
+      rms_norm_rows(row, q_norm->data_ptr<float>(), H, D, qk_eps, row);
+      rms_norm_rows(row + H * D, k_norm->data_ptr<float>(), KVH, D, qk_eps, row + H * D);
+    }
     rotate_heads(row, H, D, c, s, R, interleaved, scratch.data());  // q
     rotate_heads(row + H * D, KVH, D, c, s, R, interleaved, scratch.data());  // k
     // keys then values of every KV head: the cache slot's layout [2, KVH, D]
@@ -2191,16 +2223,19 @@ torch::Tensor ggml_attention_block(const torch::Tensor& x, const torch::Tensor& 
   const auto attended = paged_decode_attention(q, kv_cache, context_slots, rows_mask, scale);
   auto out = gemv(attended.reshape({T, H * D}), {o}, {o_type}, what);  // [T, hidden]
   TORCH_CHECK(out.size(1) == hidden, what, ": o gives ", out.size(1), " features, hidden is ", hidden);
-  return out.add_(x);
+  return add_residual(out, x, post_norm, eps);
 }
 
 torch::Tensor ggml_mlp_block(const torch::Tensor& x, const torch::Tensor& norm_weight, double eps,
                              const std::vector<torch::Tensor>& gate_up, at::IntArrayRef gate_up_types,
-                             const torch::Tensor& down, int64_t down_type) {
+                             const torch::Tensor& down, int64_t down_type,
+                             const std::optional<torch::Tensor>& post_norm) {
   // x: [T, hidden] fp32; gate_up: the gate and up weights [I, hidden] (ggml rows), down
-  // [hidden, I] -> x + down(silu(gate(n)) * up(n)), n = rms_norm(x): [T, hidden] fp32
+  // [hidden, I]; post_norm: [hidden] fp32 or None
+  // -> x + post_norm(down(silu(gate(n)) * up(n))), n = rms_norm(x): [T, hidden] fp32
   const char* what = "ggml_mlp_block";
   check_block_input(x, norm_weight, what);
+  check_post_norm(post_norm, x.size(1), what);
   TORCH_CHECK(gate_up.size() == 2 && gate_up_types.size() == 2, what, ": a gate and an up weight");
   TORCH_CHECK(gate_up[0].size(0) == gate_up[1].size(0), what, ": gate and up of one width");
   const int64_t T = x.size(0), hidden = x.size(1), I = gate_up[0].size(0);
@@ -2214,7 +2249,7 @@ torch::Tensor ggml_mlp_block(const torch::Tensor& x, const torch::Tensor& norm_w
              act.data_ptr<float>() + t * I);
   auto out = gemv(act, {down}, {down_type}, what);
   TORCH_CHECK(out.size(1) == hidden, what, ": down gives ", out.size(1), " features, hidden is ", hidden);
-  return out.add_(x);
+  return add_residual(out, x, post_norm, eps);
 }
 
 torch::Tensor ggml_interleave(const torch::Tensor& data, int64_t ggml_type, int64_t in_features,
@@ -2263,10 +2298,11 @@ TORCH_LIBRARY_FRAGMENT(zcode, m) {
   m.def("ggml_interleaved_kernels() -> bool");
   m.def("ggml_attention_block(Tensor x, Tensor cos, Tensor sin, Tensor(a!) kv_cache, "
         "Tensor slot_mapping, Tensor context_slots, Tensor? mask, Tensor norm_weight, float eps, "
-        "Tensor[] qkv, int[] qkv_types, Tensor? qkv_bias, bool interleaved, int num_heads, "
-        "int num_kv_heads, float scale, Tensor o, int o_type) -> Tensor");
+        "Tensor[] qkv, int[] qkv_types, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
+        "float qk_eps, bool interleaved, int num_heads, int num_kv_heads, float scale, Tensor o, "
+        "int o_type, Tensor? post_norm) -> Tensor");
   m.def("ggml_mlp_block(Tensor x, Tensor norm_weight, float eps, Tensor[] gate_up, "
-        "int[] gate_up_types, Tensor down, int down_type) -> Tensor");
+        "int[] gate_up_types, Tensor down, int down_type, Tensor? post_norm) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zcode, CPU, m) {

@@ -1,13 +1,14 @@
 """A decoder layer's attention half and MLP half at a decode step, each as one C++ call.
 
-Where every module of a half runs GGUF weights on their C++ kernels, the half's norm, GEMVs,
-RoPE, cache write, attention, SiLU and residual add run inside zcode.kernels.ggml's
-`ggml_attention_block` / `ggml_mlp_block` (same math as the modules, in fp32). Between a decode
-step's GEMVs the model's ops are a few hundred floats each, and one PyTorch op at a time their
-dispatch cost several times their arithmetic: SmolLM2's Q4_0 file decoded eagerly in 14.6 ms a
-step against 4.6 compiled. Anything else runs the modules: other weight formats, activations not
-fp32, prefill and verifying steps, per-request depth (head pages, skipped heads), QK-norm, module
-hooks (calibration's), plans that swap a module (FFN sparsity levels).
+Where every module of a half runs GGUF weights on their C++ kernels, the half's norms (input,
+QK-norm, GLM-4's post-norms), GEMVs, RoPE, cache write, attention, SiLU and residual add run
+inside zcode.kernels.ggml's `ggml_attention_block` / `ggml_mlp_block` (same math as the modules,
+in fp32). Between a decode step's GEMVs the model's ops are a few hundred floats each, and one
+PyTorch op at a time their dispatch cost several times their arithmetic: SmolLM2's Q4_0 file
+decoded eagerly in 15.3 ms a step against 4.6 compiled (7.4 with these ops). Anything else runs
+the modules: other weight formats, activations not fp32, prefill and verifying steps (the
+attention half), per-request depth (head pages, skipped heads), module hooks (calibration's),
+plans that swap a module (FFN sparsity levels), MoE layers' expert half (one C++ call already).
 
 `attention_residual` and `mlp_residual` return None where the half does not qualify; the caller
 then runs its modules. What a half's modules hold (weights, kernel choice, hooks) is checked once
@@ -34,9 +35,15 @@ MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 
 
 def attention_residual(
-    attn: nn.Module, norm: nn.Module, x: torch.Tensor, batch: ForwardBatch, rope
+    attn: nn.Module,
+    norm: nn.Module,
+    x: torch.Tensor,
+    batch: ForwardBatch,
+    rope,
+    post_norm: nn.Module | None = None,
 ) -> torch.Tensor | None:
-    """x + attn(norm(x)) [T, hidden] in one call, or None (see the module docstring)."""
+    """x + post_norm(attn(norm(x))) [T, hidden] in one call (no post_norm: x + attn(norm(x))),
+    or None (see the module docstring)."""
     if not (
         type(attn) is Attention
         and _decode_rows(x, batch)
@@ -45,7 +52,9 @@ def attention_residual(
     ):
         return None
     cache = attn.cache["kv"]
-    kept = _weights(attn, norm, ATTENTION_LINEARS, _attention_weights, cache)
+    qk_norms = (attn._modules.get("q_norm"), attn._modules.get("k_norm"))
+    norms = (norm, post_norm, *qk_norms)
+    kept = _weights(attn, norms, ATTENTION_LINEARS, _attention_weights, cache)
     if kept is None or x.shape[0] > kept[1]:
         return None
     mask = (
@@ -56,24 +65,28 @@ def attention_residual(
     )
 
 
-def mlp_residual(mlp: nn.Module, norm: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """x + mlp(norm(x)) [T, hidden] in one call, or None (see the module docstring)."""
+def mlp_residual(
+    mlp: nn.Module, norm: nn.Module, x: torch.Tensor, post_norm: nn.Module | None = None
+) -> torch.Tensor | None:
+    """x + post_norm(mlp(norm(x))) [T, hidden] in one call (no post_norm: x + mlp(norm(x))), or
+    None (see the module docstring)."""
     if not (type(mlp) is GatedMLP and _fp32_rows(x)):
         return None
-    kept = _weights(mlp, norm, MLP_LINEARS, _mlp_weights)
+    kept = _weights(mlp, (norm, post_norm), MLP_LINEARS, _mlp_weights)
     if kept is None or x.shape[0] > kept[1]:
         return None
     return torch.ops.zcode.ggml_mlp_block(x, *kept[0])
 
 
-def _attention_weights(attn: nn.Module, norm: nn.Module, linears, cache: torch.Tensor):
-    biases = [m.bias for m in linears[:3]]
+def _attention_weights(attn: nn.Module, norms: tuple, linears, cache: torch.Tensor):
+    norm, post_norm, q_norm, k_norm = norms
     query = torch.empty(0, attn.num_heads, attn.head_dim)  # fp32, as _decode_rows
-    if not paged_attention_kernel().supports(query, cache):
+    if not paged_attention_kernel().supports(query, cache) or linears[3].bias is not None:
         return None
-    if hasattr(attn, "q_norm") or linears[3].bias is not None:
-        return None
+    biases = [m.bias for m in linears[:3]]
     if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+    if (q_norm is None) != (k_norm is None) or (q_norm and q_norm.eps != k_norm.eps):
         return None
     qkv = [m.packed for m in linears[:3]]
     return (
@@ -82,16 +95,21 @@ def _attention_weights(attn: nn.Module, norm: nn.Module, linears, cache: torch.T
         [w.data for w in qkv],
         [w.kernel_type for w in qkv],
         None if biases[0] is None else torch.cat(biases).float(),
+        None if q_norm is None else q_norm.weight,
+        None if k_norm is None else k_norm.weight,
+        0.0 if q_norm is None else q_norm.eps,
         attn.interleaved_rope,
         attn.num_heads,
         attn.num_kv_heads,
         attn.scale,
         linears[3].packed.data,
         linears[3].packed.kernel_type,
+        None if post_norm is None else post_norm.weight,
     )
 
 
-def _mlp_weights(mlp: nn.Module, norm: nn.Module, linears) -> tuple | None:
+def _mlp_weights(mlp: nn.Module, norms: tuple, linears) -> tuple | None:
+    norm, post_norm = norms
     if any(m.bias is not None for m in linears):
         return None
     gate, up, down = (m.packed for m in linears)
@@ -102,6 +120,7 @@ def _mlp_weights(mlp: nn.Module, norm: nn.Module, linears) -> tuple | None:
         [gate.kernel_type, up.kernel_type],
         down.data,
         down.kernel_type,
+        None if post_norm is None else post_norm.weight,
     )
 
 
@@ -109,18 +128,19 @@ def _mlp_weights(mlp: nn.Module, norm: nn.Module, linears) -> tuple | None:
 _KEPT: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()
 
 
-def _weights(half: nn.Module, norm: nn.Module, names: tuple[str, ...], build: Callable, *extra):
+def _weights(half: nn.Module, norms: tuple, names: tuple[str, ...], build: Callable, *extra):
     """(the half's op arguments after the per-step ones, the rows its GEMVs take), or None where
     its modules do not qualify; rebuilt when one of the objects they come from was replaced, a
-    kernel choice changed or a hook was added. `extra`: further arguments of `build`, kept by
+    kernel choice changed or a hook was added. `norms`: the half's RMSNorms, the input's first
+    (None where the half has no such norm); `extra`: further arguments of `build`, kept by
     identity too (the KV cache, which a new engine replaces)."""
     linears = tuple(half._modules.get(name) for name in names)
     if torch.compiler.is_compiling():
-        return _build(half, norm, linears, build, extra)
-    sources = (*_sources(half, norm, linears), *extra)
+        return _build(half, norms, linears, build, extra)
+    sources = (*_sources(half, norms, linears), *extra)
     kept = _KEPT.get(half)
     if kept is None or len(kept[0]) != len(sources) or any(map(_differs, kept[0], sources)):
-        kept = _KEPT[half] = (sources, _build(half, norm, linears, build, extra))
+        kept = _KEPT[half] = (sources, _build(half, norms, linears, build, extra))
     return kept[1]
 
 
@@ -128,28 +148,28 @@ def _differs(a: object, b: object) -> bool:
     return a is not b
 
 
-def _sources(half: nn.Module, norm: nn.Module, linears) -> tuple:
+def _sources(half: nn.Module, norms: tuple, linears) -> tuple:
     """Every object a half's op arguments are read from, and its hooks (identities)."""
-    modules = (half, norm, *linears)
+    norms = tuple(n for n in norms if n is not None)
+    modules = (half, *norms, *linears)
     packed = tuple(getattr(m, "_modules", {}).get("packed") for m in linears)
     kernels = tuple(getattr(m, "_kernel", None) for m in linears)
     hooks = tuple(h for m in modules for h in (m._forward_hooks, m._forward_pre_hooks) if h)
-    return (*modules, *packed, *kernels, *hooks, norm._parameters.get("weight"))
+    weights = tuple(n._parameters.get("weight") for n in norms)
+    return (*modules, *packed, *kernels, *hooks, *weights)
 
 
-def _differs(a: object, b: object) -> bool:
-    return a is not b
-
-
-def _build(half: nn.Module, norm: nn.Module, linears, build: Callable, extra) -> tuple | None:
+def _build(half: nn.Module, norms: tuple, linears, build: Callable, extra) -> tuple | None:
+    present = [n for n in norms if n is not None]
     if not (
-        _plain_norm(norm)
+        all(map(_plain_norm, present))
+        and (norms[1] is None or norms[1].eps == norms[0].eps)  # the ops take one eps for both
         and all(_fast_gguf(m) for m in linears)
         and ggml_available()
-        and not any(m._forward_hooks or m._forward_pre_hooks for m in (half, norm, *linears))
+        and not any(m._forward_hooks or m._forward_pre_hooks for m in (half, *present, *linears))
     ):
         return None
-    args = build(half, norm, linears, *extra)
+    args = build(half, norms, linears, *extra)
     return None if args is None else (args, min(m.packed.gemv_max_rows for m in linears))
 
 

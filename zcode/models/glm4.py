@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from zcode.forward_batch import ForwardBatch
+from zcode.layers import decode_blocks
 from zcode.layers.attention import Attention, head_dim_of
 from zcode.layers.mlp import GatedMLP
 from zcode.layers.norm import RMSNorm
@@ -28,8 +29,19 @@ class Glm4DecoderLayer(nn.Module):
         self.post_mlp_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
-        x = x + self.post_self_attn_layernorm(self.self_attn(self.input_layernorm(x), batch, rope))
-        return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x)))
+        # Each half one C++ call at a GGUF model's decode step, else module by module.
+        attn, attn_norm, attn_post = (
+            self.self_attn,
+            self.input_layernorm,
+            self.post_self_attn_layernorm,
+        )
+        h = decode_blocks.attention_residual(attn, attn_norm, x, batch, rope, attn_post)
+        if h is None:
+            h = x + attn_post(attn(attn_norm(x), batch, rope))
+        mlp, mlp_norm, mlp_post = self.mlp, self.post_attention_layernorm, self.post_mlp_layernorm
+        if (out := decode_blocks.mlp_residual(mlp, mlp_norm, h, mlp_post)) is None:
+            out = h + mlp_post(mlp(mlp_norm(h)))
+        return out
 
 
 class Glm4ForCausalLM(CausalLM):
