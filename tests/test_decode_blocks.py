@@ -15,6 +15,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from test_graph_cache import NUM_NEW, _generate, _prompts
+from transformers import Glm4MoeConfig
 
 from zcode.config import EngineConfig
 from zcode.engine.llm_engine import LLMEngine
@@ -22,6 +23,7 @@ from zcode.forward_batch import ForwardBatch
 from zcode.layers import decode_blocks
 from zcode.layers.attention import Attention
 from zcode.layers.mlp import GatedMLP
+from zcode.layers.moe import MoE
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import RotaryEmbedding
 from zcode.quant.gguf import GgufWeight, ggml_available, interleaving_pays
@@ -158,6 +160,36 @@ def test_mlp_half_matches_the_modules(ggml_type, rows, post):
     _close(got, x + (out if post_norm is None else post_norm(out)), TOLERANCE[ggml_type])
 
 
+@pytest.mark.parametrize("ggml_type", [Q.F32, Q.Q4_0])
+@pytest.mark.parametrize(("groups", "kept", "normalize"), [(1, 1, True), (4, 2, False)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_moe_half_routes_and_runs_as_the_modules(ggml_type, groups, kept, normalize, rows):
+    torch.manual_seed(2)
+    config = Glm4MoeConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=64,
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_shared_experts=1,
+        n_group=groups,
+        topk_group=kept,
+        norm_topk_prob=normalize,
+        routed_scaling_factor=2.5,
+    )
+    moe = MoE(config)
+    torch.nn.init.normal_(moe.gate.weight, std=HIDDEN**-0.5)
+    moe.gate.e_score_correction_bias.normal_(std=0.3)
+    for i, mlp in enumerate((*moe.experts, moe.shared_experts)):
+        for j, name in enumerate(("gate_proj", "up_proj", "down_proj")):
+            setattr(mlp, name, _gguf(getattr(mlp, name), ggml_type, seed=100 + 3 * i + j))
+    norm, x = _norm(), torch.randn(rows, HIDDEN) * 2
+    got = decode_blocks.mlp_residual(moe, norm, x)
+    assert got is not None, "the half did not take the op"
+    _close(got, x + moe(norm(x)), TOLERANCE[ggml_type])
+    moe.experts_per_token = 2  # a plan's expert limit: the modules'
+    assert decode_blocks.mlp_residual(moe, norm, x) is None
+
+
 def test_what_the_op_does_not_cover_runs_the_modules():
     attn, norm, batch = _attention(Q.F32), _norm(), _decode_batch([4, 7])
     attn.cache["kv"] = torch.zeros(12, BLOCK_SIZE, 2, KV_HEADS, HEAD_DIM)
@@ -185,22 +217,24 @@ def test_what_the_op_does_not_cover_runs_the_modules():
 
 
 def _as_gguf_f32(net: torch.nn.Module) -> torch.nn.Module:
-    """net's attention and MLP linears as GGUF F32 rows (its own weights): what a converted F32
-    file loads as; the activations are not quantized, so both paths agree to float rounding."""
+    """net's attention, MLP and expert linears as GGUF F32 rows (its own weights): what a
+    converted F32 file loads as; the activations are not quantized, so both paths agree to float
+    rounding."""
     for layer in net.model.layers:
         for half in (layer.self_attn, layer.mlp):
-            for name, linear in list(half.named_children()):
-                if isinstance(linear, torch.nn.Linear):
-                    rows = linear.weight.detach().float().contiguous().view(torch.uint8)
-                    packed = GgufWeight(rows, Q.F32, linear.in_features)
-                    setattr(half, name, QuantizedLinear(packed, linear.bias, "gguf"))
+            for module in list(half.modules()):
+                for name, linear in list(module.named_children()):
+                    if isinstance(linear, torch.nn.Linear):
+                        rows = linear.weight.detach().float().contiguous().view(torch.uint8)
+                        packed = GgufWeight(rows, Q.F32, linear.in_features)
+                        setattr(module, name, QuantizedLinear(packed, linear.bias, "gguf"))
     return net
 
 
 def _run(net, fused: bool, compile: bool = False):
     """Greedy tokens and the logits rows of every step (test_graph_cache's _generate), with the
     halves' ops or the modules; calls of the ops counted."""
-    calls = {"attention": 0, "mlp": 0}
+    calls = {"attention": 0, "mlp": 0}  # the MLP's and MoE's
     attention_residual, mlp_residual = decode_blocks.attention_residual, decode_blocks.mlp_residual
 
     def counted(name, fn):
@@ -237,11 +271,10 @@ def test_an_engine_decodes_as_with_the_modules(tiny_model, name):
     modules = _run(net, fused=False)
     fused = _run(net, fused=True)
     layers = len(net.model.layers)
-    dense = sum(type(layer.mlp) is GatedMLP for layer in net.model.layers)
     # every decode step (the prompts' 3 sequences, then fewer) ran each layer's halves as ops
-    # (the MLP's also on a short prompt's rows: it reads no batch)
+    # (the MLP's and MoE's also on a prompt's rows: they read no batch)
     assert fused[2]["attention"] >= layers * (NUM_NEW - 1)
-    assert fused[2]["mlp"] >= dense * (NUM_NEW - 1)
+    assert fused[2]["mlp"] >= layers * (NUM_NEW - 1)
     assert modules[2] == {"attention": 0, "mlp": 0}
     _assert_same_run(fused, modules)
 

@@ -2252,6 +2252,83 @@ torch::Tensor ggml_mlp_block(const torch::Tensor& x, const torch::Tensor& norm_w
   return add_residual(out, x, post_norm, eps);
 }
 
+torch::Tensor ggml_moe_block(const torch::Tensor& x, const torch::Tensor& norm_weight, double eps,
+                             const torch::Tensor& router, const torch::Tensor& correction_bias,
+                             int64_t top_k, int64_t num_groups, int64_t topk_groups,
+                             bool norm_topk_prob, double scaling,
+                             const std::vector<torch::Tensor>& gate,
+                             const std::vector<torch::Tensor>& up,
+                             const std::vector<torch::Tensor>& down, at::IntArrayRef gate_types,
+                             at::IntArrayRef up_types, at::IntArrayRef down_types,
+                             int64_t num_routed) {
+  // x: [T, hidden] fp32; router: fp32 [E, hidden] (E = num_routed), correction_bias: fp32 [E];
+  // the experts as ggml_moe takes them -> x + moe(rms_norm(x)) [T, hidden] fp32, routed as
+  // zcode.layers.moe.TopkRouter routes: the top_k experts by sigmoid score + correction bias
+  // among the topk_groups of num_groups groups whose two best such scores sum highest, weighed
+  // by their sigmoid scores (normalized to sum 1 where norm_topk_prob) times scaling.
+  const char* what = "ggml_moe_block";
+  check_block_input(x, norm_weight, what);
+  const int64_t T = x.size(0), hidden = x.size(1), E = num_routed;
+  TORCH_CHECK(router.dim() == 2 && router.size(0) == E && router.size(1) == hidden &&
+                  router.scalar_type() == at::kFloat && router.is_contiguous(),
+              what, ": router must be contiguous fp32 [experts, hidden]");
+  TORCH_CHECK(correction_bias.numel() == E && correction_bias.scalar_type() == at::kFloat &&
+                  correction_bias.is_contiguous(),
+              what, ": correction bias must be fp32 [experts]");
+  TORCH_CHECK(0 < top_k && top_k <= E, what, ": top_k must be in 1..", E);
+  TORCH_CHECK(num_groups > 0 && E % num_groups == 0 && E / num_groups >= 2 && 0 < topk_groups &&
+                  topk_groups <= num_groups && top_k <= topk_groups * (E / num_groups),
+              what, ": ", E, " experts in ", num_groups, " groups, ", topk_groups, " kept, top ", top_k);
+  const auto normed = torch::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), norm_weight.data_ptr<float>(), T, hidden, eps,
+                normed.data_ptr<float>());
+  // [T, hidden] x [hidden, E]: the router's product as F.linear computes it
+  const auto scores = at::matmul(normed, router.t()).sigmoid_();  // [T, E]
+  auto weights = torch::empty({T, top_k}, x.options());
+  auto expert_ids = torch::empty({T, top_k}, x.options().dtype(at::kLong));
+  const int64_t per_group = E / num_groups;
+  std::vector<int64_t> order(E), groups(num_groups);
+  std::vector<float> choice(E), group_score(num_groups);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* score = scores.data_ptr<float>() + t * E;
+    const float* bias = correction_bias.data_ptr<float>();
+    for (int64_t e = 0; e < E; ++e) choice[e] = score[e] + bias[e];
+    // best first, ties to the lower index
+    const auto better = [](const std::vector<float>& v) {
+      return [&v](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); };
+    };
+    if (topk_groups < num_groups) {  // experts outside the best groups are not chosen
+      for (int64_t g = 0; g < num_groups; ++g) {
+        const float* c = choice.data() + g * per_group;
+        const int64_t first = std::max_element(c, c + per_group) - c;
+        float second = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < per_group; ++i)
+          if (i != first) second = std::max(second, c[i]);
+        group_score[g] = c[first] + second;
+        groups[g] = g;
+      }
+      std::partial_sort(groups.begin(), groups.begin() + topk_groups, groups.end(), better(group_score));
+      std::vector<bool> kept(num_groups, false);
+      for (int64_t i = 0; i < topk_groups; ++i) kept[groups[i]] = true;
+      for (int64_t e = 0; e < E; ++e)
+        if (!kept[e / per_group]) choice[e] = -std::numeric_limits<float>::infinity();
+    }
+    for (int64_t e = 0; e < E; ++e) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), better(choice));
+    float total = 0.f;
+    for (int64_t k = 0; k < top_k; ++k) total += score[order[k]];
+    for (int64_t k = 0; k < top_k; ++k) {
+      float w = score[order[k]];
+      if (norm_topk_prob) w = w / (total + 1e-20f);
+      weights.data_ptr<float>()[t * top_k + k] = w * static_cast<float>(scaling);
+      expert_ids.data_ptr<int64_t>()[t * top_k + k] = order[k];
+    }
+  }
+  auto out = ggml_moe(normed, weights, expert_ids, gate, up, down, gate_types, up_types,
+                      down_types, num_routed);
+  return out.add_(x);
+}
+
 torch::Tensor ggml_interleave(const torch::Tensor& data, int64_t ggml_type, int64_t in_features,
                               bool inverse) {
   // data: uint8 [N, row_bytes] of a quantized type (N a multiple of 16), the file's order
@@ -2303,6 +2380,11 @@ TORCH_LIBRARY_FRAGMENT(zcode, m) {
         "int o_type, Tensor? post_norm) -> Tensor");
   m.def("ggml_mlp_block(Tensor x, Tensor norm_weight, float eps, Tensor[] gate_up, "
         "int[] gate_up_types, Tensor down, int down_type, Tensor? post_norm) -> Tensor");
+  m.def("ggml_moe_block(Tensor x, Tensor norm_weight, float eps, Tensor router, "
+        "Tensor correction_bias, int top_k, int num_groups, int topk_groups, bool norm_topk_prob, "
+        "float scaling, Tensor[] gate, "
+        "Tensor[] up, Tensor[] down, int[] gate_types, int[] up_types, int[] down_types, "
+        "int num_routed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zcode, CPU, m) {
@@ -2312,6 +2394,7 @@ TORCH_LIBRARY_IMPL(zcode, CPU, m) {
   m.impl("ggml_interleave", &ggml_interleave);
   m.impl("ggml_attention_block", &ggml_attention_block);
   m.impl("ggml_mlp_block", &ggml_mlp_block);
+  m.impl("ggml_moe_block", &ggml_moe_block);
 }
 
 TORCH_LIBRARY_IMPL(zcode, CatchAll, m) { m.impl("ggml_interleaved_kernels", &ggml_interleaved_kernels); }

@@ -70,6 +70,10 @@ def _register_fakes() -> None:
     def _(x, cos, sin, kv_cache, slot_mapping, context_slots, mask, *weights):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("zcode::ggml_moe_block")
+    def _(x, *weights):
+        return torch.empty_like(x)
+
     @torch.library.register_fake("zcode::ggml_mlp_block")
     def _(x, *weights):
         return torch.empty_like(x)

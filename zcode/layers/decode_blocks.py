@@ -2,13 +2,16 @@
 
 Where every module of a half runs GGUF weights on their C++ kernels, the half's norms (input,
 QK-norm, GLM-4's post-norms), GEMVs, RoPE, cache write, attention, SiLU and residual add run
-inside zcode.kernels.ggml's `ggml_attention_block` / `ggml_mlp_block` (same math as the modules,
-in fp32). Between a decode step's GEMVs the model's ops are a few hundred floats each, and one
-PyTorch op at a time their dispatch cost several times their arithmetic: SmolLM2's Q4_0 file
-decoded eagerly in 15.3 ms a step against 4.6 compiled (7.4 with these ops). Anything else runs
+inside zcode.kernels.ggml's `ggml_attention_block` / `ggml_mlp_block`, and a MoE layer's norm,
+router (sigmoid scores, correction bias, groups, top-k) and experts inside `ggml_moe_block` (same
+math as the modules, in fp32). Between a decode step's GEMVs the model's ops are a few hundred
+floats each, and one PyTorch op at a time their dispatch cost several times their arithmetic:
+SmolLM2's Q4_0 file decoded eagerly in 15.3 ms a step against 4.6 compiled (7.4 with these ops),
+a GLM-4.5-Air-shaped 1.3B Q4_0 file in 15.4 against 8.6-9.1 (11.6). Anything else runs
 the modules: other weight formats, activations not fp32, prefill and verifying steps (the
 attention half), per-request depth (head pages, skipped heads), module hooks (calibration's),
-plans that swap a module (FFN sparsity levels), MoE layers' expert half (one C++ call already).
+plans that swap a module (FFN sparsity levels) or limit a MoE's experts, the expert cache's
+counted lookups (offload).
 
 `attention_residual` and `mlp_residual` return None where the half does not qualify; the caller
 then runs its modules. What a half's modules hold (weights, kernel choice, hooks) is checked once
@@ -26,6 +29,7 @@ from torch import nn
 from zcode.forward_batch import ForwardBatch
 from zcode.layers.attention import Attention, paged_attention_kernel
 from zcode.layers.mlp import GatedMLP
+from zcode.layers.moe import MoE, TopkRouter
 from zcode.layers.norm import RMSNorm
 from zcode.quant.gguf import GgufWeight, ggml_available, has_kernel
 from zcode.quant.linear import QuantizedLinear
@@ -69,13 +73,58 @@ def mlp_residual(
     mlp: nn.Module, norm: nn.Module, x: torch.Tensor, post_norm: nn.Module | None = None
 ) -> torch.Tensor | None:
     """x + post_norm(mlp(norm(x))) [T, hidden] in one call (no post_norm: x + mlp(norm(x))), or
-    None (see the module docstring)."""
-    if not (type(mlp) is GatedMLP and _fp32_rows(x)):
+    None (see the module docstring). A MoE layer routes and runs its experts in the one call
+    too."""
+    if not _fp32_rows(x):
+        return None
+    if type(mlp) is MoE:
+        return _moe_residual(mlp, norm, x, post_norm)
+    if type(mlp) is not GatedMLP:
         return None
     kept = _weights(mlp, (norm, post_norm), MLP_LINEARS, _mlp_weights)
     if kept is None or x.shape[0] > kept[1]:
         return None
     return torch.ops.zcode.ggml_mlp_block(x, *kept[0])
+
+
+def _moe_residual(moe: MoE, norm: nn.Module, x: torch.Tensor, post_norm) -> torch.Tensor | None:
+    router = moe.gate
+    if not (
+        post_norm is None
+        and moe.experts_per_token is None  # no plan's expert limit
+        and moe.token_experts is None
+        and moe.expert_mass is None
+        and moe.expert_counts is None  # no expert cache counting its lookups
+        and type(router) is TopkRouter
+        and router.weight.dtype == torch.float32
+        and router.weight.is_contiguous()
+        and _plain_norm(norm)
+        and not _hooked((moe, router, norm))
+    ):
+        return None
+    # the experts' GGUF lists, as MoE.run_experts takes them (None: float experts, a hook or a
+    # swapped module)
+    if torch.compiler.is_compiling():
+        experts = moe._traced_gguf_stacks()
+    else:
+        fused, experts = moe._step_lists(x)
+        experts = None if fused is not None else experts
+    if experts is None:
+        return None
+    return torch.ops.zcode.ggml_moe_block(
+        x,
+        norm.weight,
+        norm.eps,
+        router.weight,
+        router.e_score_correction_bias.float(),
+        router.top_k,
+        router.num_groups,
+        min(router.topk_groups, router.num_groups),
+        router.norm_topk_prob,
+        router.routed_scaling_factor,
+        *experts,
+        len(moe.experts),
+    )
 
 
 def _attention_weights(attn: nn.Module, norms: tuple, linears, cache: torch.Tensor):
@@ -166,7 +215,7 @@ def _build(half: nn.Module, norms: tuple, linears, build: Callable, extra) -> tu
         and (norms[1] is None or norms[1].eps == norms[0].eps)  # the ops take one eps for both
         and all(_fast_gguf(m) for m in linears)
         and ggml_available()
-        and not any(m._forward_hooks or m._forward_pre_hooks for m in (half, *present, *linears))
+        and not _hooked((half, *present, *linears))
     ):
         return None
     args = build(half, norms, linears, *extra)
@@ -194,6 +243,10 @@ def _plain_norm(norm: nn.Module) -> bool:
         and norm.weight.dtype == torch.float32
         and norm.weight.is_contiguous()
     )
+
+
+def _hooked(modules) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def _fast_gguf(linear: nn.Module | None) -> bool:
