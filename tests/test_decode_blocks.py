@@ -22,7 +22,7 @@ from zcode.engine.llm_engine import LLMEngine
 from zcode.forward_batch import ForwardBatch
 from zcode.layers import decode_blocks
 from zcode.layers.attention import Attention
-from zcode.layers.mlp import GatedMLP
+from zcode.layers.mlp import GatedMLP, GeluGatedMLP
 from zcode.layers.moe import MoE
 from zcode.layers.norm import RMSNorm
 from zcode.layers.rotary import RotaryEmbedding
@@ -53,7 +53,12 @@ def _gguf(linear: torch.nn.Linear, ggml_type: int, seed: int) -> QuantizedLinear
 
 
 def _attention(
-    ggml_type: int, bias: bool = False, interleaved: bool = False, window=None, qk_norm=False
+    ggml_type: int,
+    bias: bool = False,
+    interleaved: bool = False,
+    window=None,
+    qk_norm=False,
+    unit_offset=False,
 ):
     attn = Attention(
         HIDDEN,
@@ -63,11 +68,12 @@ def _attention(
         interleaved_rope=interleaved,
         qkv_bias=bias,
         qk_norm_eps=1e-6 if qk_norm else None,
+        qk_norm_unit_offset=unit_offset,
         sliding_window=window,
     )
     if qk_norm:
         for norm in (attn.q_norm, attn.k_norm):
-            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+            _init_norm(norm)
     for i, name in enumerate(("q_proj", "k_proj", "v_proj", "o_proj")):
         linear = getattr(attn, name)
         if linear.bias is not None:
@@ -76,9 +82,15 @@ def _attention(
     return attn
 
 
-def _norm(eps: float = 1e-5) -> RMSNorm:
-    norm = RMSNorm(HIDDEN, eps)
+def _norm(eps: float = 1e-5, unit_offset: bool = False) -> RMSNorm:
+    return _init_norm(RMSNorm(HIDDEN, eps, unit_offset=unit_offset))
+
+
+def _init_norm(norm: RMSNorm) -> RMSNorm:
+    """Weights of 0.5-1.5 as the norm applies them (Gemma's: an offset from 1)."""
     torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    if norm.unit_offset:
+        norm.weight.data -= 1
     return norm
 
 
@@ -118,6 +130,7 @@ CASES = [  # ggml type, qkv bias, interleaved rope, rotary dim, cache dtype, win
     (Q.Q8_0, True, False, HEAD_DIM, torch.bfloat16, None, ""),
     (Q.Q4_0, False, True, HEAD_DIM, torch.float32, None, "qk"),
     (Q.Q4_K, False, False, HEAD_DIM, torch.float32, None, ""),
+    (Q.F32, False, False, HEAD_DIM, torch.float32, 5, "qk+post+offset"),  # Gemma 3
 ]
 
 
@@ -128,9 +141,10 @@ def test_attention_half_matches_the_modules(
     ggml_type, bias, interleaved, rotary_dim, cache_dtype, window, norms
 ):
     torch.manual_seed(0)
-    attn = _attention(ggml_type, bias, interleaved, window, qk_norm="qk" in norms)
-    norm, batch = _norm(), _decode_batch([9, 23, 1])
-    post_norm = _norm() if "post" in norms else None
+    offset = "offset" in norms
+    attn = _attention(ggml_type, bias, interleaved, window, "qk" in norms, offset)
+    norm, batch = _norm(unit_offset=offset), _decode_batch([9, 23, 1])
+    post_norm = _norm(unit_offset=offset) if "post" in norms else None
     x = torch.randn(3, HIDDEN) * 2
     rope = _rope(rotary_dim)(batch.positions)
     cache = (torch.randn(12, BLOCK_SIZE, 2, KV_HEADS, HEAD_DIM) * 0.5).to(cache_dtype)
@@ -146,14 +160,15 @@ def test_attention_half_matches_the_modules(
 
 @pytest.mark.parametrize("ggml_type", [Q.F32, Q.Q8_0, Q.Q4_0, Q.Q4_K])
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("post", [False, True])
-def test_mlp_half_matches_the_modules(ggml_type, rows, post):
+@pytest.mark.parametrize("kind", ["swiglu", "swiglu+post", "gemma"])
+def test_mlp_half_matches_the_modules(ggml_type, rows, kind):
     torch.manual_seed(1)
-    mlp = GatedMLP(HIDDEN, INTERMEDIATE)
+    gemma = kind == "gemma"  # GeGLU, post-norm, norms of offsets from 1
+    mlp = (GeluGatedMLP if gemma else GatedMLP)(HIDDEN, INTERMEDIATE)
     for i, name in enumerate(("gate_proj", "up_proj", "down_proj")):
         setattr(mlp, name, _gguf(getattr(mlp, name), ggml_type, seed=10 + i))
-    norm, x = _norm(), torch.randn(rows, HIDDEN) * 2
-    post_norm = _norm() if post else None
+    norm, x = _norm(unit_offset=gemma), torch.randn(rows, HIDDEN) * 2
+    post_norm = _norm(unit_offset=gemma) if kind != "swiglu" else None
     got = decode_blocks.mlp_residual(mlp, norm, x, post_norm)
     assert got is not None, "the half did not take the op"
     out = mlp(norm(x))
@@ -265,7 +280,7 @@ def _assert_same_run(got, want) -> None:
             torch.testing.assert_close(b, a, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama", "glm4", "glm4_moe_qknorm"])
+@pytest.mark.parametrize("name", ["llama", "glm4", "glm4_moe_qknorm", "gemma3_text"])
 def test_an_engine_decodes_as_with_the_modules(tiny_model, name):
     net = _as_gguf_f32(copy.deepcopy(tiny_model(name)[0]))
     modules = _run(net, fused=False)

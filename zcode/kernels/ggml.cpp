@@ -1795,6 +1795,30 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
+// out[i] = gelu(gate[i]) * up[i], GELU's tanh approximation (PyTorch's approximate="tanh"):
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1).
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
+  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
+  int64_t i = 0;
+#if defined(ZCODE_GGML_AVX512)
+  const __m512 one = _mm512_set1_ps(1.f), two = _mm512_set1_ps(2.f), half = _mm512_set1_ps(0.5f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 inner = _mm512_mul_ps(
+        _mm512_set1_ps(kBeta),
+        _mm512_add_ps(g, _mm512_mul_ps(_mm512_set1_ps(kKappa), _mm512_mul_ps(g, _mm512_mul_ps(g, g)))));
+    const __m512 e = zcode_simd::exp_ps(_mm512_mul_ps(two, inner));
+    const __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
+    const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, tanh));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(gelu, _mm512_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float g = gate[i], inner = kBeta * (g + kKappa * (g * (g * g)));
+    out[i] = 0.5f * g * (1.f + std::tanh(inner)) * up[i];
+  }
+}
+
 // fn(i) for i in [0, n): on every thread where the step has many tokens (a prefill's gathers,
 // activations and sums, a few ms serial), inline at a decode step's few.
 template <typename Fn>
@@ -2052,8 +2076,9 @@ torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int6
 
 namespace {
 
-// out[t] = x[t] * (1 / sqrt(mean(x[t]^2) + eps)) * w, rows of D.
-void rms_norm_rows(const float* x, const float* w, int64_t T, int64_t D, double eps, float* out) {
+// out[t] = x[t] * (1 / sqrt(mean(x[t]^2) + eps)) * w, rows of D; unit_offset (Gemma): * (1 + w).
+void rms_norm_rows(const float* x, const float* w, int64_t T, int64_t D, double eps, float* out,
+                   bool unit_offset = false) {
   for (int64_t t = 0; t < T; ++t) {
     const float* row = x + t * D;
     constexpr int64_t W = 16;  // independent lanes: a single float chain does not vectorize
@@ -2065,7 +2090,10 @@ void rms_norm_rows(const float* x, const float* w, int64_t T, int64_t D, double 
     for (; d < D; ++d) sum += row[d] * row[d];
     for (int64_t j = 0; j < W; ++j) sum += lanes[j];
     const float inv = 1.f / std::sqrt(sum / static_cast<float>(D) + static_cast<float>(eps));
-    for (d = 0; d < D; ++d) out[t * D + d] = row[d] * inv * w[d];
+    if (unit_offset)
+      for (d = 0; d < D; ++d) out[t * D + d] = row[d] * inv * (1.f + w[d]);
+    else
+      for (d = 0; d < D; ++d) out[t * D + d] = row[d] * inv * w[d];
   }
 }
 
@@ -2121,10 +2149,11 @@ void check_post_norm(const std::optional<torch::Tensor>& post_norm, int64_t hidd
 
 // x + post_norm(out) (or x + out), in out: [T, hidden].
 torch::Tensor add_residual(torch::Tensor& out, const torch::Tensor& x,
-                           const std::optional<torch::Tensor>& post_norm, double eps) {
+                           const std::optional<torch::Tensor>& post_norm, double eps,
+                           bool unit_offset) {
   if (post_norm.has_value())
     rms_norm_rows(out.data_ptr<float>(), post_norm->data_ptr<float>(), out.size(0), out.size(1),
-                  eps, out.data_ptr<float>());
+                  eps, out.data_ptr<float>(), unit_offset);
   return out.add_(x);
 }
 
@@ -2155,13 +2184,15 @@ torch::Tensor ggml_attention_block(const torch::Tensor& x, const torch::Tensor& 
                                    const std::optional<torch::Tensor>& k_norm, double qk_eps,
                                    bool interleaved, int64_t num_heads, int64_t num_kv_heads,
                                    double scale, const torch::Tensor& o, int64_t o_type,
-                                   const std::optional<torch::Tensor>& post_norm) {
+                                   const std::optional<torch::Tensor>& post_norm,
+                                   bool unit_offset) {
   // x: [T, hidden] fp32, one decode token per sequence (row t is sequence t); cos, sin: [T, R]
   // (RoPE on 2R features of a head); kv_cache: [blocks, block_size, 2, KVH, D] fp32, bf16 or
   // fp16; slot_mapping: int64 [T]; context_slots: int64 [T, L]; mask: bool [T or 1, 1, 1, L] or
   // None; qkv: the q, k and v weights (ggml rows, types qkv_types), qkv_bias [(H + 2 KVH) D] or
   // None; q_norm, k_norm: [D] fp32 or None; o: [hidden, H D] of type o_type; post_norm: [hidden]
-  // fp32 or None -> x + post_norm(o(attention)) [T, hidden] fp32
+  // fp32 or None; unit_offset: every norm's weight is an offset from 1 (Gemma)
+  // -> x + post_norm(o(attention)) [T, hidden] fp32
   const char* what = "ggml_attention_block";
   check_block_input(x, norm_weight, what);
   TORCH_CHECK(qkv.size() == qkv_types.size() && !qkv.empty(), what, ": one type per q/k/v weight");
@@ -2188,7 +2219,7 @@ torch::Tensor ggml_attention_block(const torch::Tensor& x, const torch::Tensor& 
   check_post_norm(post_norm, hidden, what);
   const auto normed = torch::empty_like(x);
   rms_norm_rows(x.data_ptr<float>(), norm_weight.data_ptr<float>(), T, hidden, eps,
-                normed.data_ptr<float>());
+                normed.data_ptr<float>(), unit_offset);
   auto projected = gemv(normed, qkv, qkv_types, what);  // [T, (H + 2 KVH) D]
   TORCH_CHECK(projected.size(1) == width, what, ": q/k/v weights give ", projected.size(1),
               " features, expected ", width);
@@ -2202,8 +2233,9 @@ torch::Tensor ggml_attention_block(const torch::Tensor& x, const torch::Tensor& 
     const float* c = cos_c.data_ptr<float>() + t * R;
     const float* s = sin_c.data_ptr<float>() + t * R;
     if (q_norm.has_value()) {  // each head's D features, in place
-      rms_norm_rows(row, q_norm->data_ptr<float>(), H, D, qk_eps, row);
-      rms_norm_rows(row + H * D, k_norm->data_ptr<float>(), KVH, D, qk_eps, row + H * D);
+      rms_norm_rows(row, q_norm->data_ptr<float>(), H, D, qk_eps, row, unit_offset);
+      rms_norm_rows(row + H * D, k_norm->data_ptr<float>(), KVH, D, qk_eps, row + H * D,
+                    unit_offset);
     }
     rotate_heads(row, H, D, c, s, R, interleaved, scratch.data());  // q
     rotate_heads(row + H * D, KVH, D, c, s, R, interleaved, scratch.data());  // k
@@ -2223,16 +2255,18 @@ torch::Tensor ggml_attention_block(const torch::Tensor& x, const torch::Tensor& 
   const auto attended = paged_decode_attention(q, kv_cache, context_slots, rows_mask, scale);
   auto out = gemv(attended.reshape({T, H * D}), {o}, {o_type}, what);  // [T, hidden]
   TORCH_CHECK(out.size(1) == hidden, what, ": o gives ", out.size(1), " features, hidden is ", hidden);
-  return add_residual(out, x, post_norm, eps);
+  return add_residual(out, x, post_norm, eps, unit_offset);
 }
 
 torch::Tensor ggml_mlp_block(const torch::Tensor& x, const torch::Tensor& norm_weight, double eps,
                              const std::vector<torch::Tensor>& gate_up, at::IntArrayRef gate_up_types,
                              const torch::Tensor& down, int64_t down_type,
-                             const std::optional<torch::Tensor>& post_norm) {
+                             const std::optional<torch::Tensor>& post_norm, bool unit_offset,
+                             int64_t activation) {
   // x: [T, hidden] fp32; gate_up: the gate and up weights [I, hidden] (ggml rows), down
-  // [hidden, I]; post_norm: [hidden] fp32 or None
-  // -> x + post_norm(down(silu(gate(n)) * up(n))), n = rms_norm(x): [T, hidden] fp32
+  // [hidden, I]; post_norm: [hidden] fp32 or None; unit_offset as ggml_attention_block's;
+  // activation: 0 SiLU, 1 tanh-approximated GELU (Gemma's GeGLU)
+  // -> x + post_norm(down(act(gate(n)) * up(n))), n = rms_norm(x): [T, hidden] fp32
   const char* what = "ggml_mlp_block";
   check_block_input(x, norm_weight, what);
   check_post_norm(post_norm, x.size(1), what);
@@ -2240,16 +2274,21 @@ torch::Tensor ggml_mlp_block(const torch::Tensor& x, const torch::Tensor& norm_w
   TORCH_CHECK(gate_up[0].size(0) == gate_up[1].size(0), what, ": gate and up of one width");
   const int64_t T = x.size(0), hidden = x.size(1), I = gate_up[0].size(0);
   const auto normed = torch::empty_like(x);
+  TORCH_CHECK(activation == 0 || activation == 1, what, ": activation 0 (SiLU) or 1 (GELU tanh)");
   rms_norm_rows(x.data_ptr<float>(), norm_weight.data_ptr<float>(), T, hidden, eps,
-                normed.data_ptr<float>());
+                normed.data_ptr<float>(), unit_offset);
   const auto h = gemv(normed, gate_up, gate_up_types, what);  // [T, 2 I]: gate | up
   auto act = torch::empty({T, I}, x.options());
-  for (int64_t t = 0; t < T; ++t)
-    silu_mul(h.data_ptr<float>() + t * 2 * I, h.data_ptr<float>() + t * 2 * I + I, I,
-             act.data_ptr<float>() + t * I);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* gate = h.data_ptr<float>() + t * 2 * I;
+    if (activation == 0)
+      silu_mul(gate, gate + I, I, act.data_ptr<float>() + t * I);
+    else
+      gelu_tanh_mul(gate, gate + I, I, act.data_ptr<float>() + t * I);
+  }
   auto out = gemv(act, {down}, {down_type}, what);
   TORCH_CHECK(out.size(1) == hidden, what, ": down gives ", out.size(1), " features, hidden is ", hidden);
-  return add_residual(out, x, post_norm, eps);
+  return add_residual(out, x, post_norm, eps, unit_offset);
 }
 
 torch::Tensor ggml_moe_block(const torch::Tensor& x, const torch::Tensor& norm_weight, double eps,
@@ -2377,9 +2416,10 @@ TORCH_LIBRARY_FRAGMENT(zcode, m) {
         "Tensor slot_mapping, Tensor context_slots, Tensor? mask, Tensor norm_weight, float eps, "
         "Tensor[] qkv, int[] qkv_types, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm, "
         "float qk_eps, bool interleaved, int num_heads, int num_kv_heads, float scale, Tensor o, "
-        "int o_type, Tensor? post_norm) -> Tensor");
+        "int o_type, Tensor? post_norm, bool unit_offset) -> Tensor");
   m.def("ggml_mlp_block(Tensor x, Tensor norm_weight, float eps, Tensor[] gate_up, "
-        "int[] gate_up_types, Tensor down, int down_type, Tensor? post_norm) -> Tensor");
+        "int[] gate_up_types, Tensor down, int down_type, Tensor? post_norm, bool unit_offset, "
+        "int activation) -> Tensor");
   m.def("ggml_moe_block(Tensor x, Tensor norm_weight, float eps, Tensor router, "
         "Tensor correction_bias, int top_k, int num_groups, int topk_groups, bool norm_topk_prob, "
         "float scaling, Tensor[] gate, "

@@ -1,17 +1,17 @@
 """A decoder layer's attention half and MLP half at a decode step, each as one C++ call.
 
 Where every module of a half runs GGUF weights on their C++ kernels, the half's norms (input,
-QK-norm, GLM-4's post-norms), GEMVs, RoPE, cache write, attention, SiLU and residual add run
-inside zcode.kernels.ggml's `ggml_attention_block` / `ggml_mlp_block`, and a MoE layer's norm,
-router (sigmoid scores, correction bias, groups, top-k) and experts inside `ggml_moe_block` (same
-math as the modules, in fp32). Between a decode step's GEMVs the model's ops are a few hundred
-floats each, and one PyTorch op at a time their dispatch cost several times their arithmetic:
-SmolLM2's Q4_0 file decoded eagerly in 15.3 ms a step against 4.6 compiled (7.4 with these ops),
-a GLM-4.5-Air-shaped 1.3B Q4_0 file in 15.4 against 8.6-9.1 (11.6). Anything else runs
-the modules: other weight formats, activations not fp32, prefill and verifying steps (the
-attention half), per-request depth (head pages, skipped heads), module hooks (calibration's),
-plans that swap a module (FFN sparsity levels) or limit a MoE's experts, the expert cache's
-counted lookups (offload).
+QK-norm, GLM-4's and Gemma 3's post-norms, Gemma's offsets from 1), GEMVs, RoPE, cache write,
+attention, SiLU or GELU and residual add run inside zcode.kernels.ggml's `ggml_attention_block` /
+`ggml_mlp_block`, and a MoE layer's norm, router (sigmoid scores, correction bias, groups, top-k)
+and experts inside `ggml_moe_block` (same math as the modules, in fp32). Between a decode step's
+GEMVs the model's ops are a few hundred floats each, and one PyTorch op at a time their dispatch
+cost several times their arithmetic: SmolLM2's Q4_0 file decoded eagerly in ~15 ms a step against
+4.6 compiled (~7.5 with these ops), Gemma-3's Q4_K_M ~18 against ~10 (~11), a GLM-4.5-Air-shaped
+1.3B Q4_0 file 15.4 against 8.6-9.1 (11.6). Anything else runs the modules: other weight formats,
+activations not fp32, prefill and verifying steps (the attention half), per-request depth (head
+pages, skipped heads), module hooks (calibration's), plans that swap a module (FFN sparsity levels)
+or limit a MoE's experts, the expert cache's counted lookups (offload).
 
 `attention_residual` and `mlp_residual` return None where the half does not qualify; the caller
 then runs its modules. What a half's modules hold (weights, kernel choice, hooks) is checked once
@@ -28,7 +28,7 @@ from torch import nn
 
 from zcode.forward_batch import ForwardBatch
 from zcode.layers.attention import Attention, paged_attention_kernel
-from zcode.layers.mlp import GatedMLP
+from zcode.layers.mlp import GatedMLP, GeluGatedMLP
 from zcode.layers.moe import MoE, TopkRouter
 from zcode.layers.norm import RMSNorm
 from zcode.quant.gguf import GgufWeight, ggml_available, has_kernel
@@ -36,6 +36,7 @@ from zcode.quant.linear import QuantizedLinear
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+ACTIVATIONS = {GatedMLP: 0, GeluGatedMLP: 1}  # ggml_mlp_block's activation: SiLU, GELU (tanh)
 
 
 def attention_residual(
@@ -79,7 +80,7 @@ def mlp_residual(
         return None
     if type(mlp) is MoE:
         return _moe_residual(mlp, norm, x, post_norm)
-    if type(mlp) is not GatedMLP:
+    if type(mlp) not in ACTIVATIONS:
         return None
     kept = _weights(mlp, (norm, post_norm), MLP_LINEARS, _mlp_weights)
     if kept is None or x.shape[0] > kept[1]:
@@ -99,6 +100,7 @@ def _moe_residual(moe: MoE, norm: nn.Module, x: torch.Tensor, post_norm) -> torc
         and router.weight.dtype == torch.float32
         and router.weight.is_contiguous()
         and _plain_norm(norm)
+        and not norm.unit_offset
         and not _hooked((moe, router, norm))
     ):
         return None
@@ -154,6 +156,7 @@ def _attention_weights(attn: nn.Module, norms: tuple, linears, cache: torch.Tens
         linears[3].packed.data,
         linears[3].packed.kernel_type,
         None if post_norm is None else post_norm.weight,
+        norm.unit_offset,
     )
 
 
@@ -170,6 +173,8 @@ def _mlp_weights(mlp: nn.Module, norms: tuple, linears) -> tuple | None:
         down.data,
         down.kernel_type,
         None if post_norm is None else post_norm.weight,
+        norm.unit_offset,
+        ACTIVATIONS[type(mlp)],
     )
 
 
@@ -212,6 +217,7 @@ def _build(half: nn.Module, norms: tuple, linears, build: Callable, extra) -> tu
     present = [n for n in norms if n is not None]
     if not (
         all(map(_plain_norm, present))
+        and len({n.unit_offset for n in present}) == 1  # the ops take one kind for all
         and (norms[1] is None or norms[1].eps == norms[0].eps)  # the ops take one eps for both
         and all(_fast_gguf(m) for m in linears)
         and ggml_available()
@@ -237,11 +243,9 @@ def _decode_rows(x: torch.Tensor, batch: ForwardBatch) -> bool:
 
 
 def _plain_norm(norm: nn.Module) -> bool:
+    """An RMSNorm the ops compute (unit_offset or not, fp32 weight)."""
     return (
-        type(norm) is RMSNorm
-        and not norm.unit_offset
-        and norm.weight.dtype == torch.float32
-        and norm.weight.is_contiguous()
+        type(norm) is RMSNorm and norm.weight.dtype == torch.float32 and norm.weight.is_contiguous()
     )
 
 

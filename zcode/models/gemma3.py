@@ -7,6 +7,7 @@ config's `layer_types` lists them.
 import torch
 
 from zcode.forward_batch import ForwardBatch
+from zcode.layers import decode_blocks
 from zcode.layers.attention import Attention, head_dim_of
 from zcode.layers.mlp import GeluGatedMLP
 from zcode.layers.norm import RMSNorm
@@ -44,9 +45,20 @@ class Gemma3DecoderLayer(torch.nn.Module):
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, rope: dict[str, tuple[torch.Tensor, ...]]
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), batch, rope[self.layer_type])
-        x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        # Each half one C++ call at a GGUF model's decode step, else module by module.
+        attn, rope = self.self_attn, rope[self.layer_type]
+        attn_norm, attn_post = self.input_layernorm, self.post_attention_layernorm
+        h = decode_blocks.attention_residual(attn, attn_norm, x, batch, rope, attn_post)
+        if h is None:
+            h = x + attn_post(attn(attn_norm(x), batch, rope))
+        mlp, mlp_norm, mlp_post = (
+            self.mlp,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+        )
+        if (out := decode_blocks.mlp_residual(mlp, mlp_norm, h, mlp_post)) is None:
+            out = h + mlp_post(mlp(mlp_norm(h)))
+        return out
 
 
 class Gemma3ForCausalLM(CausalLM):
