@@ -104,14 +104,7 @@ def _moe_residual(moe: MoE, norm: nn.Module, x: torch.Tensor, post_norm) -> torc
         and not _hooked((moe, router, norm))
     ):
         return None
-    # the experts' GGUF lists, as MoE.run_experts takes them (None: float experts, a hook or a
-    # swapped module)
-    if torch.compiler.is_compiling():
-        experts = moe._traced_gguf_stacks()
-    else:
-        fused, experts = moe._step_lists(x)
-        experts = None if fused is not None else experts
-    if experts is None:
+    if (experts := moe.ggml_lists(x)) is None:  # float experts, a hook or a swapped module
         return None
     return torch.ops.zcode.ggml_moe_block(
         x,

@@ -194,6 +194,15 @@ class MoE(nn.Module):
             return self._gather(tuple((m.gate_proj, m.up_proj, m.down_proj) for m in mlps), x.dtype)
         return self._step_lists(x)[0]
 
+    def ggml_lists(self, x: torch.Tensor) -> tuple | None:
+        """The lists `run_experts` passes to ggml_moe for a step on x (GGUF experts on their
+        kernels; compiled: as gathered at the last eager step), or None where it runs another
+        path."""
+        if torch.compiler.is_compiling():
+            return None if self.fused_weights(x) is not None else self._traced_gguf_stacks()
+        fused, gguf = self._step_lists(x)
+        return gguf if fused is None else None
+
     def _traced_gguf_stacks(self) -> tuple | None:
         """ggml_moe's lists as gathered at the last eager step or `gather_weights`, where they
         hold the routed experts as stacks (their tensors are the stack attributes and the shared
