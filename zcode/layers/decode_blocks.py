@@ -13,11 +13,12 @@ activations not fp32, prefill and verifying steps (the attention half), per-requ
 pages, skipped heads), module hooks (calibration's), plans that swap a module (FFN sparsity levels)
 or limit a MoE's experts, the expert cache's counted lookups (offload).
 
-`attention_residual` and `mlp_residual` return None where the half does not qualify; the caller
-then runs its modules. What a half's modules hold (weights, kernel choice, hooks) is checked once
-and kept while the same objects stay in place (~50 us a half checked every call, eagerly, against
-~60 us for the op itself); a compiled step traces the checks (the graph's guards) and calls the op
-as one extern kernel.
+`attention_half` and `mlp_half` are what a layer's forward calls; `attention_residual` and
+`mlp_residual` return None where the half does not qualify (the halves then run the modules). What
+a half's modules hold (weights, kernel choice, hooks) is checked once and kept while the same
+objects stay in place (~50 us a half checked every call, eagerly, against ~60 us for the op
+itself); a compiled step traces the checks (the graph's guards) and calls the op as one extern
+kernel.
 """
 
 import weakref
@@ -37,6 +38,33 @@ from zcode.quant.linear import QuantizedLinear
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 ACTIVATIONS = {GatedMLP: 0, GeluGatedMLP: 1}  # ggml_mlp_block's activation: SiLU, GELU (tanh)
+
+
+def attention_half(
+    attn: nn.Module,
+    norm: nn.Module,
+    x: torch.Tensor,
+    batch: ForwardBatch,
+    rope,
+    post_norm: nn.Module | None = None,
+) -> torch.Tensor:
+    """x + post_norm(attn(norm(x))) (no post_norm: x + attn(norm(x))): one call where the half
+    qualifies, else its modules."""
+    if (out := attention_residual(attn, norm, x, batch, rope, post_norm)) is not None:
+        return out
+    out = attn(norm(x), batch, rope)
+    return x + (out if post_norm is None else post_norm(out))
+
+
+def mlp_half(
+    mlp: nn.Module, norm: nn.Module, x: torch.Tensor, post_norm: nn.Module | None = None
+) -> torch.Tensor:
+    """x + post_norm(mlp(norm(x))) (no post_norm: x + mlp(norm(x))): one call where the half
+    qualifies, else its modules."""
+    if (out := mlp_residual(mlp, norm, x, post_norm)) is not None:
+        return out
+    out = mlp(norm(x))
+    return x + (out if post_norm is None else post_norm(out))
 
 
 def attention_residual(

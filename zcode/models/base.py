@@ -25,13 +25,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
         # Each half one C++ call at a GGUF model's decode step, else module by module.
-        attn, attn_norm = self.self_attn, self.input_layernorm
-        if (h := decode_blocks.attention_residual(attn, attn_norm, x, batch, rope)) is None:
-            h = x + attn(attn_norm(x), batch, rope)
-        mlp, mlp_norm = self.mlp, self.post_attention_layernorm
-        if (out := decode_blocks.mlp_residual(mlp, mlp_norm, h)) is None:
-            out = h + mlp(mlp_norm(h))
-        return out
+        h = decode_blocks.attention_half(self.self_attn, self.input_layernorm, x, batch, rope)
+        return decode_blocks.mlp_half(self.mlp, self.post_attention_layernorm, h)
 
 
 class Backbone(nn.Module):

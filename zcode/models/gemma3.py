@@ -46,19 +46,16 @@ class Gemma3DecoderLayer(torch.nn.Module):
         self, x: torch.Tensor, batch: ForwardBatch, rope: dict[str, tuple[torch.Tensor, ...]]
     ) -> torch.Tensor:
         # Each half one C++ call at a GGUF model's decode step, else module by module.
-        attn, rope = self.self_attn, rope[self.layer_type]
-        attn_norm, attn_post = self.input_layernorm, self.post_attention_layernorm
-        h = decode_blocks.attention_residual(attn, attn_norm, x, batch, rope, attn_post)
-        if h is None:
-            h = x + attn_post(attn(attn_norm(x), batch, rope))
-        mlp, mlp_norm, mlp_post = (
-            self.mlp,
-            self.pre_feedforward_layernorm,
-            self.post_feedforward_layernorm,
+        h = decode_blocks.attention_half(
+            self.self_attn,
+            self.input_layernorm,
+            x,
+            batch,
+            rope[self.layer_type],
+            self.post_attention_layernorm,
         )
-        if (out := decode_blocks.mlp_residual(mlp, mlp_norm, h, mlp_post)) is None:
-            out = h + mlp_post(mlp(mlp_norm(h)))
-        return out
+        mlp_norm, mlp_post = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
+        return decode_blocks.mlp_half(self.mlp, mlp_norm, h, mlp_post)
 
 
 class Gemma3ForCausalLM(CausalLM):

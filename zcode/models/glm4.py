@@ -30,18 +30,11 @@ class Glm4DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
         # Each half one C++ call at a GGUF model's decode step, else module by module.
-        attn, attn_norm, attn_post = (
-            self.self_attn,
-            self.input_layernorm,
-            self.post_self_attn_layernorm,
+        attn_post, mlp_post = self.post_self_attn_layernorm, self.post_mlp_layernorm
+        h = decode_blocks.attention_half(
+            self.self_attn, self.input_layernorm, x, batch, rope, attn_post
         )
-        h = decode_blocks.attention_residual(attn, attn_norm, x, batch, rope, attn_post)
-        if h is None:
-            h = x + attn_post(attn(attn_norm(x), batch, rope))
-        mlp, mlp_norm, mlp_post = self.mlp, self.post_attention_layernorm, self.post_mlp_layernorm
-        if (out := decode_blocks.mlp_residual(mlp, mlp_norm, h, mlp_post)) is None:
-            out = h + mlp_post(mlp(mlp_norm(h)))
-        return out
+        return decode_blocks.mlp_half(self.mlp, self.post_attention_layernorm, h, mlp_post)
 
 
 class Glm4ForCausalLM(CausalLM):
