@@ -246,30 +246,31 @@ def _as_gguf_f32(net: torch.nn.Module) -> torch.nn.Module:
     return net
 
 
-def _run(net, fused: bool, compile: bool = False):
-    """Greedy tokens and the logits rows of every step (test_graph_cache's _generate), with the
-    halves' ops or the modules; calls of the ops counted."""
-    calls = {"attention": 0, "mlp": 0}  # the MLP's and MoE's
-    attention_residual, mlp_residual = decode_blocks.attention_residual, decode_blocks.mlp_residual
+def _run(net, mode: str, compile: bool = False):
+    """Greedy tokens and the logits rows of every step (test_graph_cache's _generate) with
+    `mode`: "modules" (no op), "halves" (each half's op, layer by layer) or "stack" (every layer
+    in one call where it can, else the halves); the calls that took an op counted."""
+    names = ("attention_residual", "mlp_residual", "stack_residual")
+    runs = {"modules": (), "halves": names[:2], "stack": names}[mode]
+    originals = {name: getattr(decode_blocks, name) for name in names}
+    calls = dict.fromkeys(names, 0)
 
     def counted(name, fn):
         def run(*args):
-            out = fn(*args) if fused else None
+            out = fn(*args) if name in runs else None
             calls[name] += out is not None
             return out
 
         return run
 
-    decode_blocks.attention_residual = counted("attention", attention_residual)
-    decode_blocks.mlp_residual = counted("mlp", mlp_residual)
+    for name, fn in originals.items():
+        setattr(decode_blocks, name, counted(name, fn))
     try:
         config = EngineConfig(kv_cache_bytes=1 << 20, max_num_seqs=4, compile=compile)
         tokens, logits = _generate(LLMEngine(net, None, config), _prompts())
     finally:
-        decode_blocks.attention_residual, decode_blocks.mlp_residual = (
-            attention_residual,
-            mlp_residual,
-        )
+        for name, fn in originals.items():
+            setattr(decode_blocks, name, fn)
     return tokens, logits, calls
 
 
@@ -283,18 +284,89 @@ def _assert_same_run(got, want) -> None:
 @pytest.mark.parametrize("name", ["llama", "glm4", "glm4_moe_qknorm", "gemma3_text"])
 def test_an_engine_decodes_as_with_the_modules(tiny_model, name):
     net = _as_gguf_f32(copy.deepcopy(tiny_model(name)[0]))
-    modules = _run(net, fused=False)
-    fused = _run(net, fused=True)
+    modules, halves, stack = (_run(net, mode) for mode in ("modules", "halves", "stack"))
     layers = len(net.model.layers)
+    assert modules[2] == dict.fromkeys(modules[2], 0)
     # every decode step (the prompts' 3 sequences, then fewer) ran each layer's halves as ops
-    # (the MLP's and MoE's also on a prompt's rows: they read no batch)
-    assert fused[2]["attention"] >= layers * (NUM_NEW - 1)
-    assert fused[2]["mlp"] >= layers * (NUM_NEW - 1)
-    assert modules[2] == {"attention": 0, "mlp": 0}
-    _assert_same_run(fused, modules)
+    # (the MLP's and MoE's also on a prompt's rows: they read no batch), or all layers as one
+    assert halves[2]["attention_residual"] >= layers * (NUM_NEW - 1)
+    assert halves[2]["mlp_residual"] >= layers * (NUM_NEW - 1)
+    assert stack[2]["stack_residual"] >= NUM_NEW - 1
+    assert stack[2]["attention_residual"] == 0  # every decode step in the stack
+    _assert_same_run(halves, modules)
+    _assert_same_run(stack, modules)
+
+
+def _cached_layers(net) -> list[torch.Tensor]:
+    """A fresh KV cache on every attention layer of net (as test_attention's decode batch
+    addresses it), returned in layer order."""
+    caches = []
+    for layer in net.model.layers:
+        attn = layer.self_attn
+        attn.cache["kv"] = torch.randn(12, BLOCK_SIZE, 2, attn.num_kv_heads, attn.head_dim)
+        caches.append(attn.cache["kv"])
+    return caches
+
+
+@pytest.mark.parametrize("name", ["llama", "glm4_moe_qknorm", "gemma3_text"])
+def test_the_stack_follows_the_model(tiny_model, name):
+    """The stack against the layers one by one; it is built again, or steps aside, when what it
+    was built from changes between steps: a module swapped, a hook, another kernel, a new
+    cache, a plan's expert limit."""
+    net = _as_gguf_f32(copy.deepcopy(tiny_model(name)[0]))
+    layers, caches = net.model.layers, _cached_layers(net)
+    batch = _decode_batch([4, 7])
+    x = torch.randn(2, net.config.hidden_size)
+    rope = net.model.rotary_emb(batch.positions)
+
+    def stack():
+        return decode_blocks.stack_residual(layers, x, batch, rope)
+
+    def one_by_one():
+        h = x
+        for layer in layers:
+            h = layer(h, batch, rope)
+        return h
+
+    got = stack()
+    assert got is not None, "the stack did not run"
+    _close(got, one_by_one(), 1e-5)
+    # a new engine's caches: the stack writes and reads those, not the old ones
+    fresh = _cached_layers(net)
+    old_before, fresh_before = [c.clone() for c in caches], [c.clone() for c in fresh]
+    got = stack()
+    assert all(map(torch.equal, caches, old_before))
+    assert not any(map(torch.equal, fresh, fresh_before))
+    _close(got, one_by_one(), 1e-5)
+    attn, mlp = layers[1].self_attn, layers[-1].mlp
+    # a hook (calibration's) sees its module's call: the layers run one by one
+    handle = attn.v_proj.register_forward_hook(lambda *args: None)
+    assert stack() is None
+    handle.remove()
+    assert stack() is not None
+    # the reference kernel asked for, a module swapped for a float one
+    attn.o_proj.kernel = "reference"
+    assert stack() is None
+    attn.o_proj.kernel = "fast"
+    assert stack() is not None
+    projection = mlp.shared_experts if type(mlp) is MoE else mlp
+    down = projection.down_proj
+    projection.down_proj = torch.nn.Linear(down.in_features, down.out_features, bias=False)
+    assert stack() is None
+    projection.down_proj = down
+    _close(stack(), one_by_one(), 1e-5)
+    # a norm's weight replaced (a loader, a plan's variant): the stack reads the new one
+    norm = layers[0].input_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight * 2)
+    _close(stack(), one_by_one(), 1e-5)
+    if type(mlp) is MoE:  # a plan's expert limit: the modules for this step only
+        mlp.experts_per_token = 1
+        assert stack() is None
+        mlp.experts_per_token = None
+        assert stack() is not None
 
 
 @pytest.mark.slow
 def test_a_compiled_engine_decodes_as_an_eager_one(tiny_model):
     net = _as_gguf_f32(copy.deepcopy(tiny_model("llama")[0]))
-    _assert_same_run(_run(net, fused=True, compile=True), _run(net, fused=True))
+    _assert_same_run(_run(net, "halves", compile=True), _run(net, "stack"))

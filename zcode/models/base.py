@@ -13,7 +13,7 @@ from zcode.layers.linear import Linear
 from zcode.layers.norm import RMSNorm
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(decode_blocks.PreNormLayer):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
@@ -22,11 +22,6 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
-        # Each half one C++ call at a GGUF model's decode step, else module by module.
-        h = decode_blocks.attention_half(self.self_attn, self.input_layernorm, x, batch, rope)
-        return decode_blocks.mlp_half(self.mlp, self.post_attention_layernorm, h)
 
 
 class Backbone(nn.Module):
@@ -56,6 +51,9 @@ class Backbone(nn.Module):
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         rope = self.rotary_emb(batch.positions)
+        # An eager decode step of a GGUF model: every layer in one C++ call.
+        if (out := decode_blocks.stack_residual(self.layers, hidden, batch, rope)) is not None:
+            return self.norm(out)
         for i, layer in enumerate(self.layers):
             if batch.paging is None:
                 hidden = layer(hidden, batch, rope)

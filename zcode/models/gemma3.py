@@ -17,7 +17,12 @@ from zcode.models.base import Backbone, CausalLM
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
-class Gemma3DecoderLayer(torch.nn.Module):
+class Gemma3DecoderLayer(decode_blocks.PreNormLayer):
+    HALVES = (
+        ("self_attn", "input_layernorm", "post_attention_layernorm"),
+        ("mlp", "pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    )
+
     def __init__(self, c, layer_type: str) -> None:
         super().__init__()
         self.layer_type = layer_type
@@ -42,20 +47,8 @@ class Gemma3DecoderLayer(torch.nn.Module):
         for name in norm_names:
             setattr(self, name, RMSNorm(c.hidden_size, c.rms_norm_eps, unit_offset=True))
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, rope: dict[str, tuple[torch.Tensor, ...]]
-    ) -> torch.Tensor:
-        # Each half one C++ call at a GGUF model's decode step, else module by module.
-        h = decode_blocks.attention_half(
-            self.self_attn,
-            self.input_layernorm,
-            x,
-            batch,
-            rope[self.layer_type],
-            self.post_attention_layernorm,
-        )
-        mlp_norm, mlp_post = self.pre_feedforward_layernorm, self.post_feedforward_layernorm
-        return decode_blocks.mlp_half(self.mlp, mlp_norm, h, mlp_post)
+    def layer_rope(self, rope: dict[str, tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        return rope[self.layer_type]
 
 
 class Gemma3ForCausalLM(CausalLM):

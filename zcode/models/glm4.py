@@ -1,10 +1,6 @@
 """GLM-4-0414 dense: GQA with qkv bias, interleaved partial RoPE, sandwich norms; the checkpoint's
 fused gate_up_proj runs as a GatedMLP's gate_proj and up_proj (its row halves)."""
 
-import torch
-from torch import nn
-
-from zcode.forward_batch import ForwardBatch
 from zcode.layers import decode_blocks
 from zcode.layers.attention import Attention, head_dim_of
 from zcode.layers.mlp import GatedMLP
@@ -18,7 +14,12 @@ def rotary_dim_of(c) -> int:
     return int(head_dim_of(c) * factor)
 
 
-class Glm4DecoderLayer(nn.Module):
+class Glm4DecoderLayer(decode_blocks.PreNormLayer):
+    HALVES = (
+        ("self_attn", "input_layernorm", "post_self_attn_layernorm"),
+        ("mlp", "post_attention_layernorm", "post_mlp_layernorm"),
+    )
+
     def __init__(self, c) -> None:
         super().__init__()
         self.self_attn = Attention.from_config(c, interleaved_rope=True)
@@ -27,14 +28,6 @@ class Glm4DecoderLayer(nn.Module):
         self.post_self_attn_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_mlp_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
-        # Each half one C++ call at a GGUF model's decode step, else module by module.
-        attn_post, mlp_post = self.post_self_attn_layernorm, self.post_mlp_layernorm
-        h = decode_blocks.attention_half(
-            self.self_attn, self.input_layernorm, x, batch, rope, attn_post
-        )
-        return decode_blocks.mlp_half(self.mlp, self.post_attention_layernorm, h, mlp_post)
 
 
 class Glm4ForCausalLM(CausalLM):
