@@ -280,13 +280,14 @@ class _Stack:
         return not any(self.hook_dicts) and all(map(_moe_unlimited, self.moes))
 
     def build(self, layers: nn.ModuleList, x: torch.Tensor, rope) -> None:
-        op = torch.classes.zcode.DecodeStack()
         self.max_rows, self.rope_layers, self.windows, pairs = 1 << 62, [], [], []
-        self.op, self.moe_lists = False, []
+        self.op, self.moe_lists, op = False, [], None
         for i, layer in enumerate(layers):
             (attn, norm, post_norm), (mlp, mlp_norm, mlp_post_norm) = layer.halves()
             if (kept := _attention_args(attn, norm, post_norm)) is None:
                 return
+            if op is None:  # the ops' library is loaded by now
+                op = torch.classes.zcode.DecodeStack()
             pair = layer.layer_rope(rope)
             if not any(pair is p for p in pairs):
                 pairs.append(pair)
