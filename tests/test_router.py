@@ -5,6 +5,7 @@ little gets the cheaper skipped-layer plan, one predicted to lose much does not,
 its own plan (the same tokens as alone)."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from cost_models import synthetic_cost_model
 
 from zcode.errors import ValidationError
 from zcode.harness.planner import Hints
+from zcode.harness.revision import REVISE_EVERY
 from zcode.harness.router import Router, fit, fit_router, prompt_embeddings
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
@@ -132,3 +134,47 @@ def test_calibrate_fits_the_router_into_the_one_artifact(tiny_checkpoint, tmp_pa
     loaded = LLM(path, sparsity=tmp_path / "art.pt", **ENGINE)
     assert loaded.router.depths == router.depths
     assert [o.label for o in loaded.planner().depths if o.skip_layers] == ["skip 1 layers"]
+
+
+def test_a_routed_request_moves_to_the_plan_its_text_so_far_needs(tiny_checkpoint, tmp_path):
+    """A router whose predicted loss of skipping grows with the text's length: a short prompt
+    starts on the skipping plan, and at the first checkpoint (REVISE_EVERY output tokens), its
+    text now long, moves to the dense one; its first tokens are the skipping plan's, the rest
+    what the dense plan continues that text with."""
+    path = tiny_checkpoint("llama").path
+    llm = LLM(path, **ENGINE)
+    generator = torch.Generator().manual_seed(1)
+    windows = [torch.randint(3, 250, (12,), generator=generator).tolist() for _ in range(12)]
+    fitted = fit_router(llm, windows, skip_counts=(0, 1), order_windows=4)
+    prompt = windows[0][:6]
+    num_features = fitted.feature_mean.numel()
+    weights = torch.zeros(num_features + 1, 2)
+    weights[-2, 1] = 1.0  # the standardized log length
+    mean, scale = torch.zeros(num_features), torch.ones(num_features)
+    longer = len(prompt) + REVISE_EVERY
+    mean[-1] = math.log(len(prompt))  # the prompt: 0 nats/token
+    scale[-1] = (math.log(longer) - math.log(len(prompt))) / 0.1  # its text at the checkpoint: 0.1
+    router = dataclasses.replace(
+        fitted, mean_log_loss=(0.0, 0.05), feature_mean=mean, feature_scale=scale, weights=weights
+    )
+    routed = LLM(path, **ENGINE, sparsity=_artifact_with(router, path, tmp_path / "art.pt"))
+    routed.cost_model = synthetic_cost_model(mb_ms=10.0)
+    budget = 100 * (math.exp(0.04) - 1)  # below the mean loss of skipping
+    params = dataclasses.replace(GREEDY, max_tokens=REVISE_EVERY + 8)
+    (out,) = routed.generate(prompt, params, max_quality_loss=budget)
+    hints, embed = Hints(max_quality_loss=budget), routed.model.model.embed_tokens
+    dense = routed.planner().choose(hints, 1, 32).plan
+    skipping = routed.planner().choose(hints, 1, 32, router.predict(embed, prompt)).plan
+    assert skipping.skip_layers == router.depths[1] and dense.skip_layers == ()
+    assert out.plan.signature == dense.signature()
+    (move,) = out.plan.revisions
+    assert move["at_token"] == REVISE_EVERY
+    assert (move["from"], move["to"]) == (skipping.name, dense.name)
+    first = routed.generate(
+        prompt, dataclasses.replace(GREEDY, max_tokens=REVISE_EVERY), plan=skipping
+    )
+    assert out.token_ids[:REVISE_EVERY] == first[0].token_ids
+    rest = routed.generate(
+        prompt + first[0].token_ids, dataclasses.replace(GREEDY, max_tokens=8), plan=dense
+    )
+    assert out.token_ids[REVISE_EVERY:] == rest[0].token_ids

@@ -22,6 +22,7 @@ from zcode.harness.executor import PlanExecutor
 from zcode.harness.plan import ExecutionPlan
 from zcode.harness.planner import Hints, Planner, Speculation
 from zcode.harness.report import DecodeSteps, LatencyFeedback, PlanReport, plan_report
+from zcode.harness.revision import PlanReviser
 from zcode.kernels.cpp_build import build_all
 from zcode.layers.moe import moe_layers
 from zcode.loader import load_model
@@ -228,15 +229,24 @@ class LLM:
         context_len = planning_context_len([len(ids) for ids in token_lists], params.max_tokens)
         planner, choices = self.planner(), []
         scale = self.latency_feedback.scale() if self.latency_feedback else 1.0
-        for ids, h in zip(token_lists, hints):
+        embeddings = self.model.model.embed_tokens
+        reviser = PlanReviser(
+            self.engine, planner, self.router, embeddings, len(token_lists), context_len, scale
+        )
+        for i, (ids, h) in enumerate(zip(token_lists, hints)):
             routed = None
             explicit = h.plan is not None or h.skip_layers or h.skip_kv_heads
             if self.router is not None and not explicit:
-                routed = self.router.predict(self.model.model.embed_tokens, ids)
+                routed = self.router.predict(embeddings, ids)
             choices.append(planner.choose(h, len(token_lists), context_len, routed, scale))
-        outputs, ran = [], self._run(token_lists, params, [c.plan for c in choices])
-        for (out, steps), h, choice in zip(ran, hints, choices):
-            report = plan_report(choice, h, steps)
+            if routed is not None:
+                reviser.add(i, h, choices[-1])
+        outputs, ran = [], self._run(token_lists, params, [c.plan for c in choices], reviser)
+        for i, ((out, steps), h, choice) in enumerate(zip(ran, hints, choices)):
+            choice = reviser.choice(i) or choice
+            report = dataclasses.replace(
+                plan_report(choice, h, steps), revisions=reviser.revisions(i)
+            )
             if self.latency_feedback is not None:
                 self.latency_feedback.record(report)
             out.plan = report if out.plan is None else replace_speculative(report, out.plan)
@@ -248,10 +258,12 @@ class LLM:
         token_lists: list[list[int]],
         params: SamplingParams,
         plans: list[ExecutionPlan | None],
+        reviser: PlanReviser | None = None,
     ) -> list[tuple[RequestOutput, DecodeSteps]]:
         """The one generate loop: all requests or none added, each under its plan (None: the
-        default), stepped to the end. Returns each request's output, in order, and its decode
-        steps (those after every prompt is in the cache)."""
+        default), stepped to the end; after each step `reviser` may move a routed request to
+        another plan. Returns each request's output, in order, and its decode steps (those
+        after every prompt is in the cache)."""
         seqs = []
         try:
             for ids, plan in zip(token_lists, plans):
@@ -272,9 +284,13 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         steps = {seq.request_id: DecodeSteps() for seq in seqs}
         prefilled = False
+        if reviser is not None:
+            reviser.bind(seqs)
         while self.engine.has_unfinished():
             start = time.perf_counter()
             outs = self.engine.step()
+            if reviser is not None:
+                reviser.after_step()
             ms = 1e3 * (time.perf_counter() - start)
             for out in outs:
                 if out.request_id not in steps:

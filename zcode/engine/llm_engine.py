@@ -200,13 +200,9 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
             )
-        skips_salt = (
-            f"skip layers {sorted(layers)} heads {sorted(heads)}" if layers or heads else None
-        )
-        # KV computed under another plan is neither reused by nor published to other plans.
-        plan_salt = None if plan is None else f"plan {plan.kv_signature()}"
-        salt = join_salts(plan_salt, cache_salt, skips_salt)
+        salt = _salt(plan, cache_salt, layers, heads)
         seq = Sequence(prompt_token_ids, params, detokenizer, request_id, salt, layers, heads, plan)
+        seq.request_salt = cache_salt
         seq.grammar = grammar
         seq.num_lookahead_tokens = num_lookahead_tokens
         if seq.request_id in self.sequences:
@@ -214,6 +210,23 @@ class LLMEngine:
         self.sequences[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def revise(self, seq: Sequence, plan: ExecutionPlan) -> None:
+        """Moves an unfinished request to `plan`, its skipped layers and KV heads included: the
+        KV it holds was computed under its old plan, so it is dropped and the request's tokens
+        so far, prompt and output, are computed again under the new one before it decodes on
+        (as after a preemption: ahead of the waiting requests); its output stays."""
+        if seq.is_finished:
+            raise ValidationError(f"request {seq.request_id!r} has finished: no plan to revise")
+        layers, heads = self.validate_skips(plan.skip_layers, plan.skip_kv_heads)
+        num_lookahead_tokens = self._num_lookahead_tokens(seq.params, plan.num_draft_tokens)
+        request_plan = self._request_plan(plan)
+        if seq in self.scheduler.running:
+            self.scheduler.requeue(seq)  # frees its blocks: num_computed_tokens 0
+        seq.skip_layers, seq.skip_kv_heads, seq.plan = layers, heads, request_plan
+        seq.cache_salt = _salt(request_plan, seq.request_salt, layers, heads)
+        seq.block_hashes, seq.num_hashed_blocks = [], 0  # chained from the new salt
+        seq.num_lookahead_tokens, seq.spec_token_ids = num_lookahead_tokens, []
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not prompt_token_ids:
@@ -719,3 +732,16 @@ def _eos_ids(hf_config, tokenizer) -> set[int]:
 
 def _is_index(i, size: int) -> bool:
     return isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size
+
+
+def _salt(
+    plan: ExecutionPlan | None,
+    cache_salt: str | None,
+    layers: frozenset[int],
+    heads: frozenset[tuple[int, int]],
+) -> str:
+    """A request's prefix-cache salt: KV computed under another plan or other skips is neither
+    reused by nor published to it."""
+    skips_salt = f"skip layers {sorted(layers)} heads {sorted(heads)}" if layers or heads else None
+    plan_salt = None if plan is None else f"plan {plan.kv_signature()}"
+    return join_salts(plan_salt, cache_salt, skips_salt)

@@ -128,11 +128,16 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
+        self.requeue(seq)
+        self.num_preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """Frees a running sequence's blocks and puts it first in the queue: its tokens are
+        computed again when it is admitted."""
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

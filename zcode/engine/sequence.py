@@ -38,6 +38,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_table: list[int] = []
         self.cache_salt = cache_salt  # prefix-cache blocks are shared under equal salts only
+        self.request_salt: str | None = None  # the caller's part of it (LLMEngine.revise)
         self.skip_layers = skip_layers  # decoder layers it never runs, and keeps no KV for
         self.skip_kv_heads = skip_kv_heads  # (layer, KV head) pairs it never reads or keeps
         # The model state its forwards run under (precision, FFN level; no skips): None is the

@@ -24,6 +24,10 @@ class PlanReport:
     # What the planner predicted of it: acceptance, drafts per step, gain over no drafts.
     predicted_speculation: dict | None = None
     latency_scale: float = 1.0  # measured over predicted ms of the latest requests, planned with
+    # A routed request's moves to other plans as it decoded (zcode.harness.revision): each
+    # {"at_token", "from", "to", "predicted_quality_loss_pct"}; the fields above are the last
+    # plan's.
+    revisions: tuple = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
