@@ -15,6 +15,12 @@ held-out windows:
   two routed policies around it: mixing them over requests attains it);
 - oracle: the same with each window's measured loss in place of the prediction (the bound).
 
+Then what revising a plan during decoding (zcode.harness.revision) buys: each held-out window
+read as a prompt (its first PROMPT tokens) and a continuation, the depth the rest of the window
+after CHECKPOINT runs at chosen from the prompt alone (admission) or from the text at the
+checkpoint (PROMPT + the 32 tokens after which the reviser reads again), each at equal mean ms
+against static plans, on the measured loss of those last tokens.
+
 Writes bench/results/router.json.
 """
 
@@ -34,11 +40,13 @@ from table_format import print_rows  # noqa: E402
 from zcode import LLM  # noqa: E402
 from zcode.calibration import corpus_tokens  # noqa: E402
 from zcode.harness.plan import ExecutionPlan  # noqa: E402
+from zcode.harness.revision import REVISE_EVERY  # noqa: E402
 from zcode.harness.router import fit, layer_order, prompt_embeddings, window_log_losses  # noqa: E402
 from zcode.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SKIP_COUNTS = (0, 1, 2, 3, 4, 6, 8)
+PROMPT, CHECKPOINT = 32, 32 + REVISE_EVERY  # tokens of a window read at admission, at revision
 
 
 def windows(ids: list[int], width: int) -> list[list[int]]:
@@ -157,6 +165,7 @@ def main() -> None:
     print_rows(
         ["skipped", "ms/token min / median / line", "static ppl +%", "routed", "oracle"], rows
     )
+    revision = revision_rows(llm, router, held, depths, ms)
     error = (predicted - held_losses).abs().mean().item()
     spread = held_losses.std(0).mean().item()
     print(
@@ -175,9 +184,44 @@ def main() -> None:
         "router_parameters": router.num_parameters,
         "model_parameters": num_params,
         "heldout_mean_abs_error": error,
+        "revision": {"prompt": PROMPT, "checkpoint": CHECKPOINT, "rows": revision},
     }
     (RESULTS / "router.json").write_text(json.dumps(blob, indent=2) + "\n")
     print(f"wrote {RESULTS / 'router.json'} ({time.time() - start:.0f} s)")
+
+
+def revision_rows(llm: LLM, router, held, depths, ms: torch.Tensor) -> list[dict]:
+    """Per depth: the static plan's loss over each held-out window's tokens after CHECKPOINT,
+    and at its ms the routed ones' with the depth chosen from the first PROMPT tokens, from
+    the first CHECKPOINT tokens (revised), and from the measured loss (oracle)."""
+    tail = window_log_losses(llm, held, depths, start=CHECKPOINT)  # [N, K]
+    embed = llm.model.model.embed_tokens
+    fronts = {
+        "admission": frontier(
+            router.predict_raw(prompt_embeddings(embed, [w[:PROMPT] for w in held])), tail, ms
+        ),
+        "revised": frontier(
+            router.predict_raw(prompt_embeddings(embed, [w[:CHECKPOINT] for w in held])), tail, ms
+        ),
+        "oracle": frontier(tail, tail, ms),
+    }
+    record, rows = [], []
+    for k, depth in enumerate(depths):
+        entry = {"skipped_layers": len(depth), "static_loss_pct": pct(tail[:, k].mean().item())}
+        entry |= {
+            f"{name}_loss_pct": pct(at_ms(front, ms[k].item())) for name, front in fronts.items()
+        }
+        record.append(entry)
+        rows.append(
+            [str(len(depth)), f"{entry['static_loss_pct']:.2f}"]
+            + [_fmt(entry[f"{n}_loss_pct"]) for n in fronts]
+        )
+    print(
+        f"tokens {CHECKPOINT}.. of each window, the depth chosen from its first {PROMPT} tokens "
+        f"(admission) or its first {CHECKPOINT} (revised):"
+    )
+    print_rows(["skipped", "static ppl +%", "admission", "revised", "oracle"], rows)
+    return record
 
 
 def _fmt(value: float | None) -> str:

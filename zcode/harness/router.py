@@ -128,15 +128,16 @@ def fit(
     return Router(tuple(depths), mean_loss, center, projection, mean, scale, best[1].float())
 
 
-def window_log_losses(llm, windows: list[list[int]], depths) -> torch.Tensor:
-    """[N, K]: each window's log-perplexity increase under each depth over no skipping."""
+def window_log_losses(llm, windows: list[list[int]], depths, start: int = 1) -> torch.Tensor:
+    """[N, K]: each window's log-perplexity increase under each depth over no skipping, over
+    its tokens from position `start` on (each predicted from all before it)."""
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, ignore_eos=True)
 
     def mean_nll(skip: tuple[int, ...]) -> torch.Tensor:
         outs = llm.generate(windows, params, skip_layers=skip)
         return torch.tensor(
             [
-                -sum(out.prompt_logprobs[i][w[i]] for i in range(1, len(w))) / (len(w) - 1)
+                -sum(out.prompt_logprobs[i][w[i]] for i in range(start, len(w))) / (len(w) - start)
                 for w, out in zip(windows, outs)
             ]
         )
