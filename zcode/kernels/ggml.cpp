@@ -1,11 +1,11 @@
 // GGUF block formats (llama.cpp's ggml types) read as stored, on any CPU.
 //
 // ISA paths: AVX-512 F + BW + VL + VNNI (and F16C) where the compiler targets them (-march=native
-// on such a CPU): 64-byte vectors and vpdpbusd. Everywhere else (AVX2, x86-64 baseline, aarch64):
-// plain loops over the same block layouts that gcc -O3 vectorizes for the target, with AVX2
-// intrinsics (vpmaddubsw) for the int8 x int8 -> int32 block dot products where the target has
-// AVX2; the same integer arithmetic, only the fp32 summation order differs; dequantization is bit
-// for bit the same on both.
+// on such a CPU): 64-byte vectors and vpdpbusd. AVX2 + FMA + F16C without AVX-512 (Zen 2/3,
+// Intel client cores): the dot products in 32-byte vectors (vpmaddubsw, vpmaddwd), as llama.cpp's
+// AVX2 kernels. Everywhere else (x86-64 baseline, aarch64): plain loops over the same block
+// layouts that gcc -O3 vectorizes for the target. The same integer arithmetic on every path, only
+// the fp32 summation order differs; dequantization is bit for bit the same on all.
 //
 // A weight is uint8 [N, row_bytes]: each row is K / block_size blocks of one ggml type
 // (ggml-common.h's layouts; the `gguf` Python package's dequantize is the reference):
@@ -67,6 +67,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__) && defined(__F16C__)
 #define ZCODE_GGML_AVX512 1
+// The AVX2 path (AVX-512 absent): 32-byte vectors, vpmaddubsw + vpmaddwd, fp16 loads (F16C), FMA.
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ZCODE_GGML_AVX2 1
 #endif
 
 namespace {
@@ -987,6 +990,53 @@ void dot_group_x16_kq(const uint8_t* group, const Activations& a, float* out, in
 
 constexpr int LANES = 16;
 
+#if defined(ZCODE_GGML_AVX2)
+// ---- AVX2: llama.cpp's AVX2 arithmetic. vpmaddubsw multiplies unsigned weight codes by signed
+// activation codes and sums pairs in int16 (at most 2 * 128 * 127 < 2^15: exact), vpmaddwd sums
+// pairs of those into int32, times 1 or a sub-block's integer scale; each block's int32 lanes are
+// scaled in fp32 into 8 fp32 lanes kept until the row ends: one horizontal sum per row.
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+
+// Unsigned codes w times signed codes x: lane l sums the products of bytes 4l..4l+3, times the
+// int16 scale of its pairs (lanes 0-7 of `scale`: bytes 0-15; 8-15: bytes 16-31).
+inline __m256i dot_u8_i8(__m256i w, __m256i x, __m256i scale = _mm256_set1_epi16(1)) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), scale);
+}
+// Signed codes w (Q8_0): |w| times x with w's sign.
+inline __m256i dot_i8_i8(__m256i w, __m256i x) {
+  return dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 16 nibble bytes -> 32 codes in element order: the low nibbles, then the high.
+inline __m256i nibbles_x32(const uint8_t* p) {
+  const __m128i b = load128(p);
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+// 32 bits -> 32 bytes: byte j is 16 where bit j is set, else 0 (a fifth bit moved onto a code).
+inline __m256i sixteen_where(uint32_t bits) {
+  const __m256i bytes =  // byte j: bits byte j / 8
+      _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                          _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                             0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));  // j % 8
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit),
+                          _mm256_set1_epi8(16));
+}
+// A 32-block's fifth bits (bit j of the u32 at qh: element j).
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  return sixteen_where(bits);
+}
+#else
 // int8 x int8 -> int32 over n codes: an integer sum, so gcc vectorizes it (pmaddwd, sdot).
 template <int n>
 inline int32_t dot_i8(const int8_t* w, const int8_t* x) {
@@ -994,50 +1044,17 @@ inline int32_t dot_i8(const int8_t* w, const int8_t* x) {
   for (int i = 0; i < n; ++i) sum += static_cast<int32_t>(w[i]) * static_cast<int32_t>(x[i]);
   return sum;
 }
-
-#if defined(__AVX2__)
-// 32 int8 x int8 products summed by pairs of 4 into 8 int32 lanes (lanes 0-3: bytes 0-15): |w|
-// by vpmaddubsw against x with w's sign, exact (a pair is at most 2 * 128 * 127 < 2^15).
-inline __m256i dot32_lanes(__m256i w, __m256i x) {
-  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtsi128_si32(s);
-}
-#endif
-
 // A 32-block's dot: w[0..15] . x0 + w[16..31] . x1 (the activation halves lie apart).
 inline int32_t dot_block32(const int8_t* w, const int8_t* x0, const int8_t* x1) {
-#if defined(__AVX2__)
-  const __m256i x = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x1)),
-                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(x0)));
-  return hsum(dot32_lanes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), x));
-#else
   return dot_i8<16>(w, x0) + dot_i8<16>(w + 16, x1);
-#endif
 }
-
 // A K-quant block's sum_g scale[g] (w . x over group g of 16), exact in int32.
 inline int32_t dot_block256(const int8_t* w, const int8_t* x, const int32_t* scale) {
-#if defined(__AVX2__)
-  __m256i acc = _mm256_setzero_si256();
-  for (int g = 0; g < 16; g += 2) {
-    const __m256i dot = dot32_lanes(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * g)),
-                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16 * g)));
-    const __m256i sc = _mm256_set_m128i(_mm_set1_epi32(scale[g + 1]), _mm_set1_epi32(scale[g]));
-    acc = _mm256_add_epi32(acc, _mm256_mullo_epi32(dot, sc));
-  }
-  return hsum(acc);
-#else
   int32_t sum = 0;
   for (int g = 0; g < 16; ++g) sum += scale[g] * dot_i8<16>(w + 16 * g, x + 16 * g);
   return sum;
-#endif
 }
+#endif
 
 // A 32-element block: codes in element order and w = d q + offset (offset = m, or -ZERO d).
 struct Block32 {
@@ -1063,41 +1080,36 @@ inline void add_high_bits(const uint8_t* qh, int8_t* q) {
   for (int j = 0; j < QK; ++j) q[j] |= ((bits >> j) & 1) << 4;
 }
 
-struct BQ4_0 {
-  static constexpr int64_t BYTES = 18, ZERO = 8;
-  static constexpr bool HAS_MIN = false;
+// A 32-block type's layout: fp16 d at byte 0, fp16 m at 2 (HAS_MIN), the u32 of fifth bits at
+// HIGH_BITS (0: none), the codes at CODES: nibbles, or (SIGNED: Q8_0) 32 signed bytes.
+template <int64_t BYTES_, int64_t ZERO_, bool HAS_MIN_, int64_t HIGH_BITS, int64_t CODES,
+          bool SIGNED_ = false>
+struct Block32Type {
+  static constexpr int64_t BYTES = BYTES_, ZERO = ZERO_;
+  static constexpr bool HAS_MIN = HAS_MIN_, SIGNED = SIGNED_;
+  static float offset(const uint8_t* p, float d) { return HAS_MIN ? half(p + 2) : d * -ZERO; }
   static void decode(const uint8_t* p, Block32& b) {
-    nibbles32(p + 2, b.q), b.d = half(p), b.offset = b.d * -ZERO;
+    if constexpr (SIGNED) {
+      std::memcpy(b.q, p + CODES, QK);
+    } else {
+      nibbles32(p + CODES, b.q);
+      if constexpr (HIGH_BITS != 0) add_high_bits(p + HIGH_BITS, b.q);
+    }
+    b.d = half(p), b.offset = offset(p, b.d);
   }
-};
-struct BQ4_1 {
-  static constexpr int64_t BYTES = 20, ZERO = 0;
-  static constexpr bool HAS_MIN = true;
-  static void decode(const uint8_t* p, Block32& b) {
-    nibbles32(p + 4, b.q), b.d = half(p), b.offset = half(p + 2);
+#if defined(ZCODE_GGML_AVX2)
+  static __m256i codes(const uint8_t* p) {
+    if constexpr (SIGNED) return load256(p + CODES);
+    if constexpr (HIGH_BITS != 0) return _mm256_or_si256(nibbles_x32(p + CODES), fifth_bits(p + HIGH_BITS));
+    return nibbles_x32(p + CODES);
   }
+#endif
 };
-struct BQ5_0 {
-  static constexpr int64_t BYTES = 22, ZERO = 16;
-  static constexpr bool HAS_MIN = false;
-  static void decode(const uint8_t* p, Block32& b) {
-    nibbles32(p + 6, b.q), add_high_bits(p + 2, b.q), b.d = half(p), b.offset = b.d * -ZERO;
-  }
-};
-struct BQ5_1 {
-  static constexpr int64_t BYTES = 24, ZERO = 0;
-  static constexpr bool HAS_MIN = true;
-  static void decode(const uint8_t* p, Block32& b) {
-    nibbles32(p + 8, b.q), add_high_bits(p + 4, b.q), b.d = half(p), b.offset = half(p + 2);
-  }
-};
-struct BQ8_0 {
-  static constexpr int64_t BYTES = 34, ZERO = 0;
-  static constexpr bool HAS_MIN = false;
-  static void decode(const uint8_t* p, Block32& b) {
-    std::memcpy(b.q, p + 2, QK), b.d = half(p), b.offset = 0.f;
-  }
-};
+using BQ4_0 = Block32Type<18, 8, false, 0, 2>;
+using BQ4_1 = Block32Type<20, 0, true, 0, 4>;
+using BQ5_0 = Block32Type<22, 16, false, 2, 6>;
+using BQ5_1 = Block32Type<24, 0, true, 4, 8>;
+using BQ8_0 = Block32Type<34, 0, false, 0, 2, true>;
 
 // A K-quant block: codes in element order, the integer scale of each group of 16, and the
 // offsets' coefficients per activation sum (per 16 for Q6_K: -32 d sc_g; per 32 for Q4_K and
@@ -1194,6 +1206,108 @@ struct BQ6_K {
   }
 };
 
+#if defined(ZCODE_GGML_AVX2)
+// A K-quant block as 8 vectors of 32 codes (elements 32v..32v+31), per vector the int16 scale of
+// its pairs of codes (dot_u8_i8's `scale`: Q4_K / Q5_K one sub-block's, Q6_K two groups' of 16),
+// and the offsets' coefficients per activation sum (offset[0]: -dmin m_i per 32 for Q4_K and
+// Q5_K; offset[0..1]: -32 d sc_g per 16 for Q6_K).
+struct BlockKx {
+  __m256i q[8], scale[8];
+  __m256 offset[2];
+  float d;
+};
+
+// Q4_K / Q5_K (fifth bits: element 32v + l's is bit v of qh byte l): chunk c's 32 nibble bytes
+// hold vector 2c in their low nibbles, 2c + 1 in their high.
+template <bool FIVE>
+BlockKx decode_kx(const uint8_t* p) {
+  BlockKx k;
+  alignas(16) uint8_t scm[16];
+  scale_min_bytes(p + 4, scm);
+  for (int v = 0; v < 8; ++v) k.scale[v] = _mm256_set1_epi16(scm[v]);
+  const __m256 mins = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(scm + 8))));
+  k.offset[0] = _mm256_mul_ps(_mm256_set1_ps(-half(p + 2)), mins);
+  k.d = half(p);
+  const uint8_t* nibbles = p + (FIVE ? 48 : 16);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), sixteen = _mm256_set1_epi8(16);
+  for (int c = 0; c < 4; ++c) {
+    const __m256i b = load256(nibbles + 32 * c);
+    k.q[2 * c] = _mm256_and_si256(b, low4);
+    k.q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+  }
+  if constexpr (FIVE) {
+    const __m256i qh = load256(p + 16);
+    for (int v = 0; v < 8; ++v) {
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << v));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+      k.q[v] = _mm256_or_si256(k.q[v], _mm256_and_si256(set, sixteen));
+    }
+  }
+  return k;
+}
+inline BlockKx decode_kx(BQ4_K, const uint8_t* p) { return decode_kx<false>(p); }
+inline BlockKx decode_kx(BQ5_K, const uint8_t* p) { return decode_kx<true>(p); }
+
+// Q6_K: element 128h + 32s + l (vector 4h + s) as BQ6_K::decode reads it, high 2 bits moved to
+// bits 4-5 by 16-bit shifts (the bits crossing a byte are masked off).
+inline BlockKx decode_kx(BQ6_K, const uint8_t* p) {
+  BlockKx k;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i ql0 = load256(p + 64 * h), ql1 = load256(p + 64 * h + 32);
+    const __m256i qh = load256(p + 128 + 32 * h);
+    __m256i* q = k.q + 4 * h;
+    q[0] = _mm256_or_si256(_mm256_and_si256(ql0, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(qh, 4), bits45));
+    q[1] = _mm256_or_si256(_mm256_and_si256(ql1, low4),
+                           _mm256_and_si256(_mm256_slli_epi16(qh, 2), bits45));
+    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                           _mm256_and_si256(qh, bits45));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                           _mm256_and_si256(_mm256_srli_epi16(qh, 2), bits45));
+  }
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+  for (int v = 0; v < 8; ++v)
+    k.scale[v] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * v + 1]), _mm_set1_epi16(sc[2 * v]));
+  k.d = half(p + 208);
+  const __m256 minus32d = _mm256_set1_ps(-32.f * k.d);
+  const __m128i sc16 = load128(sc);
+  k.offset[0] = _mm256_mul_ps(minus32d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc16)));
+  k.offset[1] = _mm256_mul_ps(minus32d,
+                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc16, 8))));
+  return k;
+}
+
+// 16 activations / scale, rounded half to even (vroundps), clamped to +-127 -> 16 int8 codes in
+// order; returns their sum.
+inline int32_t quantize16(const float* x, float scale, int8_t* codes) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const auto codes8 = [&](const float* v) {
+    const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(v), s),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvtps_epi32(
+        _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f)));
+  };
+  const __m256i q0 = codes8(x), q1 = codes8(x + 8);
+  const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  // in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(codes),
+                   _mm_packs_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
+  __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(_mm256_add_epi32(q0, q1)),
+                              _mm256_extracti128_si256(_mm256_add_epi32(q0, q1), 1));
+  sum = _mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32(sum, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+inline float amax(const float* x, int64_t n) {  // n a multiple of 8
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), abs));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 // Per block: scale = amax / 127, codes = round-half-even(x / scale) (IEEE division: the AVX-512
 // path's codes exactly), and the scaled code sums Activations describes.
 Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t block) {
@@ -1207,15 +1321,22 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t b
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < K / block; ++b) {
       const float* xb = x + m * K + b * block;
+#if defined(ZCODE_GGML_AVX2)
+      const float scale = amax(xb, block) / 127.f;
+#else
       float amax = 0.f;
       for (int64_t k = 0; k < block; ++k) amax = std::max(amax, std::fabs(xb[k]));
       const float scale = amax / 127.f;
+#endif
       const int64_t i = m * a.scale_stride + b;
       a.scale[i] = scale;
       if (scale == 0.f) continue;  // codes and sums stay zero
       int32_t sums16[16];
       for (int64_t k = 0; k < block; k += 16) {
         int8_t* codes = a.codes.data() + m * a.code_stride + a.code_offset(b, k);
+#if defined(ZCODE_GGML_AVX2)
+        sums16[k / 16] = quantize16(xb + k, scale, codes);
+#else
         int32_t sum = 0;
         for (int j = 0; j < 16; ++j) {
           const float q = std::min(std::max(std::nearbyint(xb[k + j] / scale), -127.f), 127.f);
@@ -1223,6 +1344,7 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t b
           sum += codes[j];
         }
         sums16[k / 16] = sum;
+#endif
       }
       if (block == QK) {
         a.sums[2 * i] = scale;
@@ -1238,6 +1360,275 @@ Activations quantize_activations(const float* x, int64_t M, int64_t K, int64_t b
   return a;
 }
 
+#if defined(ZCODE_GGML_AVX2)
+// R rows at once (row stride `stride` bytes, outputs at out[r]) share each activation load; each
+// row's block terms go into its own 8 fp32 lanes and one bias sum (the offset terms).
+template <typename B, int M, int R>
+void dot_rows_32(const uint8_t* row, int64_t stride, const Activations& a, float* out, int64_t N) {
+  __m256 acc[R][M];
+  float bias[R][M] = {};
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    __m256i q[R];
+    float d[R], offset[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = row + r * stride + b * B::BYTES;
+      prefetch_l2(p);
+      q[r] = B::codes(p), d[r] = half(p), offset[r] = B::offset(p, d[r]);
+    }
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = a.codes.data() + m * a.code_stride;
+      const __m256i x = _mm256_set_m128i(load128(xq + a.code_offset(b, 16)),
+                                         load128(xq + a.code_offset(b, 0)));
+      const float* sums = a.sums.data() + 2 * (m * a.scale_stride + b);  // scale, scale * sum
+      for (int r = 0; r < R; ++r) {
+        const __m256i dot = B::SIGNED ? dot_i8_i8(q[r], x) : dot_u8_i8(q[r], x);
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[r] * sums[0]),
+                                    acc[r][m]);
+        if constexpr (B::HAS_MIN || B::ZERO != 0) bias[r][m] += offset[r] * sums[1];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[m * N + r] = hsum(acc[r][m]) + bias[r][m];
+}
+
+template <typename B, int M>
+void dot_row_32(const uint8_t* row, const Activations& a, float* out, int64_t N) {
+  dot_rows_32<B, M, 1>(row, 0, a, out, N);
+}
+
+template <typename B, int M>
+void dot_row_k(const uint8_t* row, const Activations& a, float* out, int64_t N) {
+  __m256 acc[M], bias[M];
+  for (int m = 0; m < M; ++m) acc[m] = bias[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = row + b * B::BYTES;
+    for (int64_t line = 0; line < B::BYTES; line += 64) prefetch_l2(p + line);
+    const BlockKx w = decode_kx(B{}, p);
+    for (int m = 0; m < M; ++m) {
+      const int8_t* xq = a.block_codes(m, b);
+      __m256i sum = _mm256_setzero_si256();
+      for (int v = 0; v < 8; ++v)
+        sum = _mm256_add_epi32(sum, dot_u8_i8(w.q[v], load256(xq + 32 * v), w.scale[v]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(w.d * a.block_scale(m, b)),
+                               acc[m]);
+      const float* sums = a.sums.data() + (m * a.scale_stride + b) * 32 + (B::SUMS16 ? 0 : 24);
+      bias[m] = _mm256_fmadd_ps(w.offset[0], _mm256_loadu_ps(sums), bias[m]);
+      if constexpr (B::SUMS16) bias[m] = _mm256_fmadd_ps(w.offset[1], _mm256_loadu_ps(sums + 8), bias[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m * N] = hsum(_mm256_add_ps(acc[m], bias[m]));
+}
+
+// ---- The interleaved layout on AVX2: each 64-byte vector of 16 rows' lanes as two 32-byte
+// halves, h = 0 rows 0-7 and h = 1 rows 8-15, each half's block worked through on its own (8
+// fp32 accumulators per activation row and half); vpdpbusd becomes vpmaddubsw + vpmaddwd. The
+// int16 pair sums stay below 2^15, so exact: two products of a nibble code (< 32) and |x| <= 127,
+// and two such pair sums added (Q6_K's 6-bit codes: 2 x 2 x 63 x 127 = 32004). Q8_0's stored
+// codes are flipped (q + 128, unsigned) for vpdpbusd: here they are flipped back and multiplied
+// signed (|q| times x with q's sign), as its rows are.
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline __m256 fp16x8(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
+// bytes 8h..8h+7 of 16 -> 8 fp32 (unsigned or signed bytes).
+inline __m256 u8x8(__m128i bytes, int h) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes));
+}
+inline __m256 i8x8(__m128i bytes, int h) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(h ? _mm_srli_si128(bytes, 8) : bytes));
+}
+
+// 16 interleaved rows of a 32-block type against M activation rows (see the AVX-512 kernel).
+template <int64_t BASE, int M>
+void dot_group_x16(const uint8_t* group, const Activations& a, float* out, int64_t N) {
+  constexpr X16Layout L = x16_layout(BASE);
+  constexpr float ZERO = BASE == Q4_0 ? 8.f : BASE == Q5_0 ? 16.f : 0.f;  // Q8_0: signed again
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = group + b * GROUP_ROWS * L.bytes;
+    for (int64_t line = 0; line < GROUP_ROWS * L.bytes; line += 64) prefetch_l2(p + line);
+    const int8_t* x[M];
+    for (int m = 0; m < M; ++m) x[m] = a.block_codes(m, b);
+    // Activation codes k..k + 3 of row m (the paired order: elements 16.. lie 32 bytes on).
+    const auto x4 = [&](int m, int64_t k) { return broadcast4(x[m] + k % 16 + k / 16 * 32); };
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = fp16x8(p + 16 * h);
+      const __m256 offset =
+          L.m >= 0 ? fp16x8(p + L.m + 16 * h) : _mm256_mul_ps(d, _mm256_set1_ps(-ZERO));
+      __m256i dot[M];
+      for (int m = 0; m < M; ++m) dot[m] = _mm256_setzero_si256();
+      const uint8_t* q = p + L.codes + 32 * h;
+      if constexpr (L.code_vectors == 8) {
+        for (int j = 0; j < 8; ++j) {
+          const __m256i w = _mm256_xor_si256(load256(q + 64 * j), _mm256_set1_epi8(-128));
+          for (int m = 0; m < M; ++m) dot[m] = _mm256_add_epi32(dot[m], dot_i8_i8(w, x4(m, 4 * j)));
+        }
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = load256(q + 64 * j);
+          __m256i low = _mm256_and_si256(v, low4);
+          __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          if constexpr (L.high_bits >= 0) {
+            uint64_t masks[2];
+            std::memcpy(masks, p + L.high_bits + 16 * j, 16);
+            low = _mm256_or_si256(low, sixteen_where(static_cast<uint32_t>(masks[0] >> 32 * h)));
+            high = _mm256_or_si256(high, sixteen_where(static_cast<uint32_t>(masks[1] >> 32 * h)));
+          }
+          for (int m = 0; m < M; ++m) {
+            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x4(m, 4 * j)),
+                                                   _mm256_maddubs_epi16(high, x4(m, 16 + 4 * j)));
+            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs, ones));
+          }
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const float* sums = a.sums.data() + 2 * (m * a.scale_stride + b);  // scale, scale * sum
+        acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
+                                    _mm256_mul_ps(d, _mm256_set1_ps(sums[0])), acc[m][h]);
+        if constexpr (L.m >= 0 || ZERO != 0.f)
+          acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sums[1]), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * N + 8 * h, acc[m][h]);
+}
+
+// 16 interleaved Q6_K rows against M activation rows (see the AVX-512 kernel).
+template <int M>
+void dot_group_x16_q6k(const uint8_t* group, const Activations& a, float* out, int64_t N) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = group + b * GROUP_ROWS * Q6K_BYTES;
+    for (int64_t line = 0; line < GROUP_ROWS * Q6K_BYTES; line += 64) prefetch_l2(p + line);
+    const int8_t* x[M];
+    float x_scale[M];
+    const float* x_sums[M];
+    for (int m = 0; m < M; ++m) {
+      x[m] = a.block_codes(m, b);
+      x_scale[m] = a.block_scale(m, b);
+      x_sums[m] = a.sums.data() + (m * a.scale_stride + b) * 32;  // scale * sum per 16
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = fp16x8(p + 16 * h);
+      for (int64_t g = 0; g < 16; ++g) {
+        const __m256 dsc = _mm256_mul_ps(d, i8x8(load128(p + 32 + 16 * g), h));
+        const uint8_t* q = p + Q6K_CODES + 192 * g + 32 * h;
+        const __m256i A = load256(q), B = load256(q + 64), H = load256(q + 128);
+        const __m256i v0 = _mm256_or_si256(_mm256_and_si256(A, low4),
+                                           _mm256_and_si256(_mm256_slli_epi16(H, 4), bits45));
+        const __m256i v1 = _mm256_or_si256(_mm256_and_si256(B, low4),
+                                           _mm256_and_si256(_mm256_slli_epi16(H, 2), bits45));
+        const __m256i v2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), low4),
+                                           _mm256_and_si256(H, bits45));
+        const __m256i v3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), low4),
+                                           _mm256_and_si256(_mm256_srli_epi16(H, 2), bits45));
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xg = x[m] + 16 * g;
+          const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(v0, broadcast4(xg)),
+                                               _mm256_maddubs_epi16(v1, broadcast4(xg + 4)));
+          const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(v2, broadcast4(xg + 8)),
+                                               _mm256_maddubs_epi16(v3, broadcast4(xg + 12)));
+          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p01, ones), _mm256_madd_epi16(p23, ones));
+          acc[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                      _mm256_mul_ps(dsc, _mm256_set1_ps(x_scale[m])), acc[m][h]);
+          acc[m][h] = _mm256_fmadd_ps(dsc, _mm256_set1_ps(-32.f * x_sums[m][g]), acc[m][h]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * N + 8 * h, acc[m][h]);
+}
+
+// 16 interleaved Q4_K (FIVE: Q5_K) rows against M activation rows (see the AVX-512 kernel).
+template <bool FIVE, int M>
+void dot_group_x16_kq(const uint8_t* group, const Activations& a, float* out, int64_t N) {
+  constexpr int64_t BYTES = FIVE ? Q5K_BYTES : Q4K_BYTES, CODES = kq_codes(FIVE);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m128i six = _mm_set1_epi8(0x3F), nibble = _mm_set1_epi8(0x0F), bits45 = _mm_set1_epi8(0x30);
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks(); ++b) {
+    const uint8_t* p = group + b * GROUP_ROWS * BYTES;
+    for (int64_t line = 0; line < GROUP_ROWS * BYTES; line += 64) prefetch_l2(p + line);
+    // ggml's get_scale_min_k4 on 16 rows at once: byte k of the rows is q[k].
+    __m128i q[12], sc[8], mn[8];
+    for (int k = 0; k < 12; ++k) q[k] = load128(p + KQ_SCALES + 16 * k);
+    for (int s = 0; s < 4; ++s) {
+      sc[s] = _mm_and_si128(q[s], six);
+      mn[s] = _mm_and_si128(q[s + 4], six);
+      sc[s + 4] = _mm_or_si128(_mm_and_si128(q[s + 8], nibble),
+                               _mm_and_si128(_mm_srli_epi16(q[s], 2), bits45));
+      mn[s + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(q[s + 8], 4), nibble),
+                               _mm_and_si128(_mm_srli_epi16(q[s + 4], 2), bits45));
+    }
+    const int8_t* x[M];
+    for (int m = 0; m < M; ++m) x[m] = a.block_codes(m, b);
+    for (int h = 0; h < 2; ++h) {
+      __m256 sum[M];  // per row: sum over sub-blocks of sc_s times the integer dot
+      for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_ps();
+      for (int c = 0; c < 4; ++c) {
+        __m256i dot_low[M], dot_high[M];  // sub-blocks 2c, 2c + 1
+        for (int m = 0; m < M; ++m) dot_low[m] = dot_high[m] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {  // two code vectors' pair sums added in int16
+          __m256i low[2], high[2];
+          for (int t = 0; t < 2; ++t) {
+            const int64_t v = 8 * c + j + t;
+            const __m256i codes = load256(p + CODES + 64 * v + 32 * h);
+            low[t] = _mm256_and_si256(codes, low4);
+            high[t] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low4);
+            if constexpr (FIVE) {
+              uint64_t masks[2];
+              std::memcpy(masks, p + Q5K_MASKS + 16 * v, 16);
+              low[t] = _mm256_or_si256(low[t], sixteen_where(static_cast<uint32_t>(masks[0] >> 32 * h)));
+              high[t] = _mm256_or_si256(high[t], sixteen_where(static_cast<uint32_t>(masks[1] >> 32 * h)));
+            }
+          }
+          for (int m = 0; m < M; ++m) {
+            const int8_t* xc = x[m] + 64 * c + 4 * j;
+            const __m256i pl = _mm256_add_epi16(_mm256_maddubs_epi16(low[0], broadcast4(xc)),
+                                                _mm256_maddubs_epi16(low[1], broadcast4(xc + 4)));
+            const __m256i ph = _mm256_add_epi16(_mm256_maddubs_epi16(high[0], broadcast4(xc + 32)),
+                                                _mm256_maddubs_epi16(high[1], broadcast4(xc + 36)));
+            dot_low[m] = _mm256_add_epi32(dot_low[m], _mm256_madd_epi16(pl, ones));
+            dot_high[m] = _mm256_add_epi32(dot_high[m], _mm256_madd_epi16(ph, ones));
+          }
+        }
+        const __m256 sc_low = u8x8(sc[2 * c], h), sc_high = u8x8(sc[2 * c + 1], h);
+        for (int m = 0; m < M; ++m) {
+          sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_low[m]), sc_low, sum[m]);
+          sum[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_high[m]), sc_high, sum[m]);
+        }
+      }
+      const __m256 d = fp16x8(p + 16 * h), dmin = fp16x8(p + 32 + 16 * h);
+      __m256 min_lanes[8];
+      for (int s = 0; s < 8; ++s) min_lanes[s] = u8x8(mn[s], h);
+      for (int m = 0; m < M; ++m) {
+        const float* sums = a.sums.data() + (m * a.scale_stride + b) * 32 + 24;  // scale * sum per 32
+        __m256 mins = _mm256_setzero_ps();
+        for (int s = 0; s < 8; ++s) mins = _mm256_fmadd_ps(min_lanes[s], _mm256_set1_ps(sums[s]), mins);
+        acc[m][h] = _mm256_fmadd_ps(sum[m], _mm256_mul_ps(d, _mm256_set1_ps(a.block_scale(m, b))),
+                                    acc[m][h]);
+        acc[m][h] = _mm256_fnmadd_ps(dmin, mins, acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * N + 8 * h, acc[m][h]);
+}
+#else
 template <typename B, int M>
 void dot_row_32(const uint8_t* row, const Activations& a, float* out, int64_t N) {
   float acc[M] = {}, bias[M] = {};
@@ -1276,6 +1667,8 @@ void dot_row_k(const uint8_t* row, const Activations& a, float* out, int64_t N) 
   }
   for (int m = 0; m < M; ++m) out[m * N] = acc[m];
 }
+
+#endif
 
 // Float rows: element k of a row widened exactly to fp32.
 struct RowF32 {
@@ -1520,12 +1913,12 @@ template <int M>
 void rows_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64_t r1,
              const Input& in, float* out, int64_t N);
 
-// Rows r0..r1 (multiples of 16) of an interleaved weight: each group by the AVX-512 kernel, or
-// (other ISAs) put back in the file's row order and run as rows.
+// Rows r0..r1 (multiples of 16) of an interleaved weight: each group by the AVX-512 or AVX2
+// kernel, or (other ISAs) put back in the file's row order and run as rows.
 template <int M>
 void groups_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64_t r1,
                const Input& in, float* out, int64_t N) {
-#if defined(ZCODE_GGML_AVX512)
+#if defined(ZCODE_GGML_AVX512) || defined(ZCODE_GGML_AVX2)
   const auto each = [&](auto dot) {
     for (int64_t r = r0; r < r1; r += GROUP_ROWS) dot(w + r * stride, out + r);
   };
@@ -1562,11 +1955,11 @@ void rows_of(int64_t type, const uint8_t* w, int64_t stride, int64_t r0, int64_t
     for (int64_t r = r0; r < r1; ++r) dot(w + r * stride, out + r);
   };
   if (is_x16(type)) return groups_of<M>(type, w, stride, r0, r1, in, out, N);
-#if defined(ZCODE_GGML_AVX512)
+#if defined(ZCODE_GGML_AVX512) || defined(ZCODE_GGML_AVX2)
   // A 32-block row's dot is a chain of dependent accumulations: at 1-2 activation rows, four
-  // nibble rows at once keep the vector units busy (one core, M = 1, median of 5 alternating
-  // runs: Q4_1 18.6 -> 22.4 GB/s, Q5_0 13.0 -> 16.6, Q4_0 13.1 -> 13.7). Q8_0's sign fix-ups
-  // per row make four rows slower (12.1 -> 10.6): it stays one row at a time.
+  // nibble rows at once keep the vector units busy (AVX-512, one core, M = 1, median of 5
+  // alternating runs: Q4_1 18.6 -> 22.4 GB/s, Q5_0 13.0 -> 16.6, Q4_0 13.1 -> 13.7). Q8_0's
+  // sign fix-ups per row make four rows slower there (12.1 -> 10.6): it stays one row at a time.
   const auto rows32 = [&](auto block) {
     using B = decltype(block);
     constexpr int R = M <= 2 && !B::SIGNED ? 4 : 1;
@@ -1792,6 +2185,13 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
                                             _mm512_loadu_ps(up + i)));
   }
+#elif defined(ZCODE_GGML_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = zcode_simd::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                            _mm256_loadu_ps(up + i)));
+  }
 #endif
   for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
@@ -1812,6 +2212,18 @@ void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
     const __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(e, one)));
     const __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(half, g), _mm512_add_ps(one, tanh));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(gelu, _mm512_loadu_ps(up + i)));
+  }
+#elif defined(ZCODE_GGML_AVX2)
+  const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f), half = _mm256_set1_ps(0.5f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 inner = _mm256_mul_ps(
+        _mm256_set1_ps(kBeta),
+        _mm256_add_ps(g, _mm256_mul_ps(_mm256_set1_ps(kKappa), _mm256_mul_ps(g, _mm256_mul_ps(g, g)))));
+    const __m256 e = zcode_simd::exp_ps(_mm256_mul_ps(two, inner));
+    const __m256 tanh = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+    const __m256 gelu = _mm256_mul_ps(_mm256_mul_ps(half, g), _mm256_add_ps(one, tanh));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(up + i)));
   }
 #endif
   for (; i < n; ++i) {
@@ -2474,7 +2886,7 @@ torch::Tensor ggml_interleave(const torch::Tensor& data, int64_t ggml_type, int6
 }
 
 bool ggml_interleaved_kernels() {
-#if defined(ZCODE_GGML_AVX512)
+#if defined(ZCODE_GGML_AVX512) || defined(ZCODE_GGML_AVX2)
   return true;
 #else
   return false;

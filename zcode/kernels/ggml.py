@@ -1,4 +1,4 @@
-"""GGUF block formats in C++ (ggml.cpp: AVX-512 VNNI, or portable loops), as torch ops.
+"""GGUF block formats in C++ (ggml.cpp: AVX-512 VNNI, AVX2, or portable loops), as torch ops.
 
 A GGUF weight is the file's own bytes, uint8 [N, row_bytes] in one ggml type (Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it as stored:
@@ -26,7 +26,7 @@ Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16; zcode.quant.gguf). Two ops read it
 - `torch.ops.zcode.ggml_interleave(data, ggml_type, in_features, inverse=False)`: a 32-block
   type's rows (N a multiple of 16) -> the same bytes in the interleaved layout, kernel type
   `ggml_type | 256` for the ops above (or back); `ggml_interleaved_kernels()` says whether this
-  build has its vector kernel (AVX-512 VNNI; elsewhere the ops put it back in row order).
+  build has its vector kernel (AVX-512 VNNI or AVX2; elsewhere the ops put it back in row order).
 
 Built once with torch.utils.cpp_extension.load and -march=native (cached by torch);
 `available()` is False only where no C++ compiler works, and zcode.quant.gguf keeps the `gguf`

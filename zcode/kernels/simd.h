@@ -2,11 +2,12 @@
 // path and keys each build by this header too).
 #pragma once
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 namespace zcode_simd {
 
+#if defined(__AVX512F__)
 // exp(x) to ~1e-7 relative: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p Taylor of degree 7.
 // Inputs are clamped to [-88, 88]: exp(-inf) is 2^-127, not 0 (callers mask what must be 0). A NaN
 // stays NaN (vminps / vmaxps return their second operand when one is NaN): corrupted inputs
@@ -22,6 +23,24 @@ inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
   return _mm512_scalef_ps(p, n);
 }
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// The same in 8 lanes (AVX2 has no vscalefps: 2^n is built in the exponent bits, and n = -127
+// gives 0 rather than 2^-127). A NaN stays NaN as above.
+inline __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-88.f), _mm256_min_ps(_mm256_set1_ps(88.f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f})
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+#endif
 
 }  // namespace zcode_simd
 
