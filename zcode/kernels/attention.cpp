@@ -122,37 +122,15 @@ void attend_all_portable(const torch::Tensor& q, const torch::Tensor& cache, con
   });
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// ---- The vector path (AVX-512, or AVX2 + FMA + F16C): flash-decoding chunks of positions.
 
 // Positions a task reads, on a fixed grid (0-127, 128-255, ...): one sequence of 1000 positions
 // is 8 tasks. (32: up to 2x slower at 16 sequences, the tasks' fixed costs.)
 constexpr int64_t CHUNK = 128;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32: the bits move up 16
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16(const at::Half* p) {  // fp16 -> fp32, exact (F16C's AVX-512 form)
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // max(a, b), NaN if either is: a NaN score (corrupted KV) must reach the output, as it does
 // through the portable loops and SDPA, so the engine's anomaly guard sees it.
 inline float nan_max(float a, float b) { return (a > b || std::isnan(a)) ? a : b; }
-
-// max(row[0..n)), NaN if any is (as nan_max), -inf for n = 0.
-inline float row_max(const float* row, int64_t n) {
-  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __mmask16 nan = 0;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 x = _mm512_mask_loadu_ps(best, m, row + i);
-    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    best = _mm512_max_ps(best, x);
-  }
-  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(best);
-}
 
 // One task's partial softmax per query head: max score, exp-sum and unnormalized output.
 struct Partial {
@@ -176,6 +154,33 @@ void head_group(int64_t left, const Fn& fn) {
     case 3: return fn(std::integral_constant<int, 3>{});
     default: return fn(std::integral_constant<int, 4>{});
   }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ZCODE_ATTENTION_VECTORS 1
+
+constexpr int64_t LANES = 16;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {  // bf16 -> fp32: the bits move up 16
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const at::Half* p) {  // fp16 -> fp32, exact (F16C's AVX-512 form)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// max(row[0..n)), NaN if any is (as nan_max), -inf for n = 0.
+inline float row_max(const float* row, int64_t n) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 x = _mm512_mask_loadu_ps(best, m, row + i);
+    nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    best = _mm512_max_ps(best, x);
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(best);
 }
 
 // rows[i] <- column i of the 16 x 16 matrix whose rows were rows[0..15].
@@ -326,10 +331,187 @@ void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const b
       });
 }
 
+// Head dims (in vectors of LANES) with a kernel: multiples of 16 up to 128, 192, 256.
+#define ZCODE_HEAD_DIMS(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(12) X(16)
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ZCODE_ATTENTION_VECTORS 1
+
+// AVX2: the same tasks in 8 lanes: blocks of 8 positions, keys transposed 8 x 8. A block's lanes
+// past the chunk's end score -inf, so the loops over a chunk's scores run whole vectors (a
+// row's CHUNK floats hold them: CHUNK is a multiple of 8).
+constexpr int64_t LANES = 8;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32: the bits move up 16
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const at::Half* p) {  // fp16 -> fp32, exact (F16C)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// max(row[0..n)) over whole vectors (the lanes past n hold -inf), NaN if any is (as nan_max).
+inline float row_max(const float* row, int64_t n) {
+  __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int nan = 0;
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(row + i);
+    nan |= _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    best = _mm256_max_ps(best, x);
+  }
+  if (nan) return std::numeric_limits<float>::quiet_NaN();
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(best), _mm256_extractf128_ps(best, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// rows[i] <- column i of the 8 x 8 matrix whose rows were rows[0..7].
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 4; ++i) {  // 32-bit pairs
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // 64-bit pairs
+    r[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {  // 128-bit halves
+    const __m256 a = r[j], b = r[4 + j];
+    r[j] = _mm256_permute2f128_ps(a, b, 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(a, b, 0x31);
+  }
+}
+
+// Scores of NH query heads q [NH, D] for a block of 8 positions, keys_t [D, 8] (their keys,
+// transposed), as the AVX-512 block_scores; positions not `live` (bit j: position j) score -inf.
+template <int NH, int64_t D>
+void block_scores(const float* q, const float* keys_t, float scale, int live, float* out) {
+  __m256 a[NH][2];
+  for (int g = 0; g < NH; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 2) {
+    const __m256 k0 = _mm256_load_ps(keys_t + d * 8), k1 = _mm256_load_ps(keys_t + (d + 1) * 8);
+    for (int g = 0; g < NH; ++g) {
+      a[g][0] = _mm256_fmadd_ps(_mm256_set1_ps(q[g * D + d]), k0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(_mm256_set1_ps(q[g * D + d + 1]), k1, a[g][1]);
+    }
+  }
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 is_live = _mm256_castsi256_ps(
+      _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(live), lane_bit), lane_bit));
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int g = 0; g < NH; ++g) {
+    const __m256 s = _mm256_mul_ps(_mm256_add_ps(a[g][0], a[g][1]), _mm256_set1_ps(scale));
+    _mm256_storeu_ps(out + g * CHUNK, _mm256_blendv_ps(neg_inf, s, is_live));
+  }
+}
+
+// acc[g] = sum_i p[g][i] v_i for NH query heads of one KV head, as the AVX-512 one.
+template <int NH, int VECS, typename T>
+void accumulate_values(const float* p, const T* cache, const int64_t* slots, int64_t n,
+                       int64_t slot_stride, int64_t value_offset, float* acc) {
+  constexpr int64_t D = 8 * VECS;
+  // vectors of a head's D per pass: NH x BLOCK accumulators and BLOCK values in 16 registers
+  constexpr int BLOCK = VECS % 3 == 0 ? 3 : VECS % 2 == 0 ? 2 : 1;
+  for (int v0 = 0; v0 < VECS; v0 += BLOCK) {
+    __m256 a[NH][BLOCK];
+    for (int g = 0; g < NH; ++g)
+      for (int j = 0; j < BLOCK; ++j) a[g][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; ++i) {
+      bool weighed = false;
+      for (int g = 0; g < NH; ++g) weighed |= p[g * CHUNK + i] != 0.f;
+      if (!weighed) continue;
+      const T* val = cache + slots[i] * slot_stride + value_offset + 8 * v0;
+      __m256 v[BLOCK];
+      for (int j = 0; j < BLOCK; ++j) v[j] = load8(val + 8 * j);
+      for (int g = 0; g < NH; ++g) {
+        const __m256 w = _mm256_set1_ps(p[g * CHUNK + i]);
+        for (int j = 0; j < BLOCK; ++j) a[g][j] = _mm256_fmadd_ps(w, v[j], a[g][j]);
+      }
+    }
+    for (int g = 0; g < NH; ++g)
+      for (int j = 0; j < BLOCK; ++j) _mm256_storeu_ps(acc + g * D + 8 * (v0 + j), a[g][j]);
+  }
+}
+
+// Positions [l0, l1) of one sequence, every head (see the AVX-512 attend_chunk); D = 8 * VECS.
+template <int VECS, typename T>
+void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const bool* allowed,
+                  int64_t l0, int64_t l1, int64_t KVH, int64_t G, float scale, float* scores,
+                  const T* zero_keys, Partial part) {
+  // scores: scratch [H, CHUNK]; zero_keys: KVH * D zeros
+  constexpr int64_t D = 8 * VECS;
+  const int64_t H = KVH * G, n = l1 - l0, slot_stride = 2 * KVH * D;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  alignas(32) float keys_t[D * 8];  // [D, 8]: a block's keys of one KV head, transposed
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i0);
+    int live = 0;  // positions of the block with a key to read
+    for (int64_t j = 0; j < m; ++j) live |= static_cast<int>(!allowed || allowed[l0 + i0 + j]) << j;
+    const T* key_rows[8];  // a masked position's keys are not read: zeros instead
+    for (int j = 0; j < 8; ++j)
+      key_rows[j] = live >> j & 1 ? cache + slots[l0 + i0 + j] * slot_stride : zero_keys;
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      for (int v = 0; v < VECS; ++v) {
+        __m256 rows[8];
+        for (int j = 0; j < 8; ++j) rows[j] = load8(key_rows[j] + kvh * D + 8 * v);
+        transpose8(rows);
+        for (int d = 0; d < 8; ++d) _mm256_store_ps(keys_t + (8 * v + d) * 8, rows[d]);
+      }
+      for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HEAD_GROUP)
+        head_group((kvh + 1) * G - h, [&](auto heads) {
+          block_scores<decltype(heads)::value, D>(qf + h * D, keys_t, scale, live,
+                                                   scores + h * CHUNK + i0);
+        });
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    float* row = scores + h * CHUNK;
+    const float best = row_max(row, n);
+    part.best[h] = best;
+    __m256 total = _mm256_setzero_ps();
+    if (best != neg_inf) {
+      for (int64_t i = 0; i < n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(row + i);
+        const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(neg_inf), _CMP_NEQ_UQ);
+        const __m256 p = _mm256_and_ps(live, zcode_simd::exp_ps(_mm256_sub_ps(x, _mm256_set1_ps(best))));
+        _mm256_storeu_ps(row + i, p);
+        total = _mm256_add_ps(total, p);
+      }
+    } else {  // no allowed position in this chunk: weights 0 (the value sums read every row)
+      std::fill(row, row + n, 0.f);
+    }
+    part.total[h] = hsum(total);
+  }
+  for (int64_t kvh = 0; kvh < KVH; ++kvh)
+    for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HEAD_GROUP)
+      head_group((kvh + 1) * G - h, [&](auto heads) {
+        accumulate_values<decltype(heads)::value, VECS>(scores + h * CHUNK, cache, slots + l0, n,
+                                                        slot_stride, (KVH + kvh) * D,
+                                                        part.acc + h * D);
+      });
+}
+
+// Head dims (in vectors of LANES) with a kernel: multiples of 16 up to 64, 96, 128, 192, 256.
+#define ZCODE_HEAD_DIMS(X) X(2) X(4) X(6) X(8) X(12) X(16) X(24) X(32)
+
+#endif
+
+#if defined(ZCODE_ATTENTION_VECTORS)
+
 template <int VECS, typename T, typename TQ>
 void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
                     const bool* allowed, float scale, torch::Tensor& out) {
-  constexpr int64_t D = 16 * VECS;
+  constexpr int64_t D = LANES * VECS;
   const int64_t B = q.size(0), H = q.size(1), KVH = cache.size(3);
   const int64_t L = slots.size(1), G = H / KVH;
   // Chunks on a fixed grid of positions, whatever the rows, their longest context or the
@@ -392,17 +574,17 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
 template <typename T, typename TQ>
 void attend_all(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
                 const bool* allowed, float scale, torch::Tensor& out) {
-  switch (q.size(2)) {  // head dims of 16 lanes' multiples up to 256; others the portable loops
+  switch (q.size(2)) {  // the head dims of ZCODE_HEAD_DIMS; others the portable loops
 #define ZCODE_HEAD_DIM(VECS) \
-    case 16 * VECS: return attend_vectors<VECS, T, TQ>(q, cache, slots, allowed, scale, out);
-    ZCODE_HEAD_DIM(1) ZCODE_HEAD_DIM(2) ZCODE_HEAD_DIM(3) ZCODE_HEAD_DIM(4) ZCODE_HEAD_DIM(5)
-    ZCODE_HEAD_DIM(6) ZCODE_HEAD_DIM(7) ZCODE_HEAD_DIM(8) ZCODE_HEAD_DIM(12) ZCODE_HEAD_DIM(16)
+    case LANES * VECS: return attend_vectors<VECS, T, TQ>(q, cache, slots, allowed, scale, out);
+    ZCODE_HEAD_DIMS(ZCODE_HEAD_DIM)
 #undef ZCODE_HEAD_DIM
     default: return attend_all_portable<T, TQ>(q, cache, slots, allowed, scale, out);
   }
 }
 
 #else
+
 
 template <typename T, typename TQ>
 void attend_all(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& slots,
