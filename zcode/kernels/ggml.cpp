@@ -1425,8 +1425,9 @@ void dot_row_k(const uint8_t* row, const Activations& a, float* out, int64_t N) 
 // ---- The interleaved layout on AVX2: each 64-byte vector of 16 rows' lanes as two 32-byte
 // halves, h = 0 rows 0-7 and h = 1 rows 8-15, each half's block worked through on its own (8
 // fp32 accumulators per activation row and half); vpdpbusd becomes vpmaddubsw + vpmaddwd. The
-// int16 pair sums stay below 2^15, so exact: two products of a nibble code (< 32) and |x| <= 127,
-// and two such pair sums added (Q6_K's 6-bit codes: 2 x 2 x 63 x 127 = 32004). Q8_0's stored
+// int16 pair sums stay below 2^15, so exact: two products of a code and |x| <= 127, and up to four
+// such pair sums added for nibble codes (5 bits: 4 x 2 x 31 x 127 = 31496), two for Q6_K's 6-bit
+// codes (2 x 2 x 63 x 127 = 32004). Q8_0's stored
 // codes are flipped (q + 128, unsigned) for vpdpbusd: here they are flipped back and multiplied
 // signed (|q| times x with q's sign), as its rows are.
 
@@ -1472,20 +1473,28 @@ void dot_group_x16(const uint8_t* group, const Activations& a, float* out, int64
           for (int m = 0; m < M; ++m) dot[m] = _mm256_add_epi32(dot[m], dot_i8_i8(w, x4(m, 4 * j)));
         }
       } else {
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = load256(q + 64 * j);
-          __m256i low = _mm256_and_si256(v, low4);
-          __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-          if constexpr (L.high_bits >= 0) {
-            uint64_t masks[2];
-            std::memcpy(masks, p + L.high_bits + 16 * j, 16);
-            low = _mm256_or_si256(low, sixteen_where(static_cast<uint32_t>(masks[0] >> 32 * h)));
-            high = _mm256_or_si256(high, sixteen_where(static_cast<uint32_t>(masks[1] >> 32 * h)));
+        for (int j = 0; j < 4; j += 2) {  // two code vectors' four pair sums added in int16
+          __m256i low[2], high[2];
+          for (int t = 0; t < 2; ++t) {
+            const __m256i v = load256(q + 64 * (j + t));
+            low[t] = _mm256_and_si256(v, low4);
+            high[t] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if constexpr (L.high_bits >= 0) {
+              uint64_t masks[2];
+              std::memcpy(masks, p + L.high_bits + 16 * (j + t), 16);
+              low[t] = _mm256_or_si256(low[t], sixteen_where(static_cast<uint32_t>(masks[0] >> 32 * h)));
+              high[t] = _mm256_or_si256(high[t], sixteen_where(static_cast<uint32_t>(masks[1] >> 32 * h)));
+            }
           }
           for (int m = 0; m < M; ++m) {
-            const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x4(m, 4 * j)),
-                                                   _mm256_maddubs_epi16(high, x4(m, 16 + 4 * j)));
-            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs, ones));
+            const __m256i low_pairs =
+                _mm256_add_epi16(_mm256_maddubs_epi16(low[0], x4(m, 4 * j)),
+                                 _mm256_maddubs_epi16(low[1], x4(m, 4 * j + 4)));
+            const __m256i high_pairs =
+                _mm256_add_epi16(_mm256_maddubs_epi16(high[0], x4(m, 16 + 4 * j)),
+                                 _mm256_maddubs_epi16(high[1], x4(m, 20 + 4 * j)));
+            dot[m] = _mm256_add_epi32(
+                dot[m], _mm256_madd_epi16(_mm256_add_epi16(low_pairs, high_pairs), ones));
           }
         }
       }
