@@ -979,8 +979,9 @@ void dot_group_x16_kq(const uint8_t* group, const Activations& a, float* out, in
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * N, acc[m]);
 }
 
-#else  // ---- Portable path: plain loops that gcc -O3 vectorizes for the target (SSE2, NEON), with
-       // AVX2 intrinsics for the block dot products where the target has them.
+#else  // ---- AVX2 and portable paths: the block decoders, dequantization and float rows as plain
+       // loops gcc -O3 vectorizes for the target (SSE2, NEON); the dot products in AVX2
+       // intrinsics where the target has them (ZCODE_GGML_AVX2), else plain loops too.
 //
 // The same arithmetic as the AVX-512 path: every block's weight codes (all of them fit int8:
 // unsigned 4-6 bit codes, Q8_0's signed bytes) times the int8 activation codes summed exactly in
