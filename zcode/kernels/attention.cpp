@@ -351,12 +351,6 @@ inline __m256 load8(const at::Half* p) {  // fp16 -> fp32, exact (F16C)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // max(row[0..n)) over whole vectors (the lanes past n hold -inf), NaN if any is (as nan_max).
 inline float row_max(const float* row, int64_t n) {
   __m256 best = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
@@ -490,7 +484,7 @@ void attend_chunk(const float* qf, const T* cache, const int64_t* slots, const b
     } else {  // no allowed position in this chunk: weights 0 (the value sums read every row)
       std::fill(row, row + n, 0.f);
     }
-    part.total[h] = hsum(total);
+    part.total[h] = zcode_simd::hsum(total);
   }
   for (int64_t kvh = 0; kvh < KVH; ++kvh)
     for (int64_t h = kvh * G; h < (kvh + 1) * G; h += HEAD_GROUP)

@@ -1010,12 +1010,6 @@ inline __m256i dot_i8_i8(__m256i w, __m256i x) {
   return dot_u8_i8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // 16 nibble bytes -> 32 codes in element order: the low nibbles, then the high.
 inline __m256i nibbles_x32(const uint8_t* p) {
   const __m128i b = load128(p);
@@ -1392,7 +1386,7 @@ void dot_rows_32(const uint8_t* row, int64_t stride, const Activations& a, float
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) out[m * N + r] = hsum(acc[r][m]) + bias[r][m];
+    for (int m = 0; m < M; ++m) out[m * N + r] = zcode_simd::hsum(acc[r][m]) + bias[r][m];
 }
 
 template <typename B, int M>
@@ -1420,7 +1414,7 @@ void dot_row_k(const uint8_t* row, const Activations& a, float* out, int64_t N) 
       if constexpr (B::SUMS16) bias[m] = _mm256_fmadd_ps(w.offset[1], _mm256_loadu_ps(sums + 8), bias[m]);
     }
   }
-  for (int m = 0; m < M; ++m) out[m * N] = hsum(_mm256_add_ps(acc[m], bias[m]));
+  for (int m = 0; m < M; ++m) out[m * N] = zcode_simd::hsum(_mm256_add_ps(acc[m], bias[m]));
 }
 
 // ---- The interleaved layout on AVX2: each 64-byte vector of 16 rows' lanes as two 32-byte
