@@ -7,11 +7,12 @@ thread).
 
 Each source picks its code path per op from the compiler's target macros, so every file builds on
 any CPU (and on aarch64), fast where the ISA exists:
-- ggml.cpp: AVX-512 F/BW/VL + VNNI (+ F16C); otherwise portable loops gcc vectorizes.
-- gemv.cpp: fp32 on AVX-512 F/BW/VL, bf16 with AVX512_BF16, W4A8 / W8A8 with AVX512_VNNI; each
-  op without its features takes its portable loops.
-- moe.cpp: AVX-512 F/BW/VL + BF16; otherwise portable loops (fp32 and bf16).
-- attention.cpp: AVX-512 F/BW/VL (fp32 and bf16 caches); otherwise portable loops.
+- ggml.cpp: AVX-512 F/BW/VL + VNNI (+ F16C), or AVX2 + FMA + F16C; otherwise portable loops gcc
+  vectorizes.
+- gemv.cpp: fp32 and bf16 by float_dot.h (AVX-512 F/BW/VL, vdpbf16ps with AVX512_BF16; AVX2 +
+  FMA), W4A8 / W8A8 with AVX512_VNNI; each op without its features takes its portable loops.
+- moe.cpp: float_dot.h's dot products, SiLU in AVX-512 or AVX2 vectors; otherwise portable loops.
+- attention.cpp: AVX-512 F/BW/VL or AVX2 + FMA (fp32 and bf16 caches); otherwise portable loops.
 The portable loops do the same integer dot products exactly and sum fp32 in another order.
 
 `python -m zcode.kernels` builds every source now (`make install` runs it), so neither

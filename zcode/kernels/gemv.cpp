@@ -2,9 +2,9 @@
 // (M <= MAX_ROWS; bf16 and fp32 M <= MAX_FLOAT_ROWS). Decode is memory-bound, so each thread
 // streams a contiguous slice of weight rows exactly once and keeps all M activation rows in L1.
 //
-// bf16:  x, w bf16 [N, K]; vdpbf16ps multiplies 32 pairs exactly and sums them in fp32.
-// fp32:  x, w fp32 [N, K]; FMA, 16 per instruction (2-3% faster than MKL's sgemv over SmolLM2's
-//        linears, from the prefetch below).
+// bf16:  x, w bf16 [N, K]; each product exact in fp32 (vdpbf16ps, or both widened), fp32 sums.
+// fp32:  x, w fp32 [N, K]; FMA (on AVX-512 2-3% faster than MKL's sgemv over SmolLM2's linears,
+//        from float_dot.h's prefetch).
 // w4a8:  zcode.quant.int4's W4A8 format: w = (q - 8) * scale + zero per group of k (qweight uint8
 //        [N_pad, K / 2], low nibble = even k), x = xq * x_scale with int8 codes per token. vpdpbusd
 //        sums 64 nibble x int8 products exactly in int32 lanes of 8 k each, so
@@ -13,11 +13,11 @@
 // w8a8:  zcode.quant.int8's W8A8 format, int8 weights per row scale; vpdpbusd of the int8
 //        codes shifted to unsigned, the shift taken back with each row's code sum: exact.
 //
-// ISA paths: AVX-512 F + BW + VL for fp32 and the activation quantization, plus AVX512_BF16 for
-// bf16 (vdpbf16ps) and AVX512_VNNI for W4A8 / W8A8 (vpdpbusd), where the compiler targets them
-// (-march=native). Each op without its features (AVX2, x86-64 baseline, aarch64, or AVX-512
-// without BF16 / VNNI) takes the portable path: plain loops gcc -O3 vectorizes for the target,
-// the same integer dot products exactly, fp32 sums in independent lanes (a different order).
+// ISA paths: the float kernels (bf16, fp32) are float_dot.h's (AVX-512, with vdpbf16ps where
+// AVX512_BF16 is; AVX2 + FMA; portable loops). W4A8 / W8A8 and the activation quantization use
+// AVX-512 F + BW + VL + VNNI (vpdpbusd) where the compiler targets them (-march=native); without
+// them the portable path: plain loops gcc -O3 vectorizes for the target, the same integer dot
+// products exactly, fp32 sums in independent lanes (a different order).
 //
 // Each op takes a list of weights that share the input (q/k/v, gate/up) and returns their
 // outputs side by side, [M, N_0 + N_1 + ...]: one call, one activation quantization and one
@@ -33,14 +33,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <vector>
+
+#include "float_dot.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define ZCODE_GEMV_AVX512 1
-#if defined(__AVX512BF16__)
-#define ZCODE_GEMV_AVX512_BF16 1
-#endif
 #if defined(__AVX512VNNI__)
 #define ZCODE_GEMV_AVX512_VNNI 1
 #endif
@@ -91,28 +89,10 @@ struct Rows {
   }
 };
 
-inline float bf16_to_float(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-// Weight rows are streamed with software prefetches this far ahead into L2: one core's hardware
-// prefetchers alone keep too few misses in flight (SmolLM2's bf16 linears in model order, 2
-// threads: 19 GB/s without, 27 GB/s with, the rate of a plain fp32 sum here).
-constexpr int64_t PREFETCH_BYTES = 12 << 10;
-inline void prefetch_l2(const void* p) {
-#if defined(__SSE__)
-  _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
-#else
-  __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, 0, 2);  // L2, as _MM_HINT_T1
-#endif
-}
-
-// Portable loops keep this many independent fp32 partial sums per output: a vectorizable
-// reduction without -ffast-math (8: one AVX2 register, two NEON ones).
-constexpr int LANES = 8;
+using zcode_float_dot::bf16_to_float;
+using zcode_float_dot::prefetch_l2;
+using Bf16Kernel = zcode_float_dot::Bf16;
+using F32Kernel = zcode_float_dot::F32;
 
 // Sum of w[i] * x[i] over n int8 x int8 (or uint8) codes: an integer sum, so gcc vectorizes it.
 template <typename W, typename X>
@@ -122,125 +102,14 @@ inline int32_t dot_codes(const W* w, const X* x, int64_t n) {
   return sum;
 }
 
-#if defined(ZCODE_GEMV_AVX512)
-// The two float formats as one 64-byte vector of weights: bf16 (32 per vector, vdpbf16ps
-// multiplies pairs exactly and sums them in fp32) and fp32 (16 per vector, FMA).
-#if defined(ZCODE_GEMV_AVX512_BF16)
-struct Bf16 {
-  using T = uint16_t;
-  using V = __m512bh;
-  static constexpr int64_t LANES = 32;
-  static V load(const T* p) { return (V)_mm512_loadu_si512(p); }
-  static V load(const T* p, int64_t left) {  // 0 < left < 32
-    return (V)_mm512_maskz_loadu_epi16((1u << left) - 1, p);
-  }
-  static __m512 madd(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
-};
-#endif
-struct F32 {
-  using T = float;
-  using V = __m512;
-  static constexpr int64_t LANES = 16;
-  static V load(const T* p) { return _mm512_loadu_ps(p); }
-  static V load(const T* p, int64_t left) {  // 0 < left < 16
-    return _mm512_maskz_loadu_ps((1u << left) - 1, p);
-  }
-  static __m512 madd(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
-};
-
-// out[m * N + r] = wn[r] . x[m] for R weight rows from wn; the R rows share each activation
-// load. Whole vectors load unmasked and only the K tail masked: a masked load in the main loop
-// halved the rate at 2-4 activation rows (L2-resident 512 x 576 bf16, one thread, 4 rows: 55.9
-// -> 27.4 ns a weight row).
-template <typename F, int M, int R>
-void dot_rows(const typename F::T* x, const typename F::T* wn, float* out, int64_t K, int64_t N) {
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + F::LANES <= K; k += F::LANES) {
-    typename F::V xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      prefetch_l2(wn + r * K + k);
-      const typename F::V wv = F::load(wn + r * K + k);
-      for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
-    }
-  }
-  if (k < K) {
-    typename F::V xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
-    for (int r = 0; r < R; ++r) {
-      const typename F::V wv = F::load(wn + r * K + k, K - k);
-      for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) out[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
-#endif
-
-// The portable float formats: each weight and activation widened exactly to fp32 (bf16 by
-// shifting its 16 bits up), so a bf16 product is exact in fp32 as with vdpbf16ps.
-struct Lanes {};
-struct Bf16Lanes : Lanes {
-  using T = uint16_t;
-  static float widen(T h) { return bf16_to_float(h); }
-};
-struct F32Lanes : Lanes {
-  using T = float;
-  static float widen(T v) { return v; }
-};
-#if defined(ZCODE_GEMV_AVX512_BF16)
-using Bf16Kernel = Bf16;
-#else
-using Bf16Kernel = Bf16Lanes;
-#endif
-#if defined(ZCODE_GEMV_AVX512)
-using F32Kernel = F32;
-#else
-using F32Kernel = F32Lanes;
-#endif
-
-// dot_rows in plain loops: LANES partial sums per (row, activation row).
-template <typename F, int M, int R>
-void lanes_dot_rows(const typename F::T* x, const typename F::T* wn, float* out, int64_t K,
-                    int64_t N) {
-  float acc[R][M][LANES] = {};
-  int64_t k = 0;
-  for (; k + LANES <= K; k += LANES) {
-    float xv[M][LANES];
-    for (int m = 0; m < M; ++m)
-      for (int l = 0; l < LANES; ++l) xv[m][l] = F::widen(x[m * K + k + l]);
-    for (int r = 0; r < R; ++r) {
-      prefetch_l2(wn + r * K + k);
-      float wv[LANES];
-      for (int l = 0; l < LANES; ++l) wv[l] = F::widen(wn[r * K + k + l]);
-      for (int m = 0; m < M; ++m)
-        for (int l = 0; l < LANES; ++l) acc[r][m][l] += wv[l] * xv[m][l];
-    }
-  }
-  for (; k < K; ++k)
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m][0] += F::widen(wn[r * K + k]) * F::widen(x[m * K + k]);
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
-      float sum = 0.f;
-      for (int l = 0; l < LANES; ++l) sum += acc[r][m][l];
-      out[m * N + r] = sum;
-    }
-}
-
+// out[m * N + r] = wn[r] . x[m] for R weight rows from wn and M activation rows.
 template <typename F, int M, int R>
 inline void float_dot_rows(const typename F::T* x, const typename F::T* wn, float* out, int64_t K,
                            int64_t N) {
-  if constexpr (std::is_base_of_v<Lanes, F>) {
-    lanes_dot_rows<F, M, R>(x, wn, out, K, N);
-  } else {
-#if defined(ZCODE_GEMV_AVX512)
-    dot_rows<F, M, R>(x, wn, out, K, N);
-#endif
-  }
+  float sums[R][M];
+  zcode_float_dot::dot_rows<F, M, R>(x, wn, sums, K);
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[m * N + r] = sums[r][m];
 }
 
 // R weight rows against the M activation rows of x, TILE_ROWS at a time (the last tile takes the

@@ -14,14 +14,14 @@
 // owns out[:, n0:n1] and adds the weighted down products there without a reduction.
 // An expert hit by more tokens (prefill) is one GEMM per projection over its gathered tokens.
 //
-// ISA paths: AVX-512 F + BW + VL + BF16 where the compiler targets them (-march=native): 64-byte
-// vectors, vdpbf16ps, a polynomial exp. Everywhere else (AVX2, x86-64 baseline, aarch64, AVX-512
-// without BF16): plain loops gcc -O3 vectorizes, the same products, fp32 sums in independent
-// lanes (another order), std::exp. The passes, threading and GEMMs are shared.
+// ISA paths: the dot products are float_dot.h's (AVX-512, with vdpbf16ps where AVX512_BF16 is;
+// AVX2 + FMA; portable loops), SiLU a polynomial exp in AVX-512 or AVX2 vectors, else std::exp.
+// The passes, threading and GEMMs are shared.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_dot.h"
 #include "simd.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -37,168 +37,47 @@ namespace {
 constexpr int64_t MAX_ROWS = 8;  // tokens per GEMV pass; an expert with more takes GEMMs
 // A parallel_for task reads at least this many weight bytes (forking costs as much as ~64 KB).
 constexpr int64_t GRAIN_BYTES = 64 << 10;
-// Weight rows are streamed with software prefetches this far ahead into L2 (as gemv.cpp).
-constexpr int64_t PREFETCH_BYTES = 12 << 10;
+using zcode_float_dot::Bf16;
+using zcode_float_dot::dot_rows;
+using zcode_float_dot::F32;
 
-inline void prefetch_l2(const void* p) {
-#if defined(__SSE__)
-  _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
-#else
-  __builtin_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, 0, 2);  // L2, as _MM_HINT_T1
-#endif
-}
+inline void narrow_to(float* p, float v) { *p = v; }
+inline void narrow_to(uint16_t* p, float v) { *p = zcode_float_dot::float_to_bf16(v); }
 
-// The AVX-512 path needs vdpbf16ps for bf16 experts; without it both dtypes take the portable
-// path (one set of names, Bf16 / F32 / dot_rows / silu_mul, for the shared code below).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512BF16__)
-
-struct Bf16 {
-  using T = uint16_t;
-  using V = __m512bh;
-  static constexpr int64_t LANES = 32;
-  static constexpr at::ScalarType DTYPE = at::kBFloat16;
-  static V load(const T* p) { return (V)_mm512_loadu_si512(p); }
-  static V load(const T* p, int64_t left) {  // 0 < left < 32
-    return (V)_mm512_maskz_loadu_epi16((1u << left) - 1, p);
-  }
-  static __m512 madd(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
-  static void store16(T* p, __m512 v, __mmask16 mask) {
-    _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
-  }
-};
-struct F32 {
-  using T = float;
-  using V = __m512;
-  static constexpr int64_t LANES = 16;
-  static constexpr at::ScalarType DTYPE = at::kFloat;
-  static V load(const T* p) { return _mm512_loadu_ps(p); }
-  static V load(const T* p, int64_t left) {  // 0 < left < 16
-    return _mm512_maskz_loadu_ps((1u << left) - 1, p);
-  }
-  static __m512 madd(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
-  static void store16(T* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p, mask, v); }
-};
-
-using zcode_simd::exp_ps;
-
-// sums[r][m] = w[r] . x[m] for R adjacent weight rows w[r] = w + r * K: the rows share each
-// activation load. Only the tail of K loads masked (as gemv.cpp's dot_rows: a masked load in
-// the main loop halves the rate at several activation rows).
-template <typename F, int M, int R>
-inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
-                     int64_t K) {
-  __m512 acc[R][M];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + F::LANES <= K; k += F::LANES) {
-    typename F::V xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      prefetch_l2(w + r * K + k);
-      const typename F::V wv = F::load(w + r * K + k);
-      for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
-    }
-  }
-  if (k < K) {
-    typename F::V xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
-    for (int r = 0; r < R; ++r) {
-      const typename F::V wv = F::load(w + r * K + k, K - k);
-      for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) sums[r][m] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
-// act[m, i] = silu(gate[m, i]) * up[m, i], rounded to the weights' dtype once.
+// act[m, i] = silu(gate[m, i]) * up[m, i], rounded to the weights' dtype once (to nearest even):
+// a vector of LANES at a time with simd.h's polynomial exp where the ISA has one, std::exp for the
+// rest.
 template <typename F>
 void silu_mul(const float* gate_up, typename F::T* act, int64_t count, int64_t I) {
-  for (int64_t m = 0; m < count; ++m)
-    for (int64_t i = 0; i < I; i += 16) {
-      const __mmask16 mask = I - i >= 16 ? 0xFFFF : (1u << (I - i)) - 1;
-      const __m512 g = _mm512_maskz_loadu_ps(mask, gate_up + m * 2 * I + i);
-      const __m512 u = _mm512_maskz_loadu_ps(mask, gate_up + m * 2 * I + I + i);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  for (int64_t m = 0; m < count; ++m) {
+    const float* gate = gate_up + m * 2 * I;
+    const float* up = gate + I;
+    typename F::T* a = act + m * I;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    constexpr int64_t LANES = 16;
+    for (; i + LANES <= I; i += LANES) {
+      const __m512 g = _mm512_loadu_ps(gate + i);
+      const __m512 e = zcode_simd::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
       const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-      F::store16(act + m * I + i, _mm512_mul_ps(silu, u), mask);
+      alignas(64) float v[LANES];
+      _mm512_store_ps(v, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+      for (int64_t l = 0; l < LANES; ++l) narrow_to(a + i + l, v[l]);
     }
-}
-
-#else  // ---- Portable path: plain loops gcc -O3 vectorizes for the target (AVX2, SSE2, NEON).
-
-// Independent fp32 partial sums per dot product: a vectorizable reduction without -ffast-math.
-constexpr int LANES = 8;
-
-// Weights and activations widened exactly to fp32 (bf16: its 16 bits shifted up), so a bf16
-// product is exact in fp32 as with vdpbf16ps; narrow() rounds to nearest even as vcvtneps2bf16.
-struct Bf16 {
-  using T = uint16_t;
-  static constexpr at::ScalarType DTYPE = at::kBFloat16;
-  static float widen(T h) {
-    const uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-  static T narrow(float f) {
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<T>((bits >> 16) | 0x40);  // quiet NaN
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return static_cast<T>(bits >> 16);
-  }
-};
-struct F32 {
-  using T = float;
-  static constexpr at::ScalarType DTYPE = at::kFloat;
-  static float widen(T v) { return v; }
-  static T narrow(float f) { return f; }
-};
-
-// sums[r][m] = w[r] . x[m] for R adjacent weight rows w[r] = w + r * K: the rows share each
-// activation load.
-template <typename F, int M, int R>
-inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
-                     int64_t K) {
-  float acc[R][M][LANES] = {};
-  int64_t k = 0;
-  for (; k + LANES <= K; k += LANES) {
-    float xv[M][LANES];
-    for (int m = 0; m < M; ++m)
-      for (int l = 0; l < LANES; ++l) xv[m][l] = F::widen(x[m * K + k + l]);
-    for (int r = 0; r < R; ++r) {
-      prefetch_l2(w + r * K + k);
-      float wv[LANES];
-      for (int l = 0; l < LANES; ++l) wv[l] = F::widen(w[r * K + k + l]);
-      for (int m = 0; m < M; ++m)
-        for (int l = 0; l < LANES; ++l) acc[r][m][l] += wv[l] * xv[m][l];
+#elif defined(__AVX2__) && defined(__FMA__)
+    constexpr int64_t LANES = 8;
+    for (; i + LANES <= I; i += LANES) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 e = zcode_simd::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+      alignas(32) float v[LANES];
+      _mm256_store_ps(v, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+      for (int64_t l = 0; l < LANES; ++l) narrow_to(a + i + l, v[l]);
     }
-  }
-  for (; k < K; ++k)
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m][0] += F::widen(w[r * K + k]) * F::widen(x[m * K + k]);
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) {
-      float sum = 0.f;
-      for (int l = 0; l < LANES; ++l) sum += acc[r][m][l];
-      sums[r][m] = sum;
-    }
-}
-
-// act[m, i] = silu(gate[m, i]) * up[m, i], rounded to the weights' dtype once.
-template <typename F>
-void silu_mul(const float* gate_up, typename F::T* act, int64_t count, int64_t I) {
-  for (int64_t m = 0; m < count; ++m)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = gate_up[m * 2 * I + i], u = gate_up[m * 2 * I + I + i];
-      act[m * I + i] = F::narrow(g / (1.f + std::exp(-g)) * u);
-    }
-}
-
 #endif
+    for (; i < I; ++i) narrow_to(a + i, gate[i] / (1.f + std::exp(-gate[i])) * up[i]);
+  }
+}
 
 // One expert over up to MAX_ROWS of its tokens.
 struct Pass {
