@@ -53,6 +53,63 @@ def test_fp32_linear_matches_float64(rows, in_features, out_features):
     assert torch.allclose(got, raw + layer.bias, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("bf16_arithmetic", [False, True])
+def test_bf16_linear_past_the_gemv_rows_is_one_rounding_of_the_exact_product(
+    bf16_arithmetic, monkeypatch
+):
+    """Past the GEMV's rows a bf16 Linear is a GEMM: torch's bf16 one where the CPU multiplies bf16
+    in hardware, else fp32 GEMMs over weight tiles widened exactly (oneDNN's emulated bf16 ran
+    ~7x slower). Either way: the exact product rounded once to bf16, then the bias."""
+    from zcode.quant import formats
+
+    monkeypatch.setattr(formats, "bf16_arithmetic", lambda: bf16_arithmetic)
+    calls = []
+
+    def spy(x, w, bias=None):
+        calls.append((x.dtype, w.dtype, w.shape[0]))
+        return torch_linear(x, w, bias)
+
+    torch_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    torch.manual_seed(0)
+    out_features = 2 * formats.DEQUANT_TILE_ROWS + 37  # three tiles, the last partial
+    layer = Linear(96, out_features, bias=True).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(2, 40, 96).to(torch.bfloat16)  # 80 rows: past FLOAT_GEMV_MAX_ROWS
+    got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 40, out_features)
+    exact = x.double() @ layer.weight.double().T
+    expected = (exact.to(torch.bfloat16) + layer.bias).double()
+    tolerance = 2**-7 * (expected.abs() + exact.abs()) + 1e-6
+    assert ((got.double() - expected).abs() <= tolerance).all()
+    if bf16_arithmetic:
+        assert calls == [(torch.bfloat16, torch.bfloat16, out_features)]
+    else:
+        tiles = [formats.DEQUANT_TILE_ROWS, formats.DEQUANT_TILE_ROWS, 37]
+        assert calls == [(torch.float32, torch.float32, rows) for rows in tiles]
+
+
+@pytest.mark.parametrize(
+    "machine,flags,native",
+    [
+        ("x86_64", ("avx2", "fma"), False),  # Zen 2/3, Intel client cores: oneDNN emulates bf16
+        ("x86_64", ("avx2", "avx512f"), False),  # Skylake-X: AVX-512 without BF16
+        ("x86_64", ("avx512f", "avx512_bf16"), True),  # Zen 4/5, Cooper Lake
+        ("x86_64", ("avx512f", "amx_bf16"), True),  # Sapphire Rapids
+        ("x86_64", None, True),  # flags unknown: torch's bf16 GEMM as asked
+        ("aarch64", (), True),  # other ISAs: taken at their word
+    ],
+)
+def test_bf16_arithmetic_is_read_from_the_cpu_flags(machine, flags, native, monkeypatch):
+    import importlib
+
+    from zcode.quant.formats import bf16_arithmetic
+
+    probe = importlib.import_module("zcode.hardware.probe")  # the module, not its probe()
+    monkeypatch.setattr(probe, "isa_flags", lambda: flags)
+    monkeypatch.setattr("platform.machine", lambda: machine)
+    assert bf16_arithmetic() is native
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize(
     "rows,in_features,out_features", [(1, 101, 33), (3, 576, 48), (4, 200, 17)]

@@ -106,8 +106,9 @@ _DENSE_FFN_LINEAR = re.compile(r"^model\.layers\.\d+\.mlp\.(gate|up|down)_proj$"
 # row count, MoE work split over threads by rows x bytes; 12: a GGUF decoder layer's attention,
 # MLP and MoE halves one C++ call each at decode, eager steps ~1.3-2x faster; 13: an eager GGUF
 # decode step's layers one C++ call, DecodeStack, ~7-20% faster again; 14: AVX2 kernels for the
-# GGUF formats (rows and interleaved) and decode attention, 1.4-1.6x faster decode on AVX2 hosts; 15: bf16 / fp32 GEMV and fused MoE
-# experts in AVX2 vectors (float_dot.h), bf16 2.5-5x and MoE bf16 ~7x faster there).
+# GGUF formats (rows and interleaved) and decode attention, 1.4-1.6x faster decode on AVX2 hosts;
+# 15: bf16 / fp32 GEMV and fused MoE experts in AVX2 vectors (float_dot.h), bf16 2.5-5x and MoE
+# bf16 ~7x faster there, bf16 GEMMs through fp32 on CPUs without bf16 arithmetic).
 KERNELS_VERSION = 15
 # Kinds whose few-row calls run the float GEMV (zcode.layers.linear): its rows past the first
 # cost arithmetic at a rate of their own (the GEMV re-reads the weight for every 4 rows;

@@ -303,6 +303,12 @@ def _physical_cores(cpuinfo: str | None) -> int | None:
     return len(cores) if known else None
 
 
+@functools.cache
+def isa_flags() -> tuple[str, ...] | None:
+    """The present subset of ISA_FLAGS_OF_INTEREST on this CPU (None: unknown), without probing."""
+    return _isa_flags(_read("/proc/cpuinfo"))
+
+
 def _isa_flags(cpuinfo: str | None) -> tuple[str, ...] | None:
     lines = _cpuinfo_values(cpuinfo, "flags") or _cpuinfo_values(cpuinfo, "Features")
     if not lines:

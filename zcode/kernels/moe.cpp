@@ -234,6 +234,18 @@ void run_passes(const Experts<F>& ex, const std::vector<Pass>& passes, const typ
   });
 }
 
+// a @ w.T as at::linear, in a's dtype. Without bf16 arithmetic (x86 without AVX512_BF16 or
+// AMX-BF16) oneDNN widens bf16 inside its GEMM loops, ~7x slower than an fp32 GEMM on a Zen 3:
+// there bf16 operands are widened first (exact), the product rounded back to bf16 once, as
+// zcode.quant.formats.float_linear does for the dense layers.
+inline torch::Tensor gemm(const torch::Tensor& a, const torch::Tensor& w) {
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+  if (w.scalar_type() == at::kBFloat16)
+    return at::linear(a.to(at::kFloat), w.to(at::kFloat)).to(at::kBFloat16);
+#endif
+  return at::linear(a, w);
+}
+
 template <typename F>
 torch::Tensor moe_fused_impl(const torch::Tensor& x, const torch::Tensor& weights,
                              const torch::Tensor& expert_ids, const std::vector<torch::Tensor>& wg,
@@ -312,8 +324,8 @@ torch::Tensor moe_fused_impl(const torch::Tensor& x, const torch::Tensor& weight
     const int64_t first = starts[e], count = starts[e + 1] - first;
     auto index = torch::from_blob(tokens.data() + first, {count}, at::kLong);
     auto rows = xc.index_select(0, index);
-    auto act = at::silu(at::linear(rows, wg[e])).mul_(at::linear(rows, wu[e]));
-    auto y = at::linear(act, wd[e]).to(at::kFloat);
+    auto act = at::silu(gemm(rows, wg[e])).mul_(gemm(rows, wu[e]));
+    auto y = gemm(act, wd[e]).to(at::kFloat);
     y.mul_(torch::from_blob(gains.data() + first, {count, 1}, at::kFloat));
     out.index_add_(0, index, y);
   }

@@ -4,17 +4,17 @@ linear_group: sibling linears that share their input (q/k/v, gate/up) as one GEM
 At one row a linear only reads its weight. The GEMV reads bf16 ~2x faster than torch's bf16
 F.linear on AVX-512 BF16 CPUs, and fp32 2-3% faster than MKL's sgemv (its prefetch); up to
 FLOAT_GEMV_MAX_ROWS rows (a verifying step's), 4 at a time, it stays 1.2-2x faster than F.linear;
-every other call (prefill, other dtypes, no kernel on this machine, autograd) is F.linear. Same
+every other call (prefill, other dtypes, no kernel on this machine, autograd) is F.linear (bf16
+through fp32 GEMMs where the CPU has no bf16 arithmetic: zcode.quant.formats.float_linear). Same
 parameters and names as nn.Linear.
 """
 
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from zcode.quant.formats import FLOAT_GEMV_MAX_ROWS, gemv_available
+from zcode.quant.formats import FLOAT_GEMV_MAX_ROWS, float_linear, gemv_available
 from zcode.quant.linear import QuantizedLinear
 
 
@@ -24,7 +24,7 @@ class Linear(nn.Linear):
         if _takes_gemv(self, x):
             out = _GEMV[self.weight.dtype](x.reshape(-1, self.in_features), [self.weight])
             return _finish(out, self, x)
-        return F.linear(x, self.weight, self.bias)
+        return float_linear(x, self.weight, self.bias)
 
 
 def linear_group(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
