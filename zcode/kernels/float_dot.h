@@ -1,10 +1,11 @@
 // Dot products of float weight rows (bf16 or fp32) with activation rows of the same dtype, shared
 // by the dense GEMV (gemv.cpp) and the fused MoE experts (moe.cpp):
 //
-//   sums[r][m] = w[r] . x[m],   w[r] = w + r * K,  x[m] = x + m * K,  r < R, m < M
+//   sums[r][m] = w[r] . x[m],   x[m] = x + m * K,  r < R, m < M
 //
-// The R weight rows share each activation load; each row is streamed once with a software
-// prefetch ahead of it. Each (r, m) sum runs over k in the same lanes and order whatever M and R
+// for R weight rows (pointers, or adjacent rows w + r * K). The R weight rows share each
+// activation load; each row is streamed once with a software prefetch ahead of it (unless the
+// caller knows them cached). Each (r, m) sum runs over k in the same lanes and order whatever M and R
 // are, so a row's output has the same bits in a call of 1 activation row or 32 (the engine's
 // verifying steps rely on it).
 //
@@ -154,9 +155,9 @@ struct Bf16 {
 // Whole vectors load unmasked and only the K tail masked: a masked load in the main loop halved
 // the rate at 2-4 activation rows (AVX-512, L2-resident 512 x 576 bf16, one thread, 4 rows:
 // 55.9 -> 27.4 ns a weight row).
-template <typename F, int M, int R>
-inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
-                     int64_t K) {
+template <typename F, int M, int R, bool PREFETCH = true>
+inline void dot_rows(const typename F::T* x, const typename F::T* const (&w)[R],
+                     float (&sums)[R][M], int64_t K) {
   Acc acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = zero();
@@ -165,8 +166,8 @@ inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sum
     typename F::V xv[M];
     for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k);
     for (int r = 0; r < R; ++r) {
-      prefetch_l2(w + r * K + k);
-      const typename F::V wv = F::load(w + r * K + k);
+      if constexpr (PREFETCH) prefetch_l2(w[r] + k);
+      const typename F::V wv = F::load(w[r] + k);
       for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
     }
   }
@@ -174,7 +175,7 @@ inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sum
     typename F::V xv[M];
     for (int m = 0; m < M; ++m) xv[m] = F::load(x + m * K + k, K - k);
     for (int r = 0; r < R; ++r) {
-      const typename F::V wv = F::load(w + r * K + k, K - k);
+      const typename F::V wv = F::load(w[r] + k, K - k);
       for (int m = 0; m < M; ++m) acc[r][m] = F::madd(acc[r][m], wv, xv[m]);
     }
   }
@@ -182,9 +183,9 @@ inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sum
     for (int m = 0; m < M; ++m) sums[r][m] = sum(acc[r][m]);
 }
 #else
-template <typename F, int M, int R>
-inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
-                     int64_t K) {
+template <typename F, int M, int R, bool PREFETCH = true>
+inline void dot_rows(const typename F::T* x, const typename F::T* const (&w)[R],
+                     float (&sums)[R][M], int64_t K) {
   float acc[R][M][LANES] = {};
   int64_t k = 0;
   for (; k + LANES <= K; k += LANES) {
@@ -192,16 +193,16 @@ inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sum
     for (int m = 0; m < M; ++m)
       for (int l = 0; l < LANES; ++l) xv[m][l] = F::widen(x[m * K + k + l]);
     for (int r = 0; r < R; ++r) {
-      prefetch_l2(w + r * K + k);
+      if constexpr (PREFETCH) prefetch_l2(w[r] + k);
       float wv[LANES];
-      for (int l = 0; l < LANES; ++l) wv[l] = F::widen(w[r * K + k + l]);
+      for (int l = 0; l < LANES; ++l) wv[l] = F::widen(w[r][k + l]);
       for (int m = 0; m < M; ++m)
         for (int l = 0; l < LANES; ++l) acc[r][m][l] += wv[l] * xv[m][l];
     }
   }
   for (; k < K; ++k)
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) acc[r][m][0] += F::widen(w[r * K + k]) * F::widen(x[m * K + k]);
+      for (int m = 0; m < M; ++m) acc[r][m][0] += F::widen(w[r][k]) * F::widen(x[m * K + k]);
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
       float total = 0.f;
@@ -210,5 +211,14 @@ inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sum
     }
 }
 #endif
+
+// The same for R adjacent rows w + r * K.
+template <typename F, int M, int R>
+inline void dot_rows(const typename F::T* x, const typename F::T* w, float (&sums)[R][M],
+                     int64_t K) {
+  const typename F::T* rows[R];
+  for (int r = 0; r < R; ++r) rows[r] = w + r * K;
+  dot_rows<F, M, R>(x, rows, sums, K);
+}
 
 }  // namespace zcode_float_dot

@@ -48,6 +48,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "float_dot.h"
 #include "simd.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -85,15 +86,8 @@ constexpr int64_t QK = 32, QK_K = 256;
 // A parallel_for task reads at least this many weight bytes: forking the second thread costs
 // about as much as streaming ~64 KB (see gemv.cpp).
 constexpr int64_t GRAIN_BYTES = 64 << 10;
-// Weight rows are prefetched this far ahead into L2 (gemv.cpp measured why).
-constexpr int64_t PREFETCH_BYTES = 12 << 10;
-inline void prefetch_l2(const uint8_t* p) {
-#if defined(__SSE__)
-  _mm_prefetch(reinterpret_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T1);
-#else
-  __builtin_prefetch(p + PREFETCH_BYTES, 0, 2);  // locality 2: L2, as _MM_HINT_T1
-#endif
-}
+// Weight rows are prefetched PREFETCH_BYTES ahead into L2 (float_dot.h says why).
+using zcode_float_dot::prefetch_l2;
 
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -1832,28 +1826,15 @@ void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[NR], int
   }
 }
 #else
-// Portable: both operands widened exactly to fp32, BF16_LANES partial sums per output.
-constexpr int BF16_LANES = 16;
+// Elsewhere float_dot.h's bf16 dot products (AVX-512 without BF16, AVX2: both operands widened
+// exactly, FMA; portable loops otherwise).
 template <int MR, int NR, bool PREFETCH>
 void bf16_tile(const uint16_t* x, int64_t K, const uint16_t* const (&w)[NR], int64_t nr,
                float* out, int64_t N) {
-  const auto widen = [](uint16_t h) {
-    const uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  };
-  for (int j = 0; j < nr; ++j)
-    for (int i = 0; i < MR; ++i) {
-      float acc[BF16_LANES] = {};
-      int64_t k = 0;
-      for (; k + BF16_LANES <= K; k += BF16_LANES)
-        for (int l = 0; l < BF16_LANES; ++l) acc[l] += widen(w[j][k + l]) * widen(x[i * K + k + l]);
-      for (; k < K; ++k) acc[0] += widen(w[j][k]) * widen(x[i * K + k]);
-      float sum = 0.f;
-      for (int l = 0; l < BF16_LANES; ++l) sum += acc[l];
-      out[i * N + j] = sum;
-    }
+  float sums[NR][MR];
+  zcode_float_dot::dot_rows<zcode_float_dot::Bf16, MR, NR, PREFETCH>(x, w, sums, K);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < nr; ++j) out[i * N + j] = sums[j][i];
 }
 #endif
 
