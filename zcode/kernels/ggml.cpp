@@ -2160,26 +2160,7 @@ void dequantize_row(int64_t type, const uint8_t* row, int64_t K, float* out) {
 
 namespace {
 
-// out[i] = silu(gate[i]) * up[i], i < n.
-void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
-  int64_t i = 0;
-#if defined(ZCODE_GGML_AVX512)
-  for (; i + 16 <= n; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + i);
-    const __m512 e = zcode_simd::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
-                                            _mm512_loadu_ps(up + i)));
-  }
-#elif defined(ZCODE_GGML_AVX2)
-  for (; i + 8 <= n; i += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + i);
-    const __m256 e = zcode_simd::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
-                                            _mm256_loadu_ps(up + i)));
-  }
-#endif
-  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-}
+using zcode_simd::silu_mul;
 
 // out[i] = gelu(gate[i]) * up[i], GELU's tanh approximation (PyTorch's approximate="tanh"):
 // 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (exp(2y) + 1).

@@ -15,7 +15,7 @@
 // An expert hit by more tokens (prefill) is one GEMM per projection over its gathered tokens.
 //
 // ISA paths: the dot products are float_dot.h's (AVX-512, with vdpbf16ps where AVX512_BF16 is;
-// AVX2 + FMA; portable loops), SiLU a polynomial exp in AVX-512 or AVX2 vectors, else std::exp.
+// AVX2 + FMA; portable loops), SiLU simd.h's.
 // The passes, threading and GEMMs are shared.
 
 #include <torch/extension.h>
@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -41,41 +42,19 @@ using zcode_float_dot::Bf16;
 using zcode_float_dot::dot_rows;
 using zcode_float_dot::F32;
 
-inline void narrow_to(float* p, float v) { *p = v; }
-inline void narrow_to(uint16_t* p, float v) { *p = zcode_float_dot::float_to_bf16(v); }
-
-// act[m, i] = silu(gate[m, i]) * up[m, i], rounded to the weights' dtype once (to nearest even):
-// a vector of LANES at a time with simd.h's polynomial exp where the ISA has one, std::exp for the
-// rest.
+// act[m, i] = silu(gate[m, i]) * up[m, i], rounded to the weights' dtype once (to nearest even);
+// gate_up [count, 2 I] is the scratch it is computed in.
 template <typename F>
-void silu_mul(const float* gate_up, typename F::T* act, int64_t count, int64_t I) {
+void silu_mul(float* gate_up, typename F::T* act, int64_t count, int64_t I) {
   for (int64_t m = 0; m < count; ++m) {
-    const float* gate = gate_up + m * 2 * I;
-    const float* up = gate + I;
-    typename F::T* a = act + m * I;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    constexpr int64_t LANES = 16;
-    for (; i + LANES <= I; i += LANES) {
-      const __m512 g = _mm512_loadu_ps(gate + i);
-      const __m512 e = zcode_simd::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-      alignas(64) float v[LANES];
-      _mm512_store_ps(v, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
-      for (int64_t l = 0; l < LANES; ++l) narrow_to(a + i + l, v[l]);
+    float* gate = gate_up + m * 2 * I;
+    zcode_simd::silu_mul(gate, gate + I, I, gate);
+    for (int64_t i = 0; i < I; ++i) {
+      if constexpr (std::is_same_v<typename F::T, float>)
+        act[m * I + i] = gate[i];
+      else
+        act[m * I + i] = zcode_float_dot::float_to_bf16(gate[i]);
     }
-#elif defined(__AVX2__) && defined(__FMA__)
-    constexpr int64_t LANES = 8;
-    for (; i + LANES <= I; i += LANES) {
-      const __m256 g = _mm256_loadu_ps(gate + i);
-      const __m256 e = zcode_simd::exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
-      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-      alignas(32) float v[LANES];
-      _mm256_store_ps(v, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-      for (int64_t l = 0; l < LANES; ++l) narrow_to(a + i + l, v[l]);
-    }
-#endif
-    for (; i < I; ++i) narrow_to(a + i, gate[i] / (1.f + std::exp(-gate[i])) * up[i]);
   }
 }
 

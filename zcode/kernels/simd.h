@@ -2,6 +2,9 @@
 // path and keys each build by this header too).
 #pragma once
 
+#include <cmath>
+#include <cstdint>
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
@@ -52,3 +55,29 @@ inline float hsum(__m256 v) {
 }  // namespace zcode_simd
 
 #endif
+
+namespace zcode_simd {
+
+// out[i] = silu(gate[i]) * up[i], i < n (out may be gate): vectors with exp_ps where the ISA has
+// them, std::exp for the rest.
+inline void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate + i);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)),
+                                            _mm512_loadu_ps(up + i)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)),
+                                            _mm256_loadu_ps(up + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+}  // namespace zcode_simd
