@@ -81,8 +81,9 @@ class PackedWeight(nn.Module, ABC):
 
 
 class Bf16Weight(PackedWeight):
-    """The weight rounded to bf16; the fast path is bf16 F.linear (oneDNN, AMX here), and up to
-    FLOAT_GEMV_MAX_ROWS rows the C++ GEMV (zcode/kernels/gemv.cpp).
+    """The weight rounded to bf16; the fast path is bf16 F.linear (oneDNN, AMX here; float_linear's
+    fp32 GEMMs where the CPU has no bf16 arithmetic), and up to FLOAT_GEMV_MAX_ROWS rows the C++
+    GEMV (zcode/kernels/gemv.cpp).
 
     At one row bf16 F.linear is ~10% slower than fp32 F.linear on this CPU despite half the
     bytes; from 8 rows up it is 2.5x faster, 3.2x at 64 and 5-6.6x at 512 (bench/bench_linear.py).
