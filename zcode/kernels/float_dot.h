@@ -5,9 +5,9 @@
 //
 // for R weight rows (pointers, or adjacent rows w + r * K). The R weight rows share each
 // activation load; each row is streamed once with a software prefetch ahead of it (unless the
-// caller knows them cached). Each (r, m) sum runs over k in the same lanes and order whatever M and R
-// are, so a row's output has the same bits in a call of 1 activation row or 32 (the engine's
-// verifying steps rely on it).
+// caller knows them cached). Each (r, m) sum runs over k in the same lanes and order whatever M
+// and R are, so a row's output has the same bits in a call of 1 activation row or 32 (the
+// engine's verifying steps rely on it).
 //
 // One pair of types, Bf16 and F32, per ISA (the compiler's target macros, -march=native):
 // - AVX-512 F + BW + VL: 16 fp32 lanes; bf16 by vdpbf16ps (32 exact pair products summed in
@@ -93,8 +93,12 @@ struct Bf16 {
   using V = __m512;
   static constexpr c10::ScalarType DTYPE = c10::kBFloat16;
   static constexpr int64_t LANES = 16;
-  static V widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-  static V load(const T* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V widen(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static V load(const T* p) {
+    return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static V load(const T* p, int64_t left) {  // 0 < left < LANES
     return widen(_mm256_maskz_loadu_epi16((1u << left) - 1, p));
   }
