@@ -145,7 +145,11 @@ def test_per_prompt_hints_are_one_per_prompt(ffn):
     assert not ffn.engine.has_unfinished()  # all or none
 
 
-@pytest.mark.parametrize("make_plans", [_ffn_plans, _ffn_rows_plans])
+@pytest.mark.parametrize(
+    "make_plans",
+    # whole-model FFN levels compile a graph per level (~40 s on 2 cores): `make test-slow`
+    [pytest.param(_ffn_plans, marks=pytest.mark.slow), _ffn_rows_plans],
+)
 def test_compiled_decode_follows_every_plan_of_a_mixed_sequence(tiny_checkpoint, ffn, make_plans):
     """Requests one after another, each plan in turn, then all together: a compiled engine gives
     eager's tokens for every one (no cached graph runs another plan's model state: FFN levels,

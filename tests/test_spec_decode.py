@@ -179,7 +179,14 @@ def test_greedy_outputs_are_those_of_transformers(name, method, tiny_checkpoint)
 
 
 @pytest.mark.parametrize(
-    ("name", "method"), [("llama", "ngram"), ("llama", "quantized"), ("glm4_moe", "quantized")]
+    ("name", "method"),
+    [
+        # Each case compiles its own graphs (~20-60 s on 2 cores): the default suite keeps one;
+        # n-gram drafts of 0-3 tokens per row and an MoE self-draft run in `make test-slow`.
+        pytest.param("llama", "ngram", marks=pytest.mark.slow),
+        ("llama", "quantized"),
+        pytest.param("glm4_moe", "quantized", marks=pytest.mark.slow),
+    ],
 )
 def test_compiled_drafts_and_verification_give_transformers_outputs(name, method, tiny_checkpoint):
     """With compile, drafts are verified by compiled steps of a fixed query width (rows with
