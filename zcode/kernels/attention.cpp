@@ -544,7 +544,7 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
   // Merge each sequence's chunks per query head: rescale to the largest max, normalize.
   TQ* out_data = out.data_ptr<TQ>();
   at::parallel_for(0, B * H, std::max<int64_t>(1, 4096 / (chunks * D)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> weight(chunks);
+    std::vector<float> weight(chunks), sum(D);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / H, h = r % H;
       float best = -std::numeric_limits<float>::infinity(), total = 0.f;
@@ -556,11 +556,13 @@ void attend_vectors(const torch::Tensor& q, const torch::Tensor& cache, const to
       }
       // A sequence with no allowed position attends to nothing: zeros (SDPA would give NaN).
       const float inv = total == 0.f ? 0.f : 1.f / total;
-      for (int64_t d = 0; d < D; ++d) {
-        float sum = 0.f;
-        for (int64_t c = 0; c < chunks; ++c) sum += weight[c] * part_of(b * chunks + c).acc[h * D + d];
-        out_data[r * D + d] = static_cast<TQ>(sum * inv);
+      // chunk by chunk over the head's D sums (vectors; each sum adds its chunks in order)
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float w = weight[c], *acc = part_of(b * chunks + c).acc + h * D;
+        for (int64_t d = 0; d < D; ++d) sum[d] += w * acc[d];
       }
+      for (int64_t d = 0; d < D; ++d) out_data[r * D + d] = static_cast<TQ>(sum[d] * inv);
     }
   });
 }
