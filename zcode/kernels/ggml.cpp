@@ -2273,28 +2273,32 @@ Experts experts_of(const std::vector<torch::Tensor>& ws, at::IntArrayRef types, 
   return experts;
 }
 
-torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
-                       const torch::Tensor& expert_ids, const std::vector<torch::Tensor>& gate,
-                       const std::vector<torch::Tensor>& up, const std::vector<torch::Tensor>& down,
-                       at::IntArrayRef gate_types, at::IntArrayRef up_types,
-                       at::IntArrayRef down_types, int64_t num_routed) {
-  // x: [T, D] float; weights, expert_ids: [T, k] (id -1: an expert not held here);
-  // gate/up/down: the experts' uint8 GGUF rows ([I_e, .], [I_e, .], [D, .]), one matrix or a
-  // stack of them per entry, types per entry (see Experts); experts num_routed.. are the shared
-  // ones (every token, weight 1) -> [T, D] fp32:
-  //   sum over routed e in ascending id of w_te down_e(silu(gate_e x_t) up_e x_t), then + shared.
-  // A pass is an expert on its tokens (gathered): every pass's gate and up rows in one parallel
-  // region, SiLU * up, every pass's down rows in a second one.
-  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "ggml_moe: x must be 2-D float");
-  const int64_t T = x.size(0), D = x.size(1);
+// A MoE layer's experts as ggml_moe reads them: gate/up/down (see Experts) and how many are
+// routed, and the tensors they point into (held); built and checked once per call of the op,
+// or once per layer by a DecodeStack (~15 us a layer at 58 experts).
+struct MoeExperts {
+  Experts gate, up, down;
+  int64_t num_routed;
+  std::vector<torch::Tensor> held;
+};
+
+MoeExperts moe_experts_of(const std::vector<torch::Tensor>& gate,
+                          const std::vector<torch::Tensor>& up,
+                          const std::vector<torch::Tensor>& down, at::IntArrayRef gate_types,
+                          at::IntArrayRef up_types, at::IntArrayRef down_types, int64_t D,
+                          int64_t num_routed) {
+  // D: the model's hidden size (gate/up's input features, down's rows)
   TORCH_CHECK(up.size() == gate.size() && down.size() == gate.size(),
               "ggml_moe: as many gate, up and down entries");
   const auto model_dim = [D](size_t) { return D; };
-  const Experts G = experts_of(gate, gate_types, model_dim, "ggml_moe gate");
-  const Experts U = experts_of(up, up_types, model_dim, "ggml_moe up");
-  const Experts Dn = experts_of(down, down_types, [&](size_t i) {
-    return gate[i].size(gate[i].dim() - 2);
-  }, "ggml_moe down");
+  MoeExperts m{experts_of(gate, gate_types, model_dim, "ggml_moe gate"),
+               experts_of(up, up_types, model_dim, "ggml_moe up"),
+               experts_of(down, down_types, [&](size_t i) { return gate[i].size(gate[i].dim() - 2); },
+                          "ggml_moe down"),
+               num_routed,
+               {}};
+  for (const auto* ws : {&gate, &up, &down}) m.held.insert(m.held.end(), ws->begin(), ws->end());
+  const Experts &G = m.gate, &U = m.up, &Dn = m.down;
   const int64_t E = static_cast<int64_t>(G.w.size());
   TORCH_CHECK(U.entry_size == G.entry_size && Dn.entry_size == G.entry_size &&
                   0 <= num_routed && num_routed <= E,
@@ -2303,6 +2307,22 @@ torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
   for (int64_t e = 0; e < E; ++e)
     TORCH_CHECK(U.w[e].rows == G.w[e].rows && Dn.w[e].rows == D, "ggml_moe: expert ", e,
                 " has gate/up of ", G.w[e].rows, " and ", U.w[e].rows, " rows, down of ", Dn.w[e].rows);
+  return m;
+}
+
+torch::Tensor moe_forward(const torch::Tensor& x, const torch::Tensor& weights,
+                          const torch::Tensor& expert_ids, const MoeExperts& experts) {
+  // x: [T, D] float; weights, expert_ids: [T, k] (id -1: an expert not held here); experts
+  // num_routed.. are the shared ones (every token, weight 1) -> [T, D] fp32:
+  //   sum over routed e in ascending id of w_te down_e(silu(gate_e x_t) up_e x_t), then + shared.
+  // A pass is an expert on its tokens (gathered): every pass's gate and up rows in one parallel
+  // region, SiLU * up, every pass's down rows in a second one.
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "ggml_moe: x must be 2-D float");
+  const int64_t T = x.size(0), D = x.size(1);
+  const Experts &G = experts.gate, &U = experts.up, &Dn = experts.down;
+  const int64_t E = static_cast<int64_t>(G.w.size()), num_routed = experts.num_routed;
+  TORCH_CHECK(E == 0 || Dn.w[0].rows == D, "ggml_moe: experts of ", Dn.w[0].rows,
+              " output features for x of ", D);
   TORCH_CHECK(weights.dim() == 2 && expert_ids.dim() == 2 && weights.size(0) == T &&
                   expert_ids.sizes() == weights.sizes(),
               "ggml_moe: weights and expert_ids must be [T, k]");
@@ -2401,6 +2421,19 @@ torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
       }
   });
   return out;
+}
+
+torch::Tensor ggml_moe(const torch::Tensor& x, const torch::Tensor& weights,
+                       const torch::Tensor& expert_ids, const std::vector<torch::Tensor>& gate,
+                       const std::vector<torch::Tensor>& up, const std::vector<torch::Tensor>& down,
+                       at::IntArrayRef gate_types, at::IntArrayRef up_types,
+                       at::IntArrayRef down_types, int64_t num_routed) {
+  // gate/up/down: the experts' uint8 GGUF rows ([I_e, .], [I_e, .], [D, .]), one matrix or a
+  // stack of them per entry, types per entry (see Experts) -> moe_forward
+  TORCH_CHECK(x.dim() == 2, "ggml_moe: x must be 2-D float");
+  return moe_forward(x, weights, expert_ids,
+                     moe_experts_of(gate, up, down, gate_types, up_types, down_types, x.size(1),
+                                    num_routed));
 }
 
 torch::Tensor ggml_dequantize(const torch::Tensor& data, int64_t ggml_type, int64_t in_features,
@@ -2673,23 +2706,18 @@ torch::Tensor ggml_mlp_block(const torch::Tensor& x, const torch::Tensor& norm_w
   return add_residual(out, x, post_norm, eps, unit_offset);
 }
 
-torch::Tensor ggml_moe_block(const torch::Tensor& x, const torch::Tensor& norm_weight, double eps,
-                             const torch::Tensor& router, const torch::Tensor& correction_bias,
-                             int64_t top_k, int64_t num_groups, int64_t topk_groups,
-                             bool norm_topk_prob, double scaling,
-                             const std::vector<torch::Tensor>& gate,
-                             const std::vector<torch::Tensor>& up,
-                             const std::vector<torch::Tensor>& down, at::IntArrayRef gate_types,
-                             at::IntArrayRef up_types, at::IntArrayRef down_types,
-                             int64_t num_routed) {
-  // x: [T, hidden] fp32; router: fp32 [E, hidden] (E = num_routed), correction_bias: fp32 [E];
-  // the experts as ggml_moe takes them -> x + moe(rms_norm(x)) [T, hidden] fp32, routed as
+torch::Tensor moe_block(const torch::Tensor& x, const torch::Tensor& norm_weight, double eps,
+                        const torch::Tensor& router, const torch::Tensor& correction_bias,
+                        int64_t top_k, int64_t num_groups, int64_t topk_groups, bool norm_topk_prob,
+                        double scaling, const MoeExperts& experts) {
+  // x: [T, hidden] fp32; router: fp32 [E, hidden] (E = experts.num_routed), correction_bias:
+  // fp32 [E] -> x + moe(rms_norm(x)) [T, hidden] fp32, routed as
   // zcode.layers.moe.TopkRouter routes: the top_k experts by sigmoid score + correction bias
   // among the topk_groups of num_groups groups whose two best such scores sum highest, weighed
   // by their sigmoid scores (normalized to sum 1 where norm_topk_prob) times scaling.
   const char* what = "ggml_moe_block";
   check_block_input(x, norm_weight, what);
-  const int64_t T = x.size(0), hidden = x.size(1), E = num_routed;
+  const int64_t T = x.size(0), hidden = x.size(1), E = experts.num_routed;
   TORCH_CHECK(router.dim() == 2 && router.size(0) == E && router.size(1) == hidden &&
                   router.scalar_type() == at::kFloat && router.is_contiguous(),
               what, ": router must be contiguous fp32 [experts, hidden]");
@@ -2745,9 +2773,24 @@ torch::Tensor ggml_moe_block(const torch::Tensor& x, const torch::Tensor& norm_w
       expert_ids.data_ptr<int64_t>()[t * top_k + k] = order[k];
     }
   }
-  auto out = ggml_moe(normed, weights, expert_ids, gate, up, down, gate_types, up_types,
-                      down_types, num_routed);
-  return out.add_(x);
+  return moe_forward(normed, weights, expert_ids, experts).add_(x);
+}
+
+torch::Tensor ggml_moe_block(const torch::Tensor& x, const torch::Tensor& norm_weight, double eps,
+                             const torch::Tensor& router, const torch::Tensor& correction_bias,
+                             int64_t top_k, int64_t num_groups, int64_t topk_groups,
+                             bool norm_topk_prob, double scaling,
+                             const std::vector<torch::Tensor>& gate,
+                             const std::vector<torch::Tensor>& up,
+                             const std::vector<torch::Tensor>& down, at::IntArrayRef gate_types,
+                             at::IntArrayRef up_types, at::IntArrayRef down_types,
+                             int64_t num_routed) {
+  // the experts as ggml_moe takes them -> moe_block
+  check_block_input(x, norm_weight, "ggml_moe_block");
+  return moe_block(x, norm_weight, eps, router, correction_bias, top_k, num_groups, topk_groups,
+                   norm_topk_prob, scaling,
+                   moe_experts_of(gate, up, down, gate_types, up_types, down_types, x.size(1),
+                                  num_routed));
 }
 
 // ---- A decode step's layers as one call ----
@@ -2794,10 +2837,11 @@ class DecodeStack : public torch::CustomClassHolder {
                std::vector<torch::Tensor> down, std::vector<int64_t> gate_types,
                std::vector<int64_t> up_types, std::vector<int64_t> down_types,
                int64_t num_routed) {
+    auto experts = std::make_shared<const MoeExperts>(moe_experts_of(
+        gate, up, down, gate_types, up_types, down_types, norm_weight.numel(), num_routed));
     halves_.push_back([=](const torch::Tensor& x, const Step&) {
-      return ggml_moe_block(x, norm_weight, eps, router, correction_bias, top_k, num_groups,
-                            topk_groups, norm_topk_prob, scaling, gate, up, down, gate_types,
-                            up_types, down_types, num_routed);
+      return moe_block(x, norm_weight, eps, router, correction_bias, top_k, num_groups,
+                       topk_groups, norm_topk_prob, scaling, *experts);
     });
   }
 
