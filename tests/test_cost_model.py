@@ -5,9 +5,11 @@ import pytest
 import torch
 
 from zcode.hardware.cost_model import (
+    GGUF_KINDS,
     CostModel,
     fit_coefficients,
     format_weight_bytes,
+    gguf_kind,
     predict,
     step_features,
     weight_byte_floors,
@@ -126,6 +128,45 @@ def test_plan_as_data_counts_what_the_quantized_model_reads(llama, fmt):
         sum(m.weight_bytes for m in replaced.values())
     )
     assert measured[f"{kind}:calls"] == len(replaced)
+
+
+def test_ggml_types_are_priced_by_the_kernel_family_running_them():
+    """The 32-weight 4/5-bit blocks one kind, the K-quants another, Q8_0 and the float rows each
+    their own; a type without a C++ kernel is no fitted kind (predicting it raises)."""
+    kinds = {t: gguf_kind(f"gguf-{t}") for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")}
+    kinds |= {t: gguf_kind(f"gguf-{t}") for t in ("q4_k", "q5_k", "q6_k", "f32", "f16", "bf16")}
+    assert kinds == {
+        **dict.fromkeys(("q4_0", "q4_1", "q5_0", "q5_1"), "gguf-q4"),
+        "q8_0": "gguf-q8_0",
+        **dict.fromkeys(("q4_k", "q5_k", "q6_k"), "gguf-k"),
+        **dict.fromkeys(("f32", "f16", "bf16"), "gguf-float"),
+    }
+    assert gguf_kind("gguf-q2_k") not in GGUF_KINDS
+
+
+@pytest.mark.parametrize("file_type", ["q4_k_m", "bf16"])
+def test_a_gguf_files_linears_as_data_count_what_they_read(llama, file_type):
+    """The fit's GGUF plans (a llama.cpp file's linears, gguf_file_linears): features of their
+    formats given as data equal those of the model they are swapped into, each kind's MB the
+    blocks' own bytes."""
+    import copy
+
+    from zcode.hardware.cost_fit import gguf_file_linears
+    from zcode.quant.variants import swap
+
+    modules = gguf_file_linears(llama, file_type)
+    formats = {name: m.format for name, m in modules.items()}
+    predicted = step_features(llama, formats, 3, 40, num_seqs=3)
+    swapped = copy.deepcopy(llama)
+    swap(swapped, modules)
+    measured = step_features(swapped, None, 3, 40, num_seqs=3)
+    assert predicted == pytest.approx(measured)
+    kind_bytes: dict[str, int] = {}
+    for m in modules.values():
+        kind = gguf_kind(m.format)
+        kind_bytes[kind] = kind_bytes.get(kind, 0) + m.packed.data.nbytes
+    assert {k: measured[f"{k}:MB"] * 1e6 for k in kind_bytes} == pytest.approx(kind_bytes)
+    assert set(modules) == set(quantizable_modules(llama))
 
 
 @pytest.mark.parametrize("fmt", [None, "int8"])

@@ -12,7 +12,7 @@ from gguf import GGUFReader
 from test_cli import ENV
 
 from scripts import make_glm_synthetic as script
-from zcode.hardware.cost_model import CostModel
+from zcode.hardware.cost_model import GGUF_KINDS, CostModel
 from zcode.info import FitOptions, model_info, shipped_configs
 from zcode.info_fit import RAM_USABLE, plan_fit
 from zcode.info_gguf import FILE_TYPES, file_tensors, gguf_tensor_types
@@ -48,6 +48,35 @@ def test_tensor_types_and_bytes_match_the_llama_cpp_file(gguf_files, file_type):
     assert planned == _file(gguf_files[file_type])
     if file_type == "q4_k_m":  # the mix is exercised, fallbacks included
         assert {"Q4_K", "Q6_K"} <= set(types) and set(types) & {"Q5_0", "Q8_0"}, set(types)
+
+
+@pytest.mark.parametrize("file_type", FILE_TYPES)
+def test_the_cost_fits_gguf_linears_are_those_zcode_loads_from_the_file(gguf_files, file_type):
+    """The cost fit times a llama.cpp file as blocks swapped into a model of float weights
+    (gguf_file_linears): each linear's ggml type, layout (interleaved or not) and rows as ZCode
+    loads them from the file llama.cpp's converter and quantizer wrote, a MoE layer's routed
+    experts one stacked tensor per projection, as the file's are."""
+    from zcode.hardware.cost_fit import gguf_file_linears
+    from zcode.layers.moe import moe_layers
+    from zcode.loader import load_model
+    from zcode.quant.linear import QuantizedLinear
+    from zcode.quant.variants import swap
+
+    loaded, _ = load_model(gguf_files[file_type])
+    fit_model, _ = load_model(gguf_files["hf"], torch.float32)
+    fit = gguf_file_linears(fit_model, file_type)
+
+    def layout(modules) -> dict:
+        return {n: (m.format, m.packed.kernel_type, tuple(m.packed.data.shape)) for n, m in modules}
+
+    linears = ((n, m) for n, m in loaded.named_modules() if isinstance(m, QuantizedLinear))
+    assert layout(fit.items()) == layout(linears)
+    swap(fit_model, fit)
+    x = torch.zeros(1, loaded.config.hidden_size)
+    for ours, theirs in zip(moe_layers(fit_model), moe_layers(loaded), strict=True):
+        stacks = [lists[0].shape for lists in ours.gguf_weights(x)[:3]]
+        assert stacks == [lists[0].shape for lists in theirs.gguf_weights(x)[:3]]
+        assert all(len(shape) == 3 for shape in stacks)
 
 
 def test_offload_arithmetic_against_the_file(gguf_files):
@@ -105,7 +134,7 @@ def test_cost_model_prediction_reads_the_linears_of_the_file(gguf_files):
     experts at top_k / E; the embedding and router are not linears)."""
     net, path = gguf_files["net"], gguf_files["q4_k_m"]
     c = 0.01
-    kinds = ("bf16", "w4a8", "w8a8", "dense-float32")
+    kinds = (*GGUF_KINDS, "dense-float32")
     decode = {"step": 0.0, "seqs": 0.0, "kv:MB": 0.0, "attn:GFLOP": 0.0}
     decode |= {"moe-fused:layers": 0.0}
     decode |= {f"{k}:MB": c for k in kinds} | {f"{k}:calls": 0.0 for k in kinds}

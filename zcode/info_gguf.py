@@ -80,7 +80,10 @@ def file_tensors(net: nn.Module) -> list[FileTensor]:
                 raise ValueError(f"no GGUF name for {hf_name!r}")
             name = stem + suffix
             if p.dim() == 2:
-                linear = () if module == "model.embed_tokens" else (module,)
+                linear = (module,)
+                if module == "model.embed_tokens":  # a tied lm_head runs the embedding's tensor
+                    head = getattr(getattr(net, "lm_head", None), "weight", None)
+                    linear = ("lm_head",) if head is p else ()
                 out[name] = FileTensor(name, p.shape[0], p.shape[1], 2, linear)
             else:
                 out[name] = FileTensor(name, 1, p.numel(), 1, ())

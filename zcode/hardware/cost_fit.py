@@ -2,7 +2,8 @@
 
 `fit_smollm2` measures FIT_PLANS at FIT_SETTINGS (the sparse FFN's SPARSE_FIT_PLANS at batch 1,
 WIDE_FIT_PLANS: the same formats on a wide random model, and MOE_FIT_PLANS on a random
-GLM-4.5-shaped MoE: RANDOM_MODELS) and fits the coefficients, `fit_compiled` those of compiled
+GLM-4.5-shaped MoE: RANDOM_MODELS; each model also as llama.cpp's GGUF files of it,
+`gguf_file_linears`) and fits the coefficients, `fit_compiled` those of compiled
 decode steps (COMPILED_FIT_PLANS on a few layers of the model, at two depths);
 `check_smollm2` measures CHECK_PLANS, which the fit never saw (other formats, other mixes, other
 batch sizes and context lengths), and returns predicted against measured for each. Step times
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from zcode.hardware.cost_model import (
@@ -36,6 +38,9 @@ from zcode.hardware.load import BUSY_LOAD_PER_CORE, measure_other_load
 from zcode.hardware.probe import read_bandwidth_gbps
 from zcode.harness.plan import ExecutionPlan
 from zcode.harness.planner import ffn_read_fraction
+from zcode.info_gguf import FILE_TYPES
+from zcode.quant.gguf import GgufWeight, interleaving_pays
+from zcode.quant.linear import QuantizedLinear
 from zcode.spec.drafter import Drafter
 
 logger = logging.getLogger(__name__)
@@ -66,6 +71,9 @@ class PlanSpec:
     ffn_weights: str = "fp32"  # the rows those SparseMLPs read (zcode.sparsity.WEIGHT_FORMATS)
     kv_paged: bool = False  # an engine keeping KV per head (per_request_depth)
     model: str = "smollm2"  # or a key of RANDOM_MODELS
+    # The linears as a llama.cpp file of this type (zcode.info_gguf.FILE_TYPES) holds them, on
+    # ggml.cpp's kernels (`gguf_file_linears`; `formats` unused); None: `formats`.
+    file_type: str | None = None
 
 
 # fmt: off
@@ -82,6 +90,8 @@ FIT_PLANS = (
     PlanSpec("attn-int8/mlp-int4/head-bf16", "float32", _by_part("int8", "int4-g32", "bf16"),
              "other"),
     PlanSpec("fp32-kv-paged", "float32", _uniform("fp32"), "dense", kv_paged=True),
+    *(PlanSpec(f"gguf-{file_type}", "float32", _uniform("fp32"), "gguf", file_type=file_type)
+      for file_type in FILE_TYPES),
 )
 # The sparse FFN kernel at two densities (every row; 0.43 of them) on fp32 and on int8 rows,
 # timed at batch 1 only: a batch reads the union of its tokens' kept rows, which the plan's
@@ -132,11 +142,12 @@ WIDE_FIT_PLANS = tuple(
     for p in FIT_PLANS
     if not p.kv_paged
 )
-# The MoE's experts as they load from safetensors (fp32 or bf16 Linears, the fused expert op).
+# The MoE's experts as they load from safetensors (fp32 or bf16 Linears, the fused expert op)
+# and from GGUF files (ggml_moe).
 MOE_FIT_PLANS = tuple(
     dataclasses.replace(p, name=f"moe-{p.name}", model="moe")
     for p in FIT_PLANS
-    if p.name in ("fp32", "bf16-model")
+    if p.name in ("fp32", "bf16-model") or p.file_type is not None
 )
 CHECK_PLANS = (
     PlanSpec("fp32", "float32", _uniform("fp32"), "dense"),
@@ -176,7 +187,7 @@ CHECK_SETTINGS = ((DECODE, 1, 1000, 1), (DECODE, 2, 128, 1), (PREFILL, 1, 160, 1
 # policy refused drafts that paid.
 COMPILED_FIT_DEPTHS = (2, 8)
 _ONE_PER_KIND = ("fp32", "bf16-model", "int8", "int4-g32", "bf16", "w8a8", "w4a8")
-COMPILED_FIT_PLANS = tuple(p for p in FIT_PLANS if p.name in _ONE_PER_KIND)
+COMPILED_FIT_PLANS = tuple(p for p in FIT_PLANS if p.name in _ONE_PER_KIND or p.file_type)
 COMPILED_FIT_SETTINGS = (
     *(s for s in FIT_SETTINGS if s[0] == DECODE),
     (DECODE, 1, 256, 4),
@@ -319,7 +330,11 @@ def measure_plans(
             llm = llms[spec.dtype, spec.kv_paged, spec.model]
             model = llm.model
             formats = spec.formats(quantizable_modules(model))
-            if spec.ffn_level is not None:
+            if spec.file_type is not None:
+                swapped_in = gguf_file_linears(model, spec.file_type)
+                features = functools.partial(step_features, model, _formats(swapped_in))
+                rows = {s: _features(features, *s) for s in settings}
+            elif spec.ffn_level is not None:
                 swapped_in = _sparse_ffns(llm, spec.ffn_level, spec.ffn_weights)
                 plan = ExecutionPlan(ffn_density=ffn_read_fraction(*spec.ffn_level))
                 features = functools.partial(step_features, model, plan, modules=swapped_in)
@@ -349,6 +364,41 @@ def measure_plans(
         for i, (spec, _, _, rows) in enumerate(prepared)
         for setting, features in rows.items()
     ]
+
+
+def gguf_file_linears(model: nn.Module, file_type: str) -> dict[str, QuantizedLinear]:
+    """{name: module} for each linear of `model` that a llama.cpp `file_type` file of it holds
+    (zcode.info_gguf: the tensor's ggml type, as `zcode info` plans it), as ZCode loads that file:
+    a QuantizedLinear of a GgufWeight on ggml.cpp's kernels, interleaved where that pays here, a
+    MoE layer's routed experts of a projection the views of one stacked tensor. The blocks are of
+    random weights (GgufWeight.random: the time of a step does not depend on them); the model's
+    biases are kept. The linears ZCode keeps in fp32 and MoE routers are left out."""
+    from zcode.info_fit import ggml_plan
+    from zcode.info_gguf import file_tensors, gguf_tensor_types
+
+    tensors = file_tensors(model)
+    plan = ggml_plan(tensors, gguf_tensor_types(tensors, file_type, model))
+    generator = torch.Generator().manual_seed(0)
+    out = {}
+    for t in tensors:
+        names = [n for n in t.modules if plan[n] != "fp32"]
+        linears = [model.get_submodule(n) for n in names]
+        if not names or not isinstance(linears[0], nn.Linear):  # a MoE's router: a Parameter
+            continue
+        rows = linears[0].out_features
+        fmt = plan[names[0]]
+        ggml_type = GGMLQuantizationType[fmt.removeprefix("gguf-").upper()]
+        weight = GgufWeight.random(ggml_type, rows * len(names), t.cols, generator)
+        if interleaving_pays(ggml_type, rows):
+            weight = weight.interleaved_copy()
+        for i, (name, linear) in enumerate(zip(names, linears)):
+            packed = weight.rows(i * rows, (i + 1) * rows)
+            out[name] = QuantizedLinear(packed, linear.bias, fmt)
+    return out
+
+
+def _formats(modules: dict[str, QuantizedLinear]) -> dict[str, str]:
+    return {name: module.format for name, module in modules.items()}
 
 
 def _random_llm(name: str, dtype: str) -> SimpleNamespace:
@@ -385,14 +435,22 @@ def _compiled_engine(spec: PlanSpec, settings, num_layers: int) -> tuple:
     setting of width w times steps verifying w - 1 drafts per sequence."""
     from zcode import LLM
     from zcode.quant import apply_precision, quantizable_modules
+    from zcode.quant.variants import swap
 
     llm = LLM(None, dtype=spec.dtype, enable_prefix_caching=False, kv_cache_bytes=KV_CACHE_BYTES)
     model = llm.model
     model.model.layers = model.model.layers[:num_layers]
-    formats = spec.formats(quantizable_modules(model))
+    if spec.file_type is not None:
+        swapped_in = gguf_file_linears(model, spec.file_type)
+        formats = _formats(swapped_in)
+    else:
+        formats = spec.formats(quantizable_modules(model))
     features = functools.partial(step_features, model, formats, compiled=True)
     rows = {setting: _features(features, *setting, logits_per_token=True) for setting in settings}
-    apply_precision(model, formats)
+    if spec.file_type is not None:
+        swap(model, swapped_in)
+    else:
+        apply_precision(model, formats)
     max_width = max(width for *_, width in settings)
     config = dataclasses.replace(llm.config, compile=True)
     return verifying_engine(model, llm.tokenizer, config, max_width - 1), {}, rows

@@ -7,13 +7,12 @@ A step's time is predicted as a linear function of what the step reads and compu
 
 where a kernel kind is how a linear layer runs (`dense-float32`, `dense-bfloat16`, or a weight
 format family `bf16`, `int8`, `w8a8`, `int4`, `w4a8` through its fast kernel; a ggml block
-format as the family doing its work, `gguf_proxy_kind`), weight_MB_k the bytes of weights of
-that kind read per step (QuantizedLinear.weight_bytes, or the parameter's bytes; a MoE layer's
-routed experts by the expected share of them the step's tokens touch, routed uniformly to the
-plan's experts per token),
-calls_k the number of linear calls and GFLOP_k their arithmetic past the first row (for the
-float kinds, `gemv-GFLOP` where the call has few enough rows for the float GEMV: a rate of its
-own, apart from a prefill's GEMM). A sparse
+format as the family of ggml.cpp kernels running it, `gguf_kind`), weight_MB_k the bytes of
+weights of that kind read per step (QuantizedLinear.weight_bytes, or the parameter's bytes; a
+MoE layer's routed experts by the expected share of them the step's tokens touch, routed
+uniformly to the plan's experts per token), calls_k the number of linear calls and GFLOP_k
+their arithmetic past the first row (for the float kinds, `gemv-GFLOP` where the call has few
+enough rows for the float GEMV: a rate of its own, apart from a prefill's GEMM). A sparse
 FFN (zcode.sparsity.SparseMLP, eager) is its own kind, `sparse-<rows>` (`sparse-float32`,
 `sparse-int8`: the rows it reads): its row-skipping kernel reads the plan's `ffn_density` of
 the FFN's rows, at a rate of its own (fitted at batch 1, where
@@ -29,7 +28,7 @@ Decode steps (a few tokens) and prefill steps (a long prompt) use separate coeff
 the int kernels change algorithm with the row count. The coefficients are fitted once per machine by
 non-negative least squares on relative error against measured engine steps of several plans of
 SmolLM2-135M and of two random models, a wide dense one and a GLM-4.5-shaped MoE (`fit_smollm2`),
-and cached as JSON next to the hardware probe.
+each also as the GGUF files llama.cpp makes of it, and cached as JSON next to the hardware probe.
 
 Compiled decode steps get coefficients of their own (`compiled_decode`, fitted apart on compiled
 steps of 2 and 8 layers of SmolLM2 by `fit_compiled`, since a whole-model graph takes ~80 s to
@@ -73,7 +72,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from scipy.optimize import nnls
 from torch import nn
 
@@ -82,15 +81,16 @@ from zcode.hardware.load import BUSY_LOAD_PER_CORE
 from zcode.hardware.probe import HardwareInfo, default_cache_dir, fingerprint, probe
 from zcode.harness.plan import ExecutionPlan
 from zcode.quant.formats import FLOAT_GEMV_MAX_ROWS
-from zcode.quant.gguf import row_bytes
+from zcode.quant.gguf import ACTIVATION_BLOCK, FLOAT_TYPES, row_bytes
 from zcode.quant.linear import QuantizedLinear, quantize_weight
 
 logger = logging.getLogger(__name__)
 
 # Bump when the features or the fit's settings change, so old fits are not read (2: decode
 # steps of 16 sequences; 3: the "seqs" feature, verifying steps in the compiled fit; 4: sparse
-# FFNs and head-paged KV; 5: "moe-fused:layers", steps of random wide and MoE models).
-_SCHEMA_VERSION = 5
+# FFNs and head-paged KV; 5: "moe-fused:layers", steps of random wide and MoE models; 6: the
+# ggml types as kinds of their own, `gguf_kind`).
+_SCHEMA_VERSION = 6
 DECODE, PREFILL = "decode", "prefill"
 Plan = ExecutionPlan | Mapping[str, str] | None
 _EXPERT_NAME = re.compile(r"^(.*\.experts)\.\d+\.")
@@ -125,7 +125,7 @@ def kernel_kind(module: nn.Module, fmt: str | None = None) -> str:
     if fmt is None or fmt == "fp32":
         return f"dense-{str(module.weight.dtype).removeprefix('torch.')}"
     if fmt.startswith("gguf-"):
-        return gguf_proxy_kind(fmt)
+        return gguf_kind(fmt)
     return fmt.split("-g")[0]  # int4-g64 -> int4, w4a8-g128 -> w4a8
 
 
@@ -134,18 +134,28 @@ def module_format(module: nn.Module) -> str:
     return module.format if isinstance(module, QuantizedLinear) else "fp32"
 
 
-def gguf_proxy_kind(fmt: str) -> str:
-    """The fitted kind a ggml block format is predicted with. The fit measures ZCode's own
-    formats only; a ggml format does the work of the kind with the same operands: a float GEMV
-    (bf16 weights, fp32 activations), or int8 activations against 8-bit (Q8_0, Q6_K: >= 6 bits
-    a weight) or 4-bit blocks (Q4_0, Q4_K, Q5_*, ...). Its bytes are its own."""
-    name = fmt.removeprefix("gguf-")
-    if name == "f32":
-        return "dense-float32"
-    if name in ("f16", "bf16"):
-        return "bf16"
-    block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]]
-    return "w8a8" if 8 * block_bytes / block_size >= 6 else "w4a8"
+# The kinds of the ggml types with C++ kernels (zcode/kernels/ggml.cpp), by the family of
+# kernels running them: float rows (F32 / F16 / BF16), Q8_0, the 32-weight blocks of 4 and 5 bits
+# (Q4_0, Q4_1, Q5_0, Q5_1) and the K-quants' 256-weight super-blocks (Q4_K, Q5_K, Q6_K). Each is
+# fitted on steps of models whose linears are those of llama.cpp's files (bf16, Q8_0, Q4_0,
+# Q4_K_M: zcode.hardware.cost_fit). With the Q4_0 blocks priced as ZCode's own W4A8 format,
+# which does the same work on other kernels, the fit predicted a 1.3B GLM-4.5-shaped Q4_0 file's
+# decode at 12.5 tok/s against 79 measured on an AVX2 host, where the W4A8 GEMV has no vector
+# kernel and ggml.cpp's Q4_0 one streams at the DRAM rate.
+GGUF_KINDS = ("gguf-float", "gguf-q8_0", "gguf-q4", "gguf-k")
+_GGUF_KIND = {
+    **{t: "gguf-float" for t in FLOAT_TYPES},
+    **{t: "gguf-q4" for t, block in ACTIVATION_BLOCK.items() if block == 32},
+    **{t: "gguf-k" for t, block in ACTIVATION_BLOCK.items() if block == 256},
+    GGMLQuantizationType.Q8_0: "gguf-q8_0",  # 32-weight blocks too, of 8 bits
+}
+
+
+def gguf_kind(fmt: str) -> str:
+    """The fitted kind of a ggml type's format ('gguf-q4_k' -> 'gguf-k'); a type ggml.cpp has no
+    kernel for (it runs the reference path) is a kind of its own that no fit measures."""
+    ggml_type = GGMLQuantizationType[fmt.removeprefix("gguf-").upper()]
+    return _GGUF_KIND.get(ggml_type, fmt)
 
 
 @functools.lru_cache(maxsize=64)
