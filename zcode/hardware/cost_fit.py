@@ -333,7 +333,6 @@ def measure_plans(
         for spec in plans:
             llm = llms[spec.dtype, spec.kv_paged, spec.model]
             model = llm.model
-            formats = spec.formats(quantizable_modules(model))
             if spec.file_type is not None:
                 swapped_in = gguf_file_linears(model, spec.file_type)
                 features = functools.partial(step_features, model, _formats(swapped_in))
@@ -344,6 +343,7 @@ def measure_plans(
                 features = functools.partial(step_features, model, plan, modules=swapped_in)
                 rows = {s: _features(features, *s) for s in settings}
             else:
+                formats = spec.formats(quantizable_modules(model))
                 features = functools.partial(step_features, model, formats)
                 rows = {s: _features(features, *s, kv_paged=spec.kv_paged) for s in settings}
                 originals = dict(model.named_modules())
