@@ -1,15 +1,19 @@
 """Input routing against the best static plan, on SmolLM2-135M in fp32 (issue 17, item 5).
 
-    .venv/bin/python bench/bench_router.py [--quick] [--window 128] [--num-cal 48] [--num-held 32]
+    .venv/bin/python bench/bench_router.py [--quick] [--window 128] [--num-cal N] [--num-held N]
 
-The router (zcode.harness.router) is fitted on calibration windows of stdlib source and judged on
-held-out windows (other files): for each depth (the k least important layers skipped), each
-held-out window's measured log-perplexity increase, and each depth's measured batch-1 decode
-ms/token (min and median of --repeats runs of 64 tokens, depths round-robin; the comparisons use
-a least-squares line through the medians over the number of skipped layers). Then, over
-held-out windows:
+The router (zcode.harness.router) is fitted on calibration windows of stdlib source (by default
+all of the calibration split's, ~500 of 128 tokens: the router has a weight per embedding
+dimension and depth, and fitted on ~250 windows it no longer beats the static plans at one
+skipped layer) and judged on held-out windows (other files, all ~180 by default): for each depth
+(the k least important layers skipped), each held-out window's measured log-perplexity increase,
+and each depth's measured batch-1 decode ms/token (min and median of --repeats runs of 64
+tokens, depths round-robin; the comparisons use a least-squares line through the medians over
+the number of skipped layers). Then, over held-out windows:
 
 - static: every window at depth k: mean ms/token and mean perplexity increase;
+- static mix: requests split between the two static depths around that mean ms that the
+  calibration means favour, without reading the requests (where k's own is not among them);
 - routed: each window at the depth minimizing its predicted loss + lambda * ms, lambda swept;
   at the static plan's mean ms, the routed mean perplexity increase (interpolated between the
   two routed policies around it: mixing them over requests attains it);
@@ -41,11 +45,12 @@ from zcode import LLM  # noqa: E402
 from zcode.calibration import corpus_tokens  # noqa: E402
 from zcode.harness.plan import ExecutionPlan  # noqa: E402
 from zcode.harness.revision import REVISE_EVERY  # noqa: E402
-from zcode.harness.router import fit, layer_order, prompt_embeddings, window_log_losses  # noqa: E402
+from zcode.harness.router import fit, layer_order, prompt_features, window_log_losses  # noqa: E402
 from zcode.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 SKIP_COUNTS = (0, 1, 2, 3, 4, 6, 8)
+ALL = 10**9  # tokens: a whole split
 PROMPT, CHECKPOINT = 32, 32 + REVISE_EVERY  # tokens of a window read at admission, at revision
 
 
@@ -100,29 +105,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--window", type=int, default=128)
-    parser.add_argument("--num-cal", type=int, default=48)
-    parser.add_argument("--num-held", type=int, default=32)
+    parser.add_argument("--num-cal", type=int, help="calibration windows (default: all)")
+    parser.add_argument("--num-held", type=int, help="held-out windows (default: all)")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     if args.quick:
         args.num_cal, args.num_held, args.repeats = 16, 12, 1
     start = time.time()
     llm = LLM(None, dtype="float32", per_request_depth=True, kv_cache_bytes=512 << 20)
-    cal = windows(
-        corpus_tokens(llm.tokenizer, "calibration", args.num_cal * args.window), args.window
-    )
-    held = windows(
-        corpus_tokens(llm.tokenizer, "heldout", args.num_held * args.window), args.window
-    )
+    cal = windows(corpus_tokens(llm.tokenizer, "calibration", ALL), args.window)[: args.num_cal]
+    held = windows(corpus_tokens(llm.tokenizer, "heldout", ALL), args.window)[: args.num_held]
+    print(f"{len(cal)} calibration and {len(held)} held-out windows", flush=True)
     order = layer_order(llm, cal[:8])
     depths = [tuple(sorted(order[:k])) for k in SKIP_COUNTS]
     print(f"layers, least important first: {order[:8]} ({time.time() - start:.0f} s)", flush=True)
-    cal_losses = window_log_losses(llm, cal, depths)  # [N, K]
-    held_losses = window_log_losses(llm, held, depths)
+    (cal_losses,) = window_log_losses(llm, cal, depths)  # [N, K]
+    # the whole windows, and their tokens after CHECKPOINT (revision_rows)
+    held_losses, tail = window_log_losses(llm, held, depths, starts=(1, CHECKPOINT))
     print(f"losses measured ({time.time() - start:.0f} s)", flush=True)
     embed = llm.model.model.embed_tokens
-    router = fit(prompt_embeddings(embed, cal), cal_losses, depths)
-    predicted = router.predict_raw(prompt_embeddings(embed, held))  # [N, K]
+    router = fit(prompt_features(embed, cal), cal_losses, depths)
+    predicted = router.predict_features(prompt_features(embed, held))  # [N, K]
     runs = decode_ms(llm, depths, held[0][:32], 64, args.repeats)
     # Each layer skipped saves about the same time; a least-squares line over the depths'
     # median ms smooths run-to-run noise (here as large as one layer's time), which would
@@ -138,6 +141,8 @@ def main() -> None:
     num_params = sum(p.numel() for p in llm.model.parameters())
 
     routed = frontier(predicted, held_losses, ms)
+    # the static plans' mixes: every window predicted at the calibration mean of each depth
+    static_mix = frontier(cal_losses.mean(0).expand_as(held_losses), held_losses, ms)
     oracle = frontier(held_losses, held_losses, ms)
     rows, record = [], []
     for k, depth in enumerate(depths):
@@ -148,6 +153,7 @@ def main() -> None:
             "ms_median": statistics.median(runs[k]),
             "ms_fit": ms[k].item(),
             "static_loss_pct": pct(static_loss),
+            "static_mix_loss_pct": pct(at_ms(static_mix, ms[k].item())),
             "routed_loss_pct": pct(at_ms(routed, ms[k].item())),
             "oracle_loss_pct": pct(at_ms(oracle, ms[k].item())),
             "predicted_mean_pct": pct(predicted[:, k].mean().item()),
@@ -158,14 +164,23 @@ def main() -> None:
                 str(len(depth)),
                 f"{entry['ms_min']:.1f} / {entry['ms_median']:.1f} / {entry['ms_fit']:.1f}",
                 f"{entry['static_loss_pct']:.2f}",
+                _fmt(entry["static_mix_loss_pct"]),
                 _fmt(entry["routed_loss_pct"]),
                 _fmt(entry["oracle_loss_pct"]),
             ]
         )
     print_rows(
-        ["skipped", "ms/token min / median / line", "static ppl +%", "routed", "oracle"], rows
+        [
+            "skipped",
+            "ms/token min / median / line",
+            "static ppl +%",
+            "static mix",
+            "routed",
+            "oracle",
+        ],
+        rows,
     )
-    revision = revision_rows(llm, router, held, depths, ms)
+    revision = revision_rows(router, embed, held, depths, tail, ms)
     error = (predicted - held_losses).abs().mean().item()
     spread = held_losses.std(0).mean().item()
     print(
@@ -190,18 +205,18 @@ def main() -> None:
     print(f"wrote {RESULTS / 'router.json'} ({time.time() - start:.0f} s)")
 
 
-def revision_rows(llm: LLM, router, held, depths, ms: torch.Tensor) -> list[dict]:
-    """Per depth: the static plan's loss over each held-out window's tokens after CHECKPOINT,
-    and at its ms the routed ones' with the depth chosen from the first PROMPT tokens, from
-    the first CHECKPOINT tokens (revised), and from the measured loss (oracle)."""
-    tail = window_log_losses(llm, held, depths, start=CHECKPOINT)  # [N, K]
-    embed = llm.model.model.embed_tokens
+def revision_rows(router, embed, held, depths, tail, ms: torch.Tensor) -> list[dict]:
+    """Per depth: the static plan's loss over each held-out window's tokens after CHECKPOINT
+    (tail [N, K]), and at its ms the routed ones' with the depth chosen from the first PROMPT
+    tokens, from the first CHECKPOINT tokens (revised), and from the measured loss (oracle)."""
     fronts = {
         "admission": frontier(
-            router.predict_raw(prompt_embeddings(embed, [w[:PROMPT] for w in held])), tail, ms
+            router.predict_features(prompt_features(embed, [w[:PROMPT] for w in held])), tail, ms
         ),
         "revised": frontier(
-            router.predict_raw(prompt_embeddings(embed, [w[:CHECKPOINT] for w in held])), tail, ms
+            router.predict_features(prompt_features(embed, [w[:CHECKPOINT] for w in held])),
+            tail,
+            ms,
         ),
         "oracle": frontier(tail, tail, ms),
     }

@@ -15,7 +15,7 @@ from cost_models import synthetic_cost_model
 from zcode.errors import ValidationError
 from zcode.harness.planner import Hints
 from zcode.harness.revision import REVISE_EVERY
-from zcode.harness.router import Router, fit, fit_router, prompt_embeddings
+from zcode.harness.router import Router, fit, fit_router, prompt_features, repeated_fractions
 from zcode.llm import LLM
 from zcode.sampling_params import SamplingParams
 from zcode.sparsity.artifact import FFNLevel
@@ -42,18 +42,31 @@ def _artifact_with(router: Router, path, out) -> str:
 
 def test_fit_recovers_a_linear_relation_and_round_trips(tmp_path):
     generator = torch.Generator().manual_seed(0)
-    raw = torch.randn(200, 5, generator=generator)  # 4 embedding features and a length
+    features = torch.randn(200, 5, generator=generator)
     true = torch.tensor([[0.0, 0.3], [0.0, -0.2], [0.0, 0.0], [0.0, 0.1], [0.0, 0.0]])
-    losses = (raw @ true + torch.tensor([0.0, 1.0])).clamp(min=0)  # [200, 2]
-    router = fit(raw, losses, [(), (1,)])
-    assert (router.predict_raw(raw) - losses).abs().max() < 0.05
-    assert router.num_parameters == 4 + 4 * 4 + 5 + 5 + 6 * 2
+    losses = (features @ true + torch.tensor([0.0, 1.0])).clamp(min=0)  # [200, 2]
+    router = fit(features, losses, [(), (1,)])
+    assert (router.predict_features(features) - losses).abs().max() < 0.05
+    assert router.num_parameters == 5 + 5 + 6 * 2
     torch.save(router.state(), tmp_path / "r.pt")  # as the calibration artifact stores it
     loaded = Router.from_state(torch.load(tmp_path / "r.pt", weights_only=True))
     assert loaded.depths == router.depths
-    assert torch.equal(loaded.predict_raw(raw), router.predict_raw(raw))
+    assert torch.equal(loaded.predict_features(features), router.predict_features(features))
     with pytest.raises(ValidationError, match="router is unreadable"):
         Router.from_state({"schema": 1})
+
+
+def test_a_prompts_features_are_its_mean_embedding_repeats_and_log_length():
+    assert repeated_fractions([1, 2, 1, 2, 1, 2]) == [4 / 6, 3 / 5, 2 / 4, 1 / 3]
+    assert repeated_fractions([5, 6, 7, 8, 9]) == [0.0] * 4
+    assert repeated_fractions([5, 5]) == [0.5, 0.0, 0.0, 0.0]  # no bigram repeats, none longer
+    embed = torch.nn.Embedding(10, 3)
+    got = prompt_features(embed, [[1, 2, 1, 2, 1, 2], [7]])  # [2, 3 + 4 + 1]
+    assert got.shape == (2, 8)
+    assert torch.allclose(got[0, :3], embed.weight[[1, 2]].mean(0))
+    assert torch.allclose(got[1, :3], embed.weight[7])
+    assert got[0, 3:7].tolist() == pytest.approx([4 / 6, 3 / 5, 2 / 4, 1 / 3])
+    assert got[:, -1].tolist() == pytest.approx([math.log(6), 0.0])
 
 
 def test_the_artifacts_router_routes_only_per_request_depth(tiny_checkpoint, tmp_path):
@@ -61,7 +74,7 @@ def test_the_artifacts_router_routes_only_per_request_depth(tiny_checkpoint, tmp
     llm = LLM(path, dtype="float32")
     windows = [[5, 17, 200, 3, 99, 42], [7, 130, 250, 11, 64, 9], [8, 190, 33, 2, 9, 120]]
     embed = llm.model.model.embed_tokens
-    router = fit(prompt_embeddings(embed, windows), torch.rand(3, 2), [(), (1,)])
+    router = fit(prompt_features(embed, windows), torch.rand(3, 2), [(), (1,)])
     artifact = _artifact_with(router, path, tmp_path / "art.pt")
     assert LLM(path, sparsity=artifact, dtype="float32").router is None
     routed = LLM(path, sparsity=artifact, **ENGINE).router
@@ -79,13 +92,13 @@ def test_each_prompt_gets_the_plan_its_predicted_loss_allows(tiny_checkpoint, tm
     # A router whose prediction for skipping that layer is the prompt's first feature
     # (scaled): prompts far apart on it are predicted to lose very little and very much.
     embed = llm.model.model.embed_tokens
-    first = fitted.features(prompt_embeddings(embed, windows))[:, 0]
+    first = prompt_features(embed, windows)[:, 0]
     low, high = windows[int(first.argmin())], windows[int(first.argmax())]
     num_features = fitted.feature_mean.numel()
     weights = torch.zeros(num_features + 1, 2)
     weights[0, 1] = 1.0
     weights[-1, 1] = 0.05  # the intercept: the mean loss
-    ends = fitted.features(prompt_embeddings(embed, [low, high]))
+    ends = prompt_features(embed, [low, high])
     scale = torch.ones(num_features)
     scale[0] = (ends[1, 0] - ends[0, 0]) / 2 / 0.05  # low -> 0, high -> 0.1 nats/token
     router = dataclasses.replace(
@@ -178,3 +191,11 @@ def test_a_routed_request_moves_to_the_plan_its_text_so_far_needs(tiny_checkpoin
         prompt + first[0].token_ids, dataclasses.replace(GREEDY, max_tokens=8), plan=dense
     )
     assert out.token_ids[REVISE_EVERY:] == rest[0].token_ids
+
+
+def test_calibrate_refuses_a_router_of_fewer_than_two_windows(tiny_checkpoint):
+    from zcode.sparsity.calibrate import calibrate
+
+    llm = LLM(tiny_checkpoint("llama").path, **ENGINE)
+    with pytest.raises(ValueError, match="router_tokens must be at least 256, got 200"):
+        calibrate(llm, 384, 128, progress=False, tokens=list(range(3, 515)), router_tokens=200)

@@ -123,7 +123,8 @@ def test_calibrate_then_ppl_with_the_artifact(tiny_glm_with_a_tokenizer, tmp_pat
     artifact = tmp_path / "s.pt"
     zcode = [sys.executable, "-m", "zcode.cli"]
     cal = subprocess.run(
-        [*zcode, "calibrate", model, "--out", str(artifact), "--formats", "int8,w4a8"],
+        [*zcode, "calibrate", model, "--out", str(artifact), "--formats", "int8,w4a8"]
+        + ["--router-tokens", "1024"],
         capture_output=True,
         text=True,
         env={"ZCODE_CACHE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},

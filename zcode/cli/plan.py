@@ -88,6 +88,14 @@ def add_commands(commands) -> None:
         metavar="N",
         help="calibration tokens whose activations set the thresholds (default: %(default)s)",
     )
+    calibrate.add_argument(
+        "--router-tokens",
+        type=int,
+        metavar="N",
+        help="calibration tokens the routing predictor is fitted on, in windows of 128 (each "
+        "costs a pass per candidate depth; default: ~500 windows, which it needs to beat static "
+        "depths on SmolLM2)",
+    )
     add_formats_option(calibrate)
     calibrate.set_defaults(run=_calibrate)
 
@@ -133,7 +141,8 @@ def _calibrate(args: argparse.Namespace) -> None:
     if llm.tokenizer is None:
         raise ValidationError("calibration reads text: this checkpoint has no tokenizer")
     try:
-        artifact = calibrate(llm, num_tokens=args.tokens, formats=formats)
+        router = {} if args.router_tokens is None else {"router_tokens": args.router_tokens}
+        artifact = calibrate(llm, num_tokens=args.tokens, formats=formats, **router)
     except ValueError as e:
         raise ValidationError(str(e)) from e
     out = Path(args.out) if args.out else default_path(llm.model)

@@ -53,6 +53,10 @@ CANDIDATE_LEVELS = (
 )
 WINDOW = 512
 ROUTER_WINDOW = 128  # tokens of each window the router is fitted on (a prompt's length)
+# The router has a weight per embedding dimension and depth: on SmolLM2-135M, fitted on ~250
+# windows it no longer beats the static plans at one skipped layer, on ~500 it does
+# (bench/bench_router.py). The calibration split holds ~70K tokens.
+ROUTER_TOKENS = 65536
 PREDICTOR_KEEPS = (0.75, 0.5)  # fractions of FFN neuron blocks the trained predictors keep
 PREDICTOR_RANK = 4  # 30 layers x (576 x 4 + 4 x 25) = 72,720 parameters for SmolLM2-135M
 PROFILE_TOKENS = 512  # of the recording slice, one sequence (zcode profile's default)
@@ -84,14 +88,18 @@ def calibrate(
     progress: bool = True,
     tokens: list[int] | None = None,
     formats: Sequence[str] = DEFAULT_FORMATS,
+    router_tokens: int = ROUTER_TOKENS,
 ) -> SparsityArtifact:
     """`tokens`: the calibration token ids (default: the calibration split, tokenized);
     `formats`: the weight formats each unit outside the leveled FFNs is profiled in (what
-    precision levels are built from; each costs a pass per unit)."""
+    precision levels are built from; each costs a pass per unit); `router_tokens`: the first
+    tokens the router is fitted on, in windows of ROUTER_WINDOW (an engine with
+    per_request_depth only; each window costs a pass per skipped-layer set)."""
     if tokens is None:
         if llm.tokenizer is None:
             raise ValueError("calibration needs the model's tokenizer to read calibration text")
-        tokens = corpus_tokens(llm.tokenizer, "calibration", num_tokens + num_eval_tokens)
+        count = max(num_tokens + num_eval_tokens, router_tokens)
+        tokens = corpus_tokens(llm.tokenizer, "calibration", count)
     model = llm.model
     if not gated_mlps(model):
         kinds = sorted({type(layer.mlp).__name__ for layer in model.model.layers})
@@ -102,7 +110,9 @@ def calibrate(
     remove_sparsity(model)
     if len(tokens) < num_tokens + num_eval_tokens:
         raise ValueError(f"the calibration text has only {len(tokens)} tokens")
-    record, evaluate = tokens[:num_tokens], tokens[num_tokens:]
+    if router_tokens < 2 * ROUTER_WINDOW:  # the router's features are standardized over windows
+        raise ValueError(f"router_tokens must be at least {2 * ROUTER_WINDOW}, got {router_tokens}")
+    record, evaluate = tokens[:num_tokens], tokens[num_tokens : num_tokens + num_eval_tokens]
     window_len = min(WINDOW, llm.engine.max_model_len - 1)  # a window and one generated token
     windows = [record[i : i + window_len] for i in range(0, len(record) - 1, window_len)]
     num_groups = sum(a.num_kv_heads for a in gqa_attentions(model).values())
@@ -167,7 +177,8 @@ def calibrate(
         bar.update()
     set_experts_per_token(model, None)
     if routes:
-        prompts = [record[i : i + ROUTER_WINDOW] for i in range(0, len(record), ROUTER_WINDOW)]
+        text = tokens[:router_tokens]
+        prompts = [text[i : i + ROUTER_WINDOW] for i in range(0, len(text), ROUTER_WINDOW)]
         artifact.router = fit_router(llm, [p for p in prompts if len(p) > 1]).state()
         bar.update()
     bar.close()
