@@ -4,19 +4,19 @@
 
 The router (zcode.harness.router) is fitted on calibration windows of stdlib source (by default
 all of the calibration split's, ~500 of 128 tokens: the router has a weight per embedding
-dimension and depth, and fitted on ~250 windows it no longer beats the static plans at one
-skipped layer) and judged on held-out windows (other files, all ~180 by default): for each depth
-(the k least important layers skipped), each held-out window's measured log-perplexity increase,
-and each depth's measured batch-1 decode ms/token (min and median of --repeats runs of 64
-tokens, depths round-robin; the comparisons use a least-squares line through the medians over
-the number of skipped layers). Then, over held-out windows:
+dimension and depth, and fitted on random draws of ~250 windows it does not always beat the
+static plans at one skipped layer) and judged on held-out windows (other files, all ~180 by
+default): for each depth (the k least important layers skipped), each held-out window's measured
+log-perplexity increase, and each depth's measured batch-1 decode ms/token (min and median of
+--repeats runs of 64 tokens, depths round-robin; the comparisons use a least-squares line
+through the medians over the number of skipped layers). Then, over held-out windows:
 
 - static: every window at depth k: mean ms/token and mean perplexity increase;
 - static mix: requests split between the two static depths around that mean ms that the
   calibration means favour, without reading the requests (where k's own is not among them);
-- routed: each window at the depth minimizing its predicted loss + lambda * ms, lambda swept;
-  at the static plan's mean ms, the routed mean perplexity increase (interpolated between the
-  two routed policies around it: mixing them over requests attains it);
+- routed: each window at the depth minimizing its predicted loss + lambda * ms, every lambda;
+  at the static plan's mean ms, the least routed mean perplexity increase one such policy or
+  two mixed over requests attain (the policies' lower convex hull);
 - oracle: the same with each window's measured loss in place of the prediction (the bound).
 
 Then what revising a plan during decoding (zcode.harness.revision) buys: each held-out window
@@ -25,7 +25,8 @@ after CHECKPOINT runs at chosen from the prompt alone (admission) or from the te
 checkpoint (PROMPT + the 32 tokens after which the reviser reads again), each at equal mean ms
 against static plans, on the measured loss of those last tokens.
 
-Writes bench/results/router.json.
+Writes bench/results/router.json, and the measured losses, predictions and ms/token to
+bench/results/router_losses.pt (the tables can be recomputed from them).
 """
 
 import argparse
@@ -70,31 +71,33 @@ def decode_ms(llm: LLM, depths, prompt: list[int], num_tokens: int, repeats: int
     return runs
 
 
-def policy(loss_for_choice: torch.Tensor, measured: torch.Tensor, ms: torch.Tensor, lam: float):
-    """loss_for_choice, measured [N, K], ms [K]: each window at the depth minimizing
-    loss_for_choice + lam * ms -> (mean ms, mean measured log-loss)."""
-    choice = (loss_for_choice + lam * ms).argmin(1)
-    rows = torch.arange(len(choice))
-    return ms[choice].mean().item(), measured[rows, choice].mean().item()
-
-
-def frontier(loss_for_choice, measured, ms) -> list[tuple[float, float]]:
-    lams = [0.0] + [10**e for e in torch.linspace(-5, 1, 61).tolist()]
-    return sorted({policy(loss_for_choice, measured, ms, lam) for lam in lams})
+def frontier(loss_for_choice, measured, ms: torch.Tensor) -> list[tuple[float, float]]:
+    """loss_for_choice, measured [N, K], ms [K]: (mean ms, mean measured log-loss) of every
+    policy "each window at the depth minimizing loss_for_choice + lam * ms", lam >= 0. A
+    window's choice between depths a and b flips only at lam = (l_b - l_a) / (ms_a - ms_b), so
+    one lam between each two consecutive flips (and past the last) gives every policy."""
+    ms = ms.double()  # the means of equal ms compare equal to ms_limit (at_ms)
+    flips = (loss_for_choice[:, None, :] - loss_for_choice[:, :, None]) / (ms[:, None] - ms)
+    flips = flips[torch.isfinite(flips) & (flips > 0)].unique()  # sorted
+    lams = torch.cat([torch.zeros(1), (flips[1:] + flips[:-1]) / 2, flips[-1:] * 2])
+    choice = (loss_for_choice + lams[:, None, None] * ms).argmin(2)  # [L, N]
+    mean_loss = measured.gather(1, choice.T).mean(0)  # [L]
+    return sorted(set(zip(ms[choice].mean(1).tolist(), mean_loss.tolist())))
 
 
 def at_ms(points: list[tuple[float, float]], ms_limit: float) -> float | None:
-    """The mean loss of a frontier at `ms_limit` mean ms: interpolated between the two points
-    around it (mixing their policies over requests attains it); None beyond its fastest."""
-    below = [p for p in points if p[0] <= ms_limit + 1e-9]
-    above = [p for p in points if p[0] > ms_limit + 1e-9]
-    if not below:
+    """The least mean loss at no more than `ms_limit` mean ms that a frontier's policies
+    attain, alone or two of them mixed over requests (its lower convex hull there); None
+    below its fastest."""
+    pts = torch.tensor(points, dtype=torch.float64)  # [P, 2]
+    below, above = pts[pts[:, 0] <= ms_limit + 1e-9], pts[pts[:, 0] > ms_limit + 1e-9]
+    if not len(below):
         return None
-    (ms0, loss0) = max(below)
-    if not above:
-        return min(loss for _, loss in below)
-    (ms1, loss1) = min(above)
-    return loss0 + (loss1 - loss0) * (ms_limit - ms0) / (ms1 - ms0)
+    best = below[:, 1].min()
+    if len(above):
+        (ms0, loss0), (ms1, loss1) = below.T[:, :, None], above.T[:, None, :]  # [B, 1], [1, A]
+        best = min(best, (loss0 + (loss1 - loss0) * (ms_limit - ms0) / (ms1 - ms0)).min())
+    return best.item()
 
 
 def pct(log_loss: float | None) -> float | None:
@@ -202,6 +205,11 @@ def main() -> None:
         "revision": {"prompt": PROMPT, "checkpoint": CHECKPOINT, "rows": revision},
     }
     (RESULTS / "router.json").write_text(json.dumps(blob, indent=2) + "\n")
+    measured = {"cal_losses": cal_losses, "held_losses": held_losses, "tail_losses": tail}
+    torch.save(
+        measured | {"predicted": predicted, "ms": ms, "depths": depths},
+        RESULTS / "router_losses.pt",
+    )
     print(f"wrote {RESULTS / 'router.json'} ({time.time() - start:.0f} s)")
 
 

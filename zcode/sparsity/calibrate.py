@@ -53,8 +53,8 @@ CANDIDATE_LEVELS = (
 )
 WINDOW = 512
 ROUTER_WINDOW = 128  # tokens of each window the router is fitted on (a prompt's length)
-# The router has a weight per embedding dimension and depth: on SmolLM2-135M, fitted on ~250
-# windows it no longer beats the static plans at one skipped layer, on ~500 it does
+# The router has a weight per embedding dimension and depth: on SmolLM2-135M, fitted on ~500
+# windows it beats the static plans at one skipped layer, on random draws of ~250 not always
 # (bench/bench_router.py). The calibration split holds ~70K tokens.
 ROUTER_TOKENS = 65536
 PREDICTOR_KEEPS = (0.75, 0.5)  # fractions of FFN neuron blocks the trained predictors keep
