@@ -15,6 +15,7 @@ from zcode import cli
         (["ppl", "f.txt", "--sparsity", "none.pt"], "none.pt: no such sparsity artifact"),
         (["generate", "hi", "--sparsity", "none.pt"], "none.pt: no such sparsity artifact"),
         (["calibrate", "--tokens", "100"], "--tokens must be at least 512"),
+        (["calibrate", "--router-tokens", "10"], "--router-tokens must be at least 256, got 10"),
         (["generate", "hi", "--skip-layers", "a"], "--skip-layers takes layer numbers"),
         (["generate", "hi", "--skip-kv-heads", "5"], "layer:head pairs"),
         (["generate", "hi", "--skip-kv-heads", "5:1:2"], "layer:head pairs"),

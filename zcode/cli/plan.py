@@ -129,10 +129,14 @@ def add_commands(commands) -> None:
 
 def _calibrate(args: argparse.Namespace) -> None:
     from zcode.sparsity.artifact import default_path
-    from zcode.sparsity.calibrate import calibrate
+    from zcode.sparsity.calibrate import ROUTER_WINDOW, calibrate
 
     if args.tokens < 512:
         raise ValidationError(f"--tokens must be at least 512, got {args.tokens}")
+    if args.router_tokens is not None and args.router_tokens < 2 * ROUTER_WINDOW:
+        raise ValidationError(
+            f"--router-tokens must be at least {2 * ROUTER_WINDOW}, got {args.router_tokens}"
+        )
     formats = profile_formats(args)
     # per_request_depth: the router is fitted on requests skipping layers as data
     llm = options.load_llm(
