@@ -12,8 +12,8 @@ log-perplexity increase, and each depth's measured batch-1 decode ms/token (min 
 through the medians over the number of skipped layers). Then, over held-out windows:
 
 - static: every window at depth k: mean ms/token and mean perplexity increase;
-- static mix: requests split between the two static depths around that mean ms that the
-  calibration means favour, without reading the requests (where k's own is not among them);
+- static mix: the same policies with every window at its depth's calibration mean (so without
+  reading the requests): static depths alone or two of them split over requests;
 - routed: each window at the depth minimizing its predicted loss + lambda * ms, every lambda;
   at the static plan's mean ms, the least routed mean perplexity increase one such policy or
   two mixed over requests attain (the policies' lower convex hull);

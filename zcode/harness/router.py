@@ -9,8 +9,8 @@ What it reads (no forward pass: the plan must be chosen before the prompt runs):
 mean input embedding (what its tokens are), the fraction of its n-grams (n = 1..4) that occurred
 earlier in it (how much of it repeats, which attention copies from context rather than
 predicts) and the log of its length, standardized. A ridge regression maps those features to
-each depth's log-perplexity increase on this input: (D + 5 + 1) x K weights, under 0.01% of
-SmolLM2-135M's parameters.
+each depth's log-perplexity increase on this input: (D + 6) x K weights (the features and an
+intercept), under 0.01% of SmolLM2-135M's parameters.
 
 Fitted by `fit_router` on calibration windows: each window's measured log-perplexity increase
 under each depth (prompt log-probs through the engine, the skips per request, all windows of one
