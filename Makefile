@@ -17,12 +17,13 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/zcode generate --chat "Explain in one sentence what a KV cache is." --max-tokens 64
 
-# Two workers, each test file on one (its module fixtures built once): the suite is mostly
-# single-threaded Python (compiles, subprocess start-ups), 19 min in one process on 2 cores, ~15 in two.
+# Two workers, each test file on one (its module fixtures built once), the longest files first
+# (tests/conftest.py FILE_SECONDS): the suite is mostly single-threaded Python (compiles,
+# subprocess start-ups), 19 min in one process on 2 cores, ~15 in two.
 # OpenMP threads that wait sleep instead of spinning: two workers' spinning threads on 2 cores
 # took a bf16 test from 35 s alone to 135 s beside a copy of itself (52 s passive).
 test: install
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
