@@ -16,6 +16,7 @@ from zcode import cli
         (["generate", "hi", "--sparsity", "none.pt"], "none.pt: no such sparsity artifact"),
         (["calibrate", "--tokens", "100"], "--tokens must be at least 512"),
         (["calibrate", "--router-tokens", "10"], "--router-tokens must be at least 256, got 10"),
+        (["calibrate", "--eval-tokens", "100"], "--eval-tokens must be at least 512, got 100"),
         (["generate", "hi", "--skip-layers", "a"], "--skip-layers takes layer numbers"),
         (["generate", "hi", "--skip-kv-heads", "5"], "layer:head pairs"),
         (["generate", "hi", "--skip-kv-heads", "5:1:2"], "layer:head pairs"),
@@ -142,6 +143,34 @@ def test_calibrate_then_ppl_with_the_artifact(tiny_glm_with_a_tokenizer, tmp_pat
         )
         runs[bool(flags)] = float(out.stdout.split()[1])
     assert runs[True] == pytest.approx(runs[False], rel=0.05)
+
+
+def test_calibrate_passes_its_token_counts(capsys, monkeypatch):
+    import zcode.sparsity.calibrate
+
+    seen = {}
+
+    def fake_calibrate(llm, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stopped after the call")
+
+    monkeypatch.setattr(cli.options, "load_llm", lambda *a, **k: type("L", (), {"tokenizer": 1}))
+    monkeypatch.setattr(zcode.sparsity.calibrate, "calibrate", fake_calibrate)
+    argv = ["calibrate", "--tokens", "2048", "--eval-tokens", "4096", "--router-tokens", "512"]
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert "stopped after the call" in capsys.readouterr().err
+    assert (seen["num_tokens"], seen["num_eval_tokens"], seen["router_tokens"]) == (2048, 4096, 512)
+
+
+def test_calibrates_eval_tokens_default_is_the_librarys():
+    """The CLI spells the default out (it parses without torch): it must be calibrate()'s."""
+    import inspect
+
+    from zcode.sparsity.calibrate import calibrate
+
+    library = inspect.signature(calibrate).parameters["num_eval_tokens"].default
+    assert cli.build_parser().parse_args(["calibrate"]).eval_tokens == library
 
 
 def test_formats_default_to_the_sensitivity_profiles_formats():

@@ -89,6 +89,15 @@ def add_commands(commands) -> None:
         help="calibration tokens whose activations set the thresholds (default: %(default)s)",
     )
     calibrate.add_argument(
+        "--eval-tokens",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="tokens of the separate slice each candidate (FFN level, KV-head set, expert "
+        "count) is scored on: more give steadier quality predictions, each token a pass per "
+        "candidate; a byte-level tokenizer's 1024 are ~1 KB of text (default: %(default)s)",
+    )
+    calibrate.add_argument(
         "--router-tokens",
         type=int,
         metavar="N",
@@ -133,6 +142,8 @@ def _calibrate(args: argparse.Namespace) -> None:
 
     if args.tokens < 512:
         raise ValidationError(f"--tokens must be at least 512, got {args.tokens}")
+    if args.eval_tokens < 512:
+        raise ValidationError(f"--eval-tokens must be at least 512, got {args.eval_tokens}")
     if args.router_tokens is not None and args.router_tokens < 2 * ROUTER_WINDOW:
         raise ValidationError(
             f"--router-tokens must be at least {2 * ROUTER_WINDOW}, got {args.router_tokens}"
@@ -146,7 +157,13 @@ def _calibrate(args: argparse.Namespace) -> None:
         raise ValidationError("calibration reads text: this checkpoint has no tokenizer")
     try:
         router = {} if args.router_tokens is None else {"router_tokens": args.router_tokens}
-        artifact = calibrate(llm, num_tokens=args.tokens, formats=formats, **router)
+        artifact = calibrate(
+            llm,
+            num_tokens=args.tokens,
+            num_eval_tokens=args.eval_tokens,
+            formats=formats,
+            **router,
+        )
     except ValueError as e:
         raise ValidationError(str(e)) from e
     out = Path(args.out) if args.out else default_path(llm.model)
