@@ -94,8 +94,8 @@ def add_commands(commands) -> None:
         default=1024,
         metavar="N",
         help="tokens of the separate slice each candidate (FFN level, KV-head set, expert "
-        "count) is scored on: more give steadier quality predictions, each token a pass per "
-        "candidate; a byte-level tokenizer's 1024 are ~1 KB of text (default: %(default)s)",
+        "count) is scored on, one pass over it per candidate: more give steadier quality "
+        "predictions; a byte-level tokenizer's 1024 are ~1 KB of text (default: %(default)s)",
     )
     calibrate.add_argument(
         "--router-tokens",
