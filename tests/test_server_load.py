@@ -1,13 +1,13 @@
 """The server under load and at its edges (slow: run by `make test-slow`).
 
 64 concurrent chats against outputs served alone, a burst of mid-stream disconnects, SIGTERM with
-no grace period, and prefix reuse measured against a server without it, in the same run. All
-traffic goes to a loopback server started here; every loop is bounded in count and time.
+no grace period, and prefix reuse counted against a server without it (the time it saves is a
+benchmark's to measure, not a test's). All traffic goes to a loopback server started here; every
+loop is bounded in count and time.
 """
 
 import asyncio
 import json
-import statistics
 import threading
 import time
 
@@ -50,9 +50,7 @@ def test_64_concurrent_chats_match_each_served_alone(server):
         calls = [aclient.chat.completions.create(messages=messages(t), **kwargs) for t in topics]
         return await asyncio.wait_for(asyncio.gather(*calls), timeout=600)
 
-    start = time.monotonic()
     results = asyncio.run(burst())
-    seconds = time.monotonic() - start
     assert len(results) == 64
     mismatches = [
         (t, r.choices[0].message.content, alone[t])
@@ -60,7 +58,6 @@ def test_64_concurrent_chats_match_each_served_alone(server):
         if r.choices[0].message.content != alone[t]
     ]
     assert not mismatches, mismatches[:3]
-    print(f"64 concurrent chats in {seconds:.1f} s")
     assert server.wait_idle()["zcode:num_requests_running"] == 0
 
 
@@ -111,24 +108,17 @@ def test_sigterm_without_grace_aborts_in_flight_and_exits_zero():
 SYSTEM = " ".join(f"Rule {i}: answer politely and briefly." for i in range(1, 102))
 
 
-def median_ttft_s(server: RemoteServer, num_requests: int) -> float:
+def ask_sharing_the_system_prompt(server: RemoteServer, num_requests: int) -> None:
     client = server.client()
-    ttfts = []
     for i in range(num_requests):
         conversation = [
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
         ]
-        start = time.monotonic()
-        stream = client.chat.completions.create(
-            model=MODEL, messages=conversation, max_tokens=2, temperature=0, stream=True
+        out = client.chat.completions.create(
+            model=MODEL, messages=conversation, max_tokens=2, temperature=0
         )
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                ttfts.append(time.monotonic() - start)
-                break
-        stream.close()
-    return statistics.median(ttfts)
+        assert out.usage.completion_tokens >= 1
 
 
 def test_shared_system_prompt_is_reused():
@@ -137,15 +127,10 @@ def test_shared_system_prompt_is_reused():
     with RemoteServer(*args) as cached:
         num_tokens = cached.request("POST", "/tokenize", {"prompt": SYSTEM})[1]["count"]
         assert num_tokens >= 1000
-        with_reuse = median_ttft_s(cached, num_requests)
+        ask_sharing_the_system_prompt(cached, num_requests)
         m = cached.metrics()
         hit_rate = m["zcode:prefix_cache_hits_total"] / m["zcode:prefix_cache_queries_total"]
     with RemoteServer(*args, "--no-prefix-caching") as uncached:
-        without_reuse = median_ttft_s(uncached, 4)  # each prefills the whole system prompt
+        ask_sharing_the_system_prompt(uncached, 4)  # each prefills the whole system prompt
         assert uncached.metrics()["zcode:prefix_cache_hits_total"] == 0
-    print(
-        f"{num_requests} requests sharing a {num_tokens}-token system prompt: prefix hit rate "
-        f"{hit_rate:.2f}, median TTFT {with_reuse * 1e3:.0f} ms with reuse vs "
-        f"{without_reuse * 1e3:.0f} ms without (4 requests)"
-    )
-    assert hit_rate > 0.8  # the TTFT saved is printed: a duration is no test's assertion
+    assert hit_rate > 0.8
