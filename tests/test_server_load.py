@@ -115,10 +115,9 @@ def ask_sharing_the_system_prompt(server: RemoteServer, num_requests: int) -> No
             {"role": "system", "content": SYSTEM},
             {"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
         ]
-        out = client.chat.completions.create(
+        client.chat.completions.create(
             model=MODEL, messages=conversation, max_tokens=2, temperature=0
         )
-        assert out.usage.completion_tokens >= 1
 
 
 def test_shared_system_prompt_is_reused():
