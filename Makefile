@@ -19,7 +19,7 @@ demo: install
 
 # Two workers, each test file on one (its module fixtures built once), the longest files first
 # (tests/conftest.py FILE_SECONDS): the suite is mostly single-threaded Python (compiles,
-# subprocess start-ups), 19 min in one process on 2 cores, ~15 in two.
+# subprocess start-ups), 19 min in one process on 2 cores, ~12-13 in two.
 # OpenMP threads that wait sleep instead of spinning: two workers' spinning threads on 2 cores
 # took a bf16 test from 35 s alone to 135 s beside a copy of itself (52 s passive).
 test: install
